@@ -1,0 +1,128 @@
+"""`pool check`: verify the committed metadata offline, from its tables alone.
+
+It recomputes what the pool maintains incrementally (page and dblock
+refcounts, per-volume counters, used blocks) and compares. Problems are
+sentences for a person; an empty list means the pool is consistent.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from array import array
+from collections import Counter
+
+from thinblock.errors import CorruptionError
+from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page, entry_valid
+from thinblock.metadata import MetadataStore
+from thinblock.spacemap import REFCOUNT_PAGE_ENTRIES
+
+
+def check_metadata(meta: MetadataStore) -> list[str]:
+    """All problems found in the metadata (an empty list when it is consistent)."""
+    try:
+        return _check(meta)
+    except (sqlite3.DatabaseError, CorruptionError, ValueError, KeyError, TypeError) as exc:
+        return [f"metadata cannot be read: {exc}"]
+
+
+def _check(meta: MetadataStore) -> list[str]:
+    problems: list[str] = []
+    integrity = meta.conn.execute("PRAGMA integrity_check").fetchall()
+    if integrity != [("ok",)]:
+        problems.extend(f"sqlite integrity: {row[0]}" for row in integrity[:20])
+        return problems
+    sb = meta.superblock()
+    block_size = int(sb["block_size"])
+    size_bytes = int(sb["size_bytes"])
+    n_blocks = size_bytes // block_size
+    if block_size <= 0 or block_size & (block_size - 1):
+        problems.append(f"superblock block size {block_size} is not a power of two")
+    if sb.get("page_entries") != PAGE_ENTRIES:
+        problems.append(f"superblock says {sb.get('page_entries')} entries per page, expected {PAGE_ENTRIES}")
+
+    volumes = {row.id: row for row in meta.volumes()}
+    pages: dict[int, Page] = {}
+    for page_id, refcount, blob in meta.all_pages():
+        try:
+            pages[page_id] = Page.from_blob(page_id, refcount, blob)
+        except CorruptionError as exc:
+            problems.append(str(exc))
+
+    page_refs: Counter[int] = Counter()
+    for volume_id, page_index, page_id in meta.all_roots():
+        if volume_id not in volumes:
+            problems.append(f"root table entry for missing volume id {volume_id}")
+            continue
+        row = volumes[volume_id]
+        if page_index * PAGE_ENTRIES * block_size >= row.size_bytes:
+            problems.append(f"volume {row.name}: mapping page at index {page_index} lies beyond its size")
+        if page_id not in pages:
+            problems.append(f"volume {row.name}: page index {page_index} points at missing mapping page {page_id}")
+            continue
+        page_refs[page_id] += 1
+
+    dblock_refs = array("I", bytes(4 * n_blocks))
+    counters: dict[int, Counter[str]] = {vid: Counter() for vid in volumes}
+    for page_id, page in pages.items():
+        if page.refcount != page_refs[page_id]:
+            problems.append(
+                f"mapping page {page_id}: refcount {page.refcount} stored, {page_refs[page_id]} root tables use it"
+            )
+        for slot, entry in enumerate(page.entries):
+            if not entry:
+                continue
+            if not entry_valid(entry):
+                problems.append(f"mapping page {page_id} slot {slot}: invalid entry state {entry & STATE_MASK}")
+                continue
+            dblock = entry >> DBLOCK_SHIFT
+            if dblock >= n_blocks:
+                problems.append(
+                    f"mapping page {page_id} slot {slot}: dblock {dblock} is beyond the data store ({n_blocks} blocks)"
+                )
+                continue
+            dblock_refs[dblock] += 1
+    # Per-volume counters count entries in each volume's pages (a shared page counts for each).
+    for volume_id, _page_index, page_id in meta.all_roots():
+        if volume_id in counters and page_id in pages:
+            c = counters[volume_id]
+            for entry in pages[page_id].entries:
+                if entry:
+                    c[BlockState(entry & STATE_MASK).name] += 1
+                    c["PINNED"] += bool(entry & PINNED)
+    for vid, row in volumes.items():
+        c = counters[vid]
+        for label, stored, actual in (
+            ("data blocks", row.data_blocks, c["DATA"]),
+            ("zeroed blocks", row.zeroed_blocks, c["ZEROED"]),
+            ("provisioned blocks", row.pinned_blocks, c["PINNED"]),
+        ):
+            if stored != actual:
+                problems.append(f"volume {row.name}: {stored} {label} recorded, {actual} mapped")
+
+    stored_refs = array("I", bytes(4 * n_blocks))
+    for index, blob in meta.refcount_pages().items():
+        chunk = array("I")
+        chunk.frombytes(blob)
+        start = index * REFCOUNT_PAGE_ENTRIES
+        for i, count in enumerate(chunk):
+            if not count:
+                continue
+            if start + i >= n_blocks:
+                problems.append(f"dblock {start + i}: refcount {count} recorded beyond the data store")
+            else:
+                stored_refs[start + i] = count
+    bad = [d for d in range(n_blocks) if stored_refs[d] != dblock_refs[d]] if stored_refs != dblock_refs else []
+    for dblock in bad[:50]:
+        stored, actual = stored_refs[dblock], dblock_refs[dblock]
+        if stored == 0:
+            problems.append(f"dblock {dblock}: mapped {actual} times but recorded as free")
+        elif actual == 0:
+            problems.append(f"dblock {dblock}: refcount {stored} recorded but nothing maps it (leaked space)")
+        else:
+            problems.append(f"dblock {dblock}: refcount {stored} recorded, {actual} references found")
+    if len(bad) > 50:
+        problems.append(f"... and {len(bad) - 50} more dblocks with wrong refcounts")
+    used = sum(1 for count in dblock_refs if count)
+    if sb.get("used_blocks") != used:
+        problems.append(f"superblock records {sb.get('used_blocks')} used blocks, {used} are referenced")
+    return problems

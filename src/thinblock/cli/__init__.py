@@ -1,0 +1,1 @@
+"""Command-line frontend: thin wrappers around the Python API."""

@@ -1,0 +1,218 @@
+"""`thinblock` command line. Every command is a thin wrapper around a library
+call; errors are printed as one sentence with exit status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from thinblock.check import check_metadata
+from thinblock.errors import OpError, ThinblockError
+from thinblock.pool import DEFAULT_BLOCK_SIZE, Pool, _open_meta, read_status
+from thinblock.sizes import format_size, parse_size
+
+DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-pool"))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but bad input exits 1 like every other thinblock error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(1, f"{self.prog}: error: {message}\n")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ThinblockError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> None:
+    print(json.dumps(data, indent=2) if getattr(args, "json", False) else human(data))
+
+
+def _human_status(status: dict[str, Any]) -> str:
+    lines = [
+        f"size {format_size(status['size_bytes'])}, block size {format_size(status['block_size'])}, "
+        f"used {format_size(status['used_bytes'])}, free {format_size(status['free_bytes'])}, "
+        f"virtual {format_size(status['virtual_bytes'])} in {len(status['volumes'])} volume(s)"
+    ]
+    if status["volumes"]:
+        lines.append(_human_volumes(status["volumes"]))
+    return "\n".join(lines)
+
+
+def _human_volumes(volumes: list[dict[str, Any]]) -> str:
+    rows = [("NAME", "SIZE", "MAPPED", "DATA", "PROVISIONED", "DETECT_ZEROES")]
+    for v in volumes:
+        rows.append(
+            (
+                v["name"],
+                format_size(v["size_bytes"]),
+                format_size(v["mapped_bytes"]),
+                format_size(v["data_bytes"]),
+                format_size(v["provisioned_bytes"]),
+                v["detect_zeroes"],
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+# ----- commands ------------------------------------------------------------------------
+
+
+def cmd_pool_create(args: argparse.Namespace) -> None:
+    with Pool.create(args.pool, args.size, block_size=args.block_size, data_path=args.data) as pool:
+        status = pool.status()
+    print(
+        f"created pool {args.pool}: {format_size(status['size_bytes'])}, block size {format_size(status['block_size'])}"
+    )
+
+
+def cmd_pool_status(args: argparse.Namespace) -> None:
+    _emit(args, read_status(args.pool), _human_status)
+
+
+def cmd_pool_grow(args: argparse.Namespace) -> None:
+    with Pool.open(args.pool, autocommit=False) as pool:
+        pool.grow(args.size)
+    print(f"pool {args.pool} is now {format_size(args.size)}")
+
+
+def cmd_pool_check(args: argparse.Namespace) -> int:
+    meta = _open_meta(args.pool, readonly=True)
+    try:
+        problems = check_metadata(meta)
+    finally:
+        meta.close()
+    if args.json:
+        print(json.dumps({"ok": not problems, "problems": problems}, indent=2))
+    elif problems:
+        print(f"pool {args.pool} has {len(problems)} problem(s):")
+        for problem in problems:
+            print(f"  - {problem}")
+    else:
+        print(f"pool {args.pool}: metadata is consistent")
+    return 1 if problems else 0
+
+
+def cmd_volume_create(args: argparse.Namespace) -> None:
+    with Pool.open(args.pool, autocommit=False) as pool:
+        pool.create_volume(args.name, args.size, detect_zeroes=args.detect_zeroes)
+    print(f"created volume {args.name}: {format_size(args.size)}")
+
+
+def cmd_volume_list(args: argparse.Namespace) -> None:
+    _emit(args, read_status(args.pool)["volumes"], _human_volumes)
+
+
+def cmd_volume_remove(args: argparse.Namespace) -> None:
+    with Pool.open(args.pool, autocommit=False) as pool:
+        pool.remove_volume(args.name)
+    print(f"removed volume {args.name}")
+
+
+def cmd_volume_resize(args: argparse.Namespace) -> None:
+    with Pool.open(args.pool, autocommit=False) as pool:
+        pool.resize_volume(args.name, args.size)
+    print(f"volume {args.name} is now {format_size(args.size)}")
+
+
+def cmd_volume_set(args: argparse.Namespace) -> None:
+    with Pool.open(args.pool, autocommit=False) as pool:
+        if args.detect_zeroes:
+            pool.set_detect_zeroes(args.name, args.detect_zeroes)
+    print(f"volume {args.name} updated")
+
+
+def cmd_quickstart(args: argparse.Namespace) -> None:
+    """The embedded default: a pool in local files with one volume, created if missing."""
+    if not os.path.exists(os.path.join(args.pool, "metadata.sqlite")):
+        Pool.create(args.pool, args.size, block_size=DEFAULT_BLOCK_SIZE).close()
+        print(f"created pool {args.pool} ({format_size(args.size)})")
+    with Pool.open(args.pool, autocommit=False) as pool:
+        if args.volume not in pool.volumes:
+            pool.create_volume(args.volume, args.volume_size)
+            print(f"created volume {args.volume} ({format_size(args.volume_size)})")
+    _emit(args, read_status(args.pool), _human_status)
+
+
+# ----- parser --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="thinblock", description="Thin-provisioned block storage that treats zeros as free.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def add(group: Any, name: str, func: Callable[..., Any], help_text: str, pool: bool = True) -> _Parser:
+        p: _Parser = group.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        if pool:
+            p.add_argument("pool", metavar="POOL", help="pool directory")
+        return p
+
+    pool_p = sub.add_parser("pool", help="create, inspect, grow and check pools", description="Pool commands.")
+    pool_sub = pool_p.add_subparsers(dest="pool_command", required=True, parser_class=_Parser)
+    p = add(pool_sub, "create", cmd_pool_create, "create a pool in a directory")
+    p.add_argument("--size", type=_size, help="pool size, e.g. 10G (default with --data: the device size)")
+    p.add_argument("--block-size", type=_size, default=DEFAULT_BLOCK_SIZE, help="block size, 4K..16M (default 64K)")
+    p.add_argument("--data", metavar="PATH", help="keep block data on this raw device or file instead of POOL/data")
+    p = add(pool_sub, "status", cmd_pool_status, "show pool space and volumes (as of the last commit)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(pool_sub, "grow", cmd_pool_grow, "grow the pool's data store")
+    p.add_argument("--size", type=_size, required=True, help="new pool size, e.g. 20G")
+    p = add(pool_sub, "check", cmd_pool_check, "verify the metadata; exit 1 on any problem")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    vol_p = sub.add_parser("volume", help="create, list, remove and resize volumes", description="Volume commands.")
+    vol_sub = vol_p.add_subparsers(dest="volume_command", required=True, parser_class=_Parser)
+    p = add(vol_sub, "create", cmd_volume_create, "create a thin volume")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--size", type=_size, required=True, help="virtual size, e.g. 100G (may exceed the pool)")
+    p.add_argument(
+        "--detect-zeroes", choices=("off", "on", "unmap"), default="on", help="zero-write handling (default on)"
+    )
+    p = add(vol_sub, "list", cmd_volume_list, "list volumes")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(vol_sub, "remove", cmd_volume_remove, "remove a volume; its space returns to the pool")
+    p.add_argument("name", metavar="NAME")
+    p = add(vol_sub, "resize", cmd_volume_resize, "grow or shrink a volume (shrinking discards the cut-off part)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--size", type=_size, required=True, help="new virtual size")
+    p = add(vol_sub, "set", cmd_volume_set, "change a volume's settings")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--detect-zeroes", choices=("off", "on", "unmap"), help="zero-write handling")
+
+    p = add(
+        sub, "quickstart", cmd_quickstart, "create the default pool and volume if missing and show them", pool=False
+    )
+    p.add_argument("--pool", default=DEFAULT_POOL, help=f"pool directory (default {DEFAULT_POOL})")
+    p.add_argument("--size", type=_size, default=parse_size("16G"), help="pool size if created (default 16G)")
+    p.add_argument("--volume", default="disk0", help="volume name (default disk0)")
+    p.add_argument("--volume-size", type=_size, default=parse_size("64G"), help="volume size if created (default 64G)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.func(args)
+    except (ThinblockError, OpError) as exc:
+        print(f"thinblock: error: {exc.strerror if isinstance(exc, OpError) else exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

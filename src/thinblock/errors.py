@@ -1,0 +1,57 @@
+"""The error kinds of thinblock, in one place.
+
+Two families, as in dm persistent-data: a block operation that cannot be done
+(no space, out of range, not supported, read-only) is an ordinary result and
+carries an errno, so every frontend maps it to its own wire error once.
+Everything else (bad names, missing pools, corrupt metadata) is a
+ThinblockError with a message meant for a person.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class ThinblockError(Exception):
+    """A failure explained in plain words (CLI prints it and exits 1)."""
+
+
+class CorruptionError(ThinblockError):
+    """The metadata is not in a state thinblock ever writes."""
+
+
+class PoolBusyError(ThinblockError):
+    """Another process holds the pool open for writing."""
+
+
+class OpError(OSError):
+    """A block operation failed; `errno` says how (ENOSPC, EINVAL, ...)."""
+
+    code = errno.EIO
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.code, message)
+
+
+class NoSpaceError(OpError):
+    """The pool has too few free blocks for the whole request; nothing changed."""
+
+    code = errno.ENOSPC
+
+
+class RangeError(OpError):
+    """The request reaches outside the volume."""
+
+    code = errno.EINVAL
+
+
+class NotSupportedError(OpError):
+    """The request cannot be done the way it was asked (e.g. fast zero)."""
+
+    code = errno.ENOTSUP
+
+
+class ReadOnlyError(OpError):
+    """A write-type request to something opened or created read-only."""
+
+    code = errno.EPERM

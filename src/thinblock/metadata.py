@@ -1,0 +1,191 @@
+"""The transactional metadata store: SQLite in the pool directory.
+
+It knows tables and rows, nothing of the block contract. The pool collects
+changes in memory and hands them to `commit()` as one transaction, so the
+on-disk metadata is always the state at some commit.
+
+Tables
+  superblock(key, value)                 format, block size, size, counters
+  volumes(id, name, ...)                 one row per volume (snapshots later)
+  roots(volume_id, page_index, page_id)  each volume's root table, sparse
+  pages(id, refcount, entries)           mapping pages (PAGE_ENTRIES uint64)
+  refcount_pages(idx, counts)            dblock refcounts, 1024 uint32 a page
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinblock.errors import CorruptionError, ThinblockError
+
+FORMAT_VERSION = 1
+DB_NAME = "metadata.sqlite"
+
+_SCHEMA = """
+CREATE TABLE superblock (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE volumes (
+    id INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    size_bytes INTEGER NOT NULL,
+    detect_zeroes TEXT NOT NULL,
+    created REAL NOT NULL,
+    data_blocks INTEGER NOT NULL DEFAULT 0,
+    zeroed_blocks INTEGER NOT NULL DEFAULT 0,
+    pinned_blocks INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE roots (
+    volume_id INTEGER NOT NULL,
+    page_index INTEGER NOT NULL,
+    page_id INTEGER NOT NULL,
+    PRIMARY KEY (volume_id, page_index)
+) WITHOUT ROWID;
+CREATE TABLE pages (id INTEGER PRIMARY KEY, refcount INTEGER NOT NULL, entries BLOB NOT NULL);
+CREATE TABLE refcount_pages (idx INTEGER PRIMARY KEY, counts BLOB NOT NULL);
+"""
+
+
+@dataclass
+class VolumeRow:
+    id: int
+    name: str
+    size_bytes: int
+    detect_zeroes: str
+    created: float
+    data_blocks: int = 0
+    zeroed_blocks: int = 0
+    pinned_blocks: int = 0
+
+
+@dataclass
+class Transaction:
+    """Everything one commit writes; filled by the pool, applied atomically."""
+
+    superblock: dict[str, object] = field(default_factory=dict)
+    volumes: list[VolumeRow] = field(default_factory=list)
+    deleted_volumes: list[int] = field(default_factory=list)
+    roots: dict[tuple[int, int], int | None] = field(default_factory=dict)  # None deletes
+    pages: dict[int, tuple[int, bytes] | None] = field(default_factory=dict)  # None deletes
+    refcount_pages: dict[int, bytes] = field(default_factory=dict)
+
+
+def _connect(path: str, readonly: bool) -> sqlite3.Connection:
+    uri = f"file:{path}?mode={'ro' if readonly else 'rw'}"
+    conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA synchronous=FULL")
+    return conn
+
+
+class MetadataStore:
+    """One SQLite database; every write goes through `commit`."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    @classmethod
+    def create(cls, path: str, superblock: dict[str, object]) -> MetadataStore:
+        conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("BEGIN")
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        sb = {"format_version": FORMAT_VERSION, "transaction_id": 0, **superblock}
+        conn.executemany("INSERT INTO superblock VALUES (?, ?)", [(k, json.dumps(v)) for k, v in sb.items()])
+        conn.execute("COMMIT")
+        return cls(conn)
+
+    @classmethod
+    def open(cls, path: str, *, readonly: bool = False) -> MetadataStore:
+        try:
+            conn = _connect(path, readonly)
+            store = cls(conn)
+            version = store.superblock().get("format_version")
+        except sqlite3.DatabaseError as exc:
+            raise CorruptionError(f"metadata database {path} is unreadable: {exc}") from exc
+        if version != FORMAT_VERSION:
+            raise ThinblockError(f"metadata format version {version!r} is not supported (expected {FORMAT_VERSION})")
+        return store
+
+    def superblock(self) -> dict[str, Any]:
+        return {k: json.loads(v) for k, v in self.conn.execute("SELECT key, value FROM superblock")}
+
+    def volumes(self) -> list[VolumeRow]:
+        rows = self.conn.execute(
+            "SELECT id, name, size_bytes, detect_zeroes, created, data_blocks, zeroed_blocks, pinned_blocks"
+            " FROM volumes ORDER BY name"
+        )
+        return [VolumeRow(*row) for row in rows]
+
+    def roots(self, volume_id: int) -> dict[int, int]:
+        rows = self.conn.execute("SELECT page_index, page_id FROM roots WHERE volume_id = ?", (volume_id,))
+        return dict(rows)
+
+    def all_roots(self) -> Iterator[tuple[int, int, int]]:
+        yield from self.conn.execute("SELECT volume_id, page_index, page_id FROM roots")
+
+    def page(self, page_id: int) -> tuple[int, bytes] | None:
+        row = self.conn.execute("SELECT refcount, entries FROM pages WHERE id = ?", (page_id,)).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
+        yield from self.conn.execute("SELECT id, refcount, entries FROM pages")
+
+    def max_page_id(self) -> int:
+        return int(self.conn.execute("SELECT COALESCE(MAX(id), 0) FROM pages").fetchone()[0])
+
+    def max_volume_id(self) -> int:
+        return int(self.conn.execute("SELECT COALESCE(MAX(id), 0) FROM volumes").fetchone()[0])
+
+    def refcount_pages(self) -> dict[int, bytes]:
+        return dict(self.conn.execute("SELECT idx, counts FROM refcount_pages"))
+
+    def commit(self, txn: Transaction) -> None:
+        """Apply the whole transaction atomically, or nothing of it."""
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            _apply(c, txn)
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        c.execute("COMMIT")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
+    if txn.superblock:
+        c.executemany(
+            "INSERT OR REPLACE INTO superblock VALUES (?, ?)",
+            [(k, json.dumps(v)) for k, v in txn.superblock.items()],
+        )
+    for vid in txn.deleted_volumes:
+        c.execute("DELETE FROM volumes WHERE id = ?", (vid,))
+        c.execute("DELETE FROM roots WHERE volume_id = ?", (vid,))
+    c.executemany(
+        "INSERT OR REPLACE INTO volumes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (v.id, v.name, v.size_bytes, v.detect_zeroes, v.created, v.data_blocks, v.zeroed_blocks, v.pinned_blocks)
+            for v in txn.volumes
+        ],
+    )
+    c.executemany(
+        "DELETE FROM roots WHERE volume_id = ? AND page_index = ?",
+        [key for key, page_id in txn.roots.items() if page_id is None],
+    )
+    c.executemany(
+        "INSERT OR REPLACE INTO roots VALUES (?, ?, ?)",
+        [(*key, page_id) for key, page_id in txn.roots.items() if page_id is not None],
+    )
+    c.executemany("DELETE FROM pages WHERE id = ?", [(pid,) for pid, page in txn.pages.items() if page is None])
+    c.executemany(
+        "INSERT OR REPLACE INTO pages VALUES (?, ?, ?)",
+        [(pid, *page) for pid, page in txn.pages.items() if page is not None],
+    )
+    c.executemany("INSERT OR REPLACE INTO refcount_pages VALUES (?, ?)", txn.refcount_pages.items())

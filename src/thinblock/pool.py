@@ -1,0 +1,423 @@
+"""The pool: physical space shared by thin volumes, and its one transaction.
+
+The pool owns the data store, the metadata store, the space map and the page
+cache. It collects every metadata change in memory and writes them all in
+one SQLite transaction on `commit()` (on flush, FUA, and at least once a
+second from a background thread). Freed dblocks are punched in the data store
+only after the commit that freed them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import threading
+import time
+from array import array
+from typing import Any
+
+from thinblock.datastore import DataStore, FallbackStore, FileStore
+from thinblock.errors import NoSpaceError, PoolBusyError, ThinblockError
+from thinblock.mapping import PAGE_ENTRIES, Page
+from thinblock.metadata import DB_NAME, MetadataStore, Transaction, VolumeRow
+from thinblock.sizes import format_size
+from thinblock.spacemap import SpaceMap
+from thinblock.volume import Volume
+
+DEFAULT_BLOCK_SIZE = 64 << 10
+MIN_BLOCK_SIZE = 4 << 10
+MAX_BLOCK_SIZE = 16 << 20
+SECTOR_BYTES = 512
+# Largest volume: loff_t (FUSE, loop) and qemu's int64 sizes cap at 2**63 - 1; stay a
+# multiple of the largest block size below that.
+MAX_VOLUME_BYTES = (1 << 63) - MAX_BLOCK_SIZE
+COMMIT_INTERVAL_S = 1.0
+DETECT_ZEROES = ("off", "on", "unmap")
+DATA_FILE = "data"
+LOCK_FILE = "lock"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
+
+
+def validate_name(name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise ThinblockError(
+            f"invalid volume name {name!r}: use 1-128 letters, digits, '_', '.', '+', '-', not starting with '.', '+' or '-'"
+        )
+
+
+def validate_volume_size(size_bytes: int) -> None:
+    if size_bytes <= 0 or size_bytes % SECTOR_BYTES:
+        raise ThinblockError(f"invalid volume size {size_bytes}: must be a positive multiple of {SECTOR_BYTES} bytes")
+    if size_bytes > MAX_VOLUME_BYTES:
+        raise ThinblockError(
+            f"volume size {format_size(size_bytes)} is beyond the largest thinblock supports ({format_size(MAX_VOLUME_BYTES)})"
+        )
+
+
+def status_dict(size_bytes: int, block_size: int, used_blocks: int, rows: list[VolumeRow]) -> dict[str, Any]:
+    """The `pool status` figures, from committed or live counters alike."""
+    used = used_blocks * block_size
+    return {
+        "size_bytes": size_bytes,
+        "block_size": block_size,
+        "used_bytes": used,
+        "free_bytes": size_bytes - used,
+        "virtual_bytes": sum(r.size_bytes for r in rows),
+        "volumes": [volume_dict(r, block_size) for r in rows],
+    }
+
+
+def volume_dict(row: VolumeRow, block_size: int) -> dict[str, Any]:
+    return {
+        "name": row.name,
+        "size_bytes": row.size_bytes,
+        "mapped_bytes": (row.data_blocks + row.zeroed_blocks) * block_size,
+        "data_bytes": row.data_blocks * block_size,
+        "zeroed_bytes": row.zeroed_blocks * block_size,
+        "provisioned_bytes": row.pinned_blocks * block_size,
+        "detect_zeroes": row.detect_zeroes,
+    }
+
+
+def read_status(path: str) -> dict[str, Any]:
+    """Status as of the last commit, without locking the pool (works while it is served)."""
+    meta = _open_meta(path, readonly=True)
+    try:
+        sb = meta.superblock()
+        return status_dict(int(sb["size_bytes"]), int(sb["block_size"]), int(sb["used_blocks"]), meta.volumes())
+    finally:
+        meta.close()
+
+
+def _open_meta(path: str, *, readonly: bool) -> MetadataStore:
+    db = os.path.join(path, DB_NAME)
+    if not os.path.isdir(path):
+        raise ThinblockError(f"no pool at {path}: not a directory")
+    if not os.path.exists(db):
+        raise ThinblockError(f"no pool at {path}: {DB_NAME} is missing")
+    return MetadataStore.open(db, readonly=readonly)
+
+
+class Pool:
+    """An open pool. Use `Pool.create` / `Pool.open`; all methods are thread-safe."""
+
+    def __init__(self, path: str, meta: MetadataStore, store: DataStore, lock_fd: int, *, autocommit: bool) -> None:
+        self.path = path
+        self.meta = meta
+        self.store = store
+        self._lock_fd = lock_fd
+        self.lock = threading.RLock()
+        sb = meta.superblock()
+        self.block_size = int(sb["block_size"])
+        self.size_bytes = int(sb["size_bytes"])
+        self.transaction_id = int(sb["transaction_id"])
+        self.space = SpaceMap(self.size_bytes // self.block_size, meta.refcount_pages())
+        self.pages: dict[int, Page] = {}
+        self._next_page_id = meta.max_page_id() + 1
+        self._next_volume_id = meta.max_volume_id() + 1
+        self.volumes: dict[str, Volume] = {}
+        for row in meta.volumes():
+            self.volumes[row.name] = Volume(self, row, meta.roots(row.id))
+        # Changes of the open transaction.
+        self._dirty_pages: set[int] = set()
+        self._dirty_roots: set[tuple[int, int]] = set()
+        self._touched: set[tuple[Volume, int]] = set()
+        self._dirty_volumes: set[Volume] = set()
+        self._deleted_volumes: list[int] = []
+        self._superblock_dirty = False
+        self.dirty = False
+        self.last_commit = time.monotonic()
+        self._closed = threading.Event()
+        self._committer: threading.Thread | None = None
+        if autocommit:
+            self._committer = threading.Thread(target=self._commit_loop, name="thinblock-commit", daemon=True)
+            self._committer.start()
+
+    # ----- opening and creating -------------------------------------------------
+
+    @classmethod
+    def create(
+        cls, path: str, size_bytes: int | None, *, block_size: int = DEFAULT_BLOCK_SIZE, data_path: str | None = None
+    ) -> Pool:
+        """Make a new pool directory with a sparse data file (or over a raw device)."""
+        if block_size < MIN_BLOCK_SIZE or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
+            raise ThinblockError(
+                f"invalid block size {block_size}: must be a power of two from {format_size(MIN_BLOCK_SIZE)}"
+                f" to {format_size(MAX_BLOCK_SIZE)}"
+            )
+        if os.path.exists(os.path.join(path, DB_NAME)):
+            raise ThinblockError(f"a pool already exists at {path}")
+        if data_path is not None:
+            data_path = os.path.abspath(data_path)
+            probe = FileStore(data_path)
+            device_bytes = probe.size_bytes
+            probe.close()
+            if size_bytes is None:
+                size_bytes = device_bytes - device_bytes % block_size
+            elif size_bytes > device_bytes:
+                raise ThinblockError(
+                    f"--size {format_size(size_bytes)} exceeds {data_path} ({format_size(device_bytes)})"
+                )
+        if size_bytes is None:
+            raise ThinblockError("a pool in a sparse file needs --size")
+        if size_bytes < block_size or size_bytes % block_size:
+            raise ThinblockError(
+                f"invalid pool size {size_bytes}: must be a positive multiple of the block size ({format_size(block_size)})"
+            )
+        os.makedirs(path, exist_ok=True)
+        if data_path is None:
+            with open(os.path.join(path, DATA_FILE), "xb") as f:
+                f.truncate(size_bytes)
+        meta = MetadataStore.create(
+            os.path.join(path, DB_NAME),
+            {
+                "block_size": block_size,
+                "size_bytes": size_bytes,
+                "page_entries": PAGE_ENTRIES,
+                "data_path": data_path,
+                "used_blocks": 0,
+                "created": time.time(),
+            },
+        )
+        meta.close()
+        return cls.open(path)
+
+    @classmethod
+    def open(cls, path: str, *, autocommit: bool = True) -> Pool:
+        """Open a pool for reading and writing; only one process may hold it so."""
+        meta = _open_meta(path, readonly=False)
+        lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(lock_fd)
+            meta.close()
+            raise PoolBusyError(f"pool {path} is in use by another thinblock process (pid {holder})") from None
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+        sb = meta.superblock()
+        data_path = sb.get("data_path") or os.path.join(path, DATA_FILE)
+        store = FallbackStore(FileStore(str(data_path)))
+        return cls(path, meta, store, lock_fd, autocommit=autocommit)
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- volumes ----------------------------------------------------------------
+
+    def volume(self, name: str) -> Volume:
+        try:
+            return self.volumes[name]
+        except KeyError:
+            raise ThinblockError(f"no volume {name!r} in pool {self.path}") from None
+
+    def create_volume(self, name: str, size_bytes: int, *, detect_zeroes: str = "on") -> Volume:
+        validate_name(name)
+        validate_volume_size(size_bytes)
+        if detect_zeroes not in DETECT_ZEROES:
+            raise ThinblockError(f"invalid detect_zeroes {detect_zeroes!r}: use one of {', '.join(DETECT_ZEROES)}")
+        with self.lock:
+            if name in self.volumes:
+                raise ThinblockError(f"volume {name!r} already exists in pool {self.path}")
+            row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time())
+            self._next_volume_id += 1
+            vol = Volume(self, row, {})
+            self.volumes[name] = vol
+            self.mark_volume_dirty(vol)
+            self.commit()
+            return vol
+
+    def remove_volume(self, name: str) -> None:
+        with self.lock:
+            vol = self.volume(name)
+            for page_index in list(vol.root):
+                self.release_page(vol.root.pop(page_index))
+            del self.volumes[name]
+            vol.removed = True
+            self._dirty_volumes.discard(vol)
+            self._touched = {t for t in self._touched if t[0] is not vol}
+            self._dirty_roots = {r for r in self._dirty_roots if r[0] != vol.row.id}
+            self._deleted_volumes.append(vol.row.id)
+            self.dirty = True
+            self.commit()
+
+    def resize_volume(self, name: str, size_bytes: int) -> None:
+        validate_volume_size(size_bytes)
+        with self.lock:
+            self.volume(name).resize(size_bytes)
+            self.commit()
+
+    def set_detect_zeroes(self, name: str, mode: str) -> None:
+        if mode not in DETECT_ZEROES:
+            raise ThinblockError(f"invalid detect_zeroes {mode!r}: use one of {', '.join(DETECT_ZEROES)}")
+        with self.lock:
+            vol = self.volume(name)
+            vol.row.detect_zeroes = mode
+            self.mark_volume_dirty(vol)
+            self.commit()
+
+    # ----- space ------------------------------------------------------------------
+
+    def grow(self, size_bytes: int) -> None:
+        """Grow the pool online; shrinking is refused."""
+        with self.lock:
+            if size_bytes % self.block_size:
+                raise ThinblockError(f"pool size must be a multiple of the block size ({format_size(self.block_size)})")
+            if size_bytes < self.size_bytes:
+                raise ThinblockError(
+                    f"shrinking a pool is not supported ({format_size(self.size_bytes)} -> {format_size(size_bytes)})"
+                )
+            if size_bytes == self.size_bytes:
+                return
+            self.store.grow(size_bytes)
+            self.space.grow(size_bytes // self.block_size)
+            self.size_bytes = size_bytes
+            self._superblock_dirty = True
+            self.dirty = True
+            self.commit()
+
+    def reserve(self, n_blocks: int) -> None:
+        """Ensure n_blocks can be allocated now, or raise NoSpaceError (nothing changed)."""
+        if n_blocks <= self.space.allocatable_blocks:
+            return
+        if n_blocks <= self.space.free_blocks:
+            # Blocks freed in the open transaction become usable once it is committed.
+            self.commit()
+            if n_blocks <= self.space.allocatable_blocks:
+                return
+        raise NoSpaceError(f"pool {self.path} is out of space: {n_blocks} blocks needed, {self.space.free_blocks} free")
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            rows = [v.row for v in sorted(self.volumes.values(), key=lambda v: v.row.name)]
+            return status_dict(self.size_bytes, self.block_size, self.space.used_blocks, rows)
+
+    # ----- pages (used by Volume) ---------------------------------------------------
+
+    def page(self, page_id: int) -> Page:
+        page = self.pages.get(page_id)
+        if page is None:
+            found = self.meta.page(page_id)
+            if found is None:
+                raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
+            page = Page.from_blob(page_id, *found)
+            self.pages[page_id] = page
+        return page
+
+    def new_page(self, entries: array[int] | None = None) -> Page:
+        page = Page(self._next_page_id, 1, entries)
+        self._next_page_id += 1
+        self.pages[page.page_id] = page
+        self._dirty_pages.add(page.page_id)
+        self.dirty = True
+        return page
+
+    def release_page(self, page_id: int) -> None:
+        """Drop one root-table reference to a page; the last one frees its dblocks."""
+        page = self.page(page_id)
+        page.refcount -= 1
+        if page.refcount == 0:
+            for entry in page.entries:
+                if entry:
+                    self.space.decref(entry >> 3)
+        self._dirty_pages.add(page_id)
+        self.dirty = True
+
+    def mark_page_dirty(self, vol: Volume, page_index: int, page: Page) -> None:
+        self._dirty_pages.add(page.page_id)
+        self._touched.add((vol, page_index))
+        self.dirty = True
+
+    def mark_root_dirty(self, vol: Volume, page_index: int) -> None:
+        self._dirty_roots.add((vol.row.id, page_index))
+        self.dirty = True
+
+    def mark_volume_dirty(self, vol: Volume) -> None:
+        self._dirty_volumes.add(vol)
+        self.dirty = True
+
+    # ----- transactions -----------------------------------------------------------
+
+    def commit(self) -> None:
+        """Make everything done so far durable: data first, then metadata, atomically."""
+        with self.lock:
+            if not self.dirty:
+                self.last_commit = time.monotonic()
+                return
+            self._drop_empty_pages()
+            self.store.flush()
+            self.transaction_id += 1
+            txn = Transaction(
+                superblock={
+                    "transaction_id": self.transaction_id,
+                    "used_blocks": self.space.used_blocks,
+                    "size_bytes": self.size_bytes,
+                },
+                volumes=[v.row for v in self._dirty_volumes],
+                deleted_volumes=list(self._deleted_volumes),
+                refcount_pages=self.space.take_dirty_pages(),
+            )
+            roots_by_id = {v.row.id: v.root for v in self.volumes.values()}
+            for vid, page_index in self._dirty_roots:
+                if vid in roots_by_id:
+                    txn.roots[(vid, page_index)] = roots_by_id[vid].get(page_index)
+            for page_id in self._dirty_pages:
+                page = self.pages[page_id]
+                if page.refcount == 0:
+                    txn.pages[page_id] = None
+                    del self.pages[page_id]
+                else:
+                    txn.pages[page_id] = (page.refcount, page.to_blob())
+            self.meta.commit(txn)
+            self._dirty_pages.clear()
+            self._dirty_roots.clear()
+            self._touched.clear()
+            self._dirty_volumes.clear()
+            self._deleted_volumes.clear()
+            self._superblock_dirty = False
+            self.dirty = False
+            self.last_commit = time.monotonic()
+            # Only now may freed blocks go back to the layer below and be reused.
+            for start, count in self.space.release_pending():
+                self.store.punch(start * self.block_size, count * self.block_size)
+
+    def _drop_empty_pages(self) -> None:
+        for vol, page_index in self._touched:
+            page_id = vol.root.get(page_index)
+            if page_id is None:
+                continue
+            page = self.pages[page_id]
+            if page.refcount == 1 and page.is_empty():
+                del vol.root[page_index]
+                page.refcount = 0
+                self._dirty_pages.add(page_id)
+                self.mark_root_dirty(vol, page_index)
+
+    def flush(self) -> None:
+        self.commit()
+
+    def _commit_loop(self) -> None:
+        while not self._closed.wait(COMMIT_INTERVAL_S / 4):
+            if self.dirty and time.monotonic() - self.last_commit >= COMMIT_INTERVAL_S:
+                with self.lock:
+                    if self._closed.is_set():
+                        return
+                    self.commit()
+
+    def close(self) -> None:
+        """Commit and release everything; the pool object is unusable afterwards."""
+        with self.lock:
+            if self._closed.is_set():
+                return
+            self.commit()
+            self._closed.set()
+            self.store.close()
+            self.meta.close()
+            os.close(self._lock_fd)
+        if self._committer is not None and self._committer is not threading.current_thread():
+            self._committer.join()

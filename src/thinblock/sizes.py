@@ -1,0 +1,30 @@
+"""Human sizes in and out: `64K`, `10G`, `1T` (powers of 1024), plain bytes."""
+
+from __future__ import annotations
+
+import re
+
+from thinblock.errors import ThinblockError
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50, "E": 1 << 60}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGTPE]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Parse `64K`, `10G`, `1TiB`, `4096` into bytes; raise ThinblockError otherwise."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ThinblockError(f"invalid size {text!r}: use a whole number with an optional unit K, M, G, T, P or E")
+    number, unit = match.groups()
+    return int(number) * _UNITS[unit.upper()]
+
+
+def format_size(n_bytes: int) -> str:
+    """The shortest exact form when there is one (`64K`), else one decimal (`1.5G`)."""
+    for unit in ("E", "P", "T", "G", "M", "K"):
+        scale = _UNITS[unit]
+        if n_bytes >= scale:
+            if n_bytes % scale == 0:
+                return f"{n_bytes // scale}{unit}"
+            return f"{n_bytes / scale:.1f}{unit}"
+    return f"{n_bytes}B"

@@ -1,0 +1,126 @@
+"""Data-block reference counts and free space, in memory, with a strict rule:
+a dblock whose last reference goes in the open transaction stays busy until
+that transaction is committed (dm persistent-data's rule). Otherwise a crash
+could leave committed metadata pointing at a block already handed to someone
+else, or punched to zeros.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from thinblock.errors import CorruptionError
+
+REFCOUNT_PAGE_ENTRIES = 1024
+
+
+class SpaceMap:
+    """Refcounts of every dblock of the pool, and the allocator over them."""
+
+    def __init__(self, n_blocks: int, refcount_pages: dict[int, bytes] | None = None) -> None:
+        self.refcounts = array("I", bytes(4 * n_blocks))
+        for index, blob in (refcount_pages or {}).items():
+            chunk = array("I")
+            chunk.frombytes(blob)
+            start = index * REFCOUNT_PAGE_ENTRIES
+            if start >= n_blocks:
+                if any(chunk):
+                    raise CorruptionError(f"refcount page {index} lies beyond the pool's {n_blocks} blocks")
+                continue
+            chunk = chunk[: n_blocks - start]
+            self.refcounts[start : start + len(chunk)] = chunk
+        # busy[d] is 1 while d is referenced or freed-but-uncommitted: the allocator's view.
+        self.busy = bytearray(1 if count else 0 for count in self.refcounts)
+        self.used_blocks = sum(self.busy)
+        self.pending_free: list[int] = []
+        self.dirty_pages: set[int] = set()
+        self._cursor = 0
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.refcounts)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks that are or will be free after the next commit."""
+        return self.n_blocks - self.used_blocks
+
+    @property
+    def allocatable_blocks(self) -> int:
+        """Blocks that can be handed out right now (pending frees excluded)."""
+        return self.n_blocks - self.used_blocks - len(self.pending_free)
+
+    def grow(self, n_blocks: int) -> None:
+        extra = n_blocks - self.n_blocks
+        if extra > 0:
+            self.refcounts.extend(array("I", bytes(4 * extra)))
+            self.busy.extend(bytes(extra))
+
+    def allocate(self, count: int) -> list[int]:
+        """Hand out `count` free dblocks, as contiguous as the free space allows.
+
+        The caller has checked allocatable_blocks; each block starts with refcount 1.
+        """
+        blocks: list[int] = []
+        cursor = self._cursor
+        wrapped = False
+        while len(blocks) < count:
+            start = self.busy.find(0, cursor)
+            if start < 0:
+                if wrapped:
+                    raise CorruptionError("space map ran out of free blocks it counted as free")
+                wrapped, cursor = True, 0
+                continue
+            end = self.busy.find(1, start)
+            if end < 0:
+                end = self.n_blocks
+            end = min(end, start + count - len(blocks))
+            self.busy[start:end] = b"\x01" * (end - start)
+            for dblock in range(start, end):
+                self.refcounts[dblock] = 1
+            blocks.extend(range(start, end))
+            self.dirty_pages.update(range(start // REFCOUNT_PAGE_ENTRIES, (end - 1) // REFCOUNT_PAGE_ENTRIES + 1))
+            cursor = end
+        self._cursor = cursor
+        self.used_blocks += count
+        return blocks
+
+    def incref(self, dblock: int) -> None:
+        self.refcounts[dblock] += 1
+        self.dirty_pages.add(dblock // REFCOUNT_PAGE_ENTRIES)
+
+    def decref(self, dblock: int) -> None:
+        count = self.refcounts[dblock]
+        if count == 0:
+            raise CorruptionError(f"dblock {dblock} released more often than referenced")
+        self.refcounts[dblock] = count - 1
+        self.dirty_pages.add(dblock // REFCOUNT_PAGE_ENTRIES)
+        if count == 1:
+            self.used_blocks -= 1
+            self.pending_free.append(dblock)
+
+    def is_shared(self, dblock: int) -> bool:
+        return self.refcounts[dblock] > 1
+
+    def take_dirty_pages(self) -> dict[int, bytes]:
+        """Refcount pages changed since the last call, as blobs to persist."""
+        out = {}
+        for index in sorted(self.dirty_pages):
+            start = index * REFCOUNT_PAGE_ENTRIES
+            out[index] = self.refcounts[start : start + REFCOUNT_PAGE_ENTRIES].tobytes()
+        self.dirty_pages.clear()
+        return out
+
+    def release_pending(self) -> list[tuple[int, int]]:
+        """After a commit: make pending frees allocatable; return them as (start, count) runs."""
+        runs: list[tuple[int, int]] = []
+        for dblock in sorted(self.pending_free):
+            if self.refcounts[dblock]:
+                continue  # re-referenced in the same transaction (cannot happen today, but be safe)
+            self.busy[dblock] = 0
+            if runs and runs[-1][0] + runs[-1][1] == dblock:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((dblock, 1))
+        self.pending_free.clear()
+        return runs

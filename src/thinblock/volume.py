@@ -1,0 +1,426 @@
+"""A thin volume: the block contract of DESIGN.md, in one place.
+
+Every frontend (NBD, FUSE, CLI) calls these verbs and nothing else:
+read, write, trim, write_zeroes, provision, block_status, flush.
+Ranges are bytes and partial blocks are handled exactly. Each mutating verb
+first plans what every touched block needs, counts the dblocks it must
+allocate, reserves them (ENOSPC before any change), then acts.
+
+Two rules keep stale bytes out of reads:
+  * UNMAPPED and ZEROED blocks are never read from the data store;
+  * a block entering DATA is written whole (payload plus zeros), so a recycled
+    dblock's old bytes are always overwritten before they can be read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from thinblock.errors import NotSupportedError, RangeError, ReadOnlyError
+from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
+from thinblock.metadata import VolumeRow
+from thinblock.zeros import is_zero, zero_bytes
+
+if TYPE_CHECKING:
+    from thinblock.datastore import DataStore
+    from thinblock.pool import Pool
+
+_UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
+IOV_MAX = 1024
+
+
+class _Runs:
+    """Data-store ranges collected during one request, merged when contiguous."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[int, list[bytes | memoryview], int]] = []
+        self.allocs: list[list[int]] = []
+
+    def write(self, offset: int, buf: bytes | memoryview) -> None:
+        if self.writes:
+            start, bufs, length = self.writes[-1]
+            if start + length == offset and len(bufs) < IOV_MAX:
+                bufs.append(buf)
+                self.writes[-1] = (start, bufs, length + len(buf))
+                return
+        self.writes.append((offset, [buf], len(buf)))
+
+    def allocate(self, offset: int, length: int) -> None:
+        if self.allocs and sum(self.allocs[-1]) == offset:
+            self.allocs[-1][1] += length
+        else:
+            self.allocs.append([offset, length])
+
+    def run(self, store: DataStore) -> None:
+        for offset, bufs, _ in self.writes:
+            store.pwritev(offset, bufs)
+        for offset, length in self.allocs:
+            store.allocate(offset, length)
+
+
+class Volume:
+    """One thin volume of a pool. Obtain it from `Pool.volume(name)`."""
+
+    def __init__(self, pool: Pool, row: VolumeRow, root: dict[int, int]) -> None:
+        self.pool = pool
+        self.row = row
+        self.root = root  # page_index -> page_id
+        self.removed = False
+        self.readonly = False
+
+    @property
+    def name(self) -> str:
+        return self.row.name
+
+    @property
+    def size_bytes(self) -> int:
+        return self.row.size_bytes
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def __repr__(self) -> str:
+        return f"<Volume {self.row.name} {self.row.size_bytes} bytes>"
+
+    # ----- validation -------------------------------------------------------------
+
+    def _check(self, offset: int, length: int, *, write: bool) -> None:
+        if self.removed:
+            raise RangeError(f"volume {self.row.name} was removed")
+        if offset < 0 or length < 0 or offset + length > self.row.size_bytes:
+            raise RangeError(f"range {offset}+{length} is outside volume {self.row.name} ({self.row.size_bytes} bytes)")
+        if write and self.readonly:
+            raise ReadOnlyError(f"volume {self.row.name} is read-only")
+
+    # ----- entries ----------------------------------------------------------------
+
+    def _entry(self, vblock: int) -> int:
+        page_id = self.root.get(vblock // PAGE_ENTRIES)
+        if page_id is None:
+            return 0
+        return self.pool.page(page_id).entries[vblock % PAGE_ENTRIES]
+
+    def _writable_page(self, page_index: int) -> Page:
+        """The page for page_index, created or copied so this volume alone owns it."""
+        pool = self.pool
+        page_id = self.root.get(page_index)
+        if page_id is None:
+            page = pool.new_page()
+        else:
+            page = pool.page(page_id)
+            if page.refcount == 1:
+                return page
+            # Copy-on-write of a shared page: the copy references every dblock too.
+            for entry in page.entries:
+                if entry:
+                    pool.space.incref(entry >> DBLOCK_SHIFT)
+            pool.release_page(page_id)
+            page = pool.new_page(page.entries[:])
+        self.root[page_index] = page.page_id
+        pool.mark_root_dirty(self, page_index)
+        return page
+
+    def _set_entry(self, vblock: int, new: int) -> None:
+        """Point vblock at a new entry; the old dblock loses this reference if it changes.
+
+        A new dblock must come from SpaceMap.allocate (which counted this reference).
+        """
+        page_index, slot = divmod(vblock, PAGE_ENTRIES)
+        page = self._writable_page(page_index)
+        old = page.entries[slot]
+        if old == new:
+            return
+        page.entries[slot] = new
+        row = self.row
+        for entry, sign in ((old, -1), (new, 1)):
+            state = entry & STATE_MASK
+            if state == _DATA:
+                row.data_blocks += sign
+            elif state == _ZEROED:
+                row.zeroed_blocks += sign
+            if entry & PINNED:
+                row.pinned_blocks += sign
+        if old and (new >> DBLOCK_SHIFT != old >> DBLOCK_SHIFT or not new):
+            self.pool.space.decref(old >> DBLOCK_SHIFT)
+        self.pool.mark_page_dirty(self, page_index, page)
+        self.pool.mark_volume_dirty(self)
+
+    def _shares_page(self, vblock: int) -> bool:
+        page_id = self.root.get(vblock // PAGE_ENTRIES)
+        return page_id is not None and self.pool.page(page_id).refcount > 1
+
+    def _needs_new_dblock(self, vblock: int, entry: int) -> bool:
+        """A block that keeps a dblock needs a fresh one when it has none or shares it."""
+        if not entry:
+            return True
+        if self._shares_page(vblock):
+            return True
+        return self.pool.space.is_shared(entry >> DBLOCK_SHIFT)
+
+    # ----- iteration --------------------------------------------------------------
+
+    def _segments(self, offset: int, length: int, *, skip_holes: bool) -> Iterator[tuple[int, int, int, int]]:
+        """(vblock, start_in_block, end_in_block, entry) for each block touched.
+
+        With skip_holes, pages absent from the root table are skipped whole: the
+        caller treats absent blocks as UNMAPPED no-ops (so a 1 PiB trim is cheap).
+        """
+        bs = self.pool.block_size
+        end = offset + length
+        if length == 0:
+            return
+        first, last = offset // bs, (end - 1) // bs
+        page_lo, page_hi = first // PAGE_ENTRIES, last // PAGE_ENTRIES
+        if skip_holes and page_hi - page_lo > 2:
+            page_indexes = sorted(i for i in self.root if page_lo <= i <= page_hi)
+        else:
+            page_indexes = list(range(page_lo, page_hi + 1))
+        for page_index in page_indexes:
+            page_id = self.root.get(page_index)
+            if page_id is None and skip_holes:
+                continue
+            entries = self.pool.page(page_id).entries if page_id is not None else None
+            lo = max(first, page_index * PAGE_ENTRIES)
+            hi = min(last, page_index * PAGE_ENTRIES + PAGE_ENTRIES - 1)
+            for vblock in range(lo, hi + 1):
+                base = vblock * bs
+                entry = entries[vblock - page_index * PAGE_ENTRIES] if entries is not None else 0
+                yield vblock, max(offset, base) - base, min(end, base + bs) - base, entry
+
+    # ----- the verbs --------------------------------------------------------------
+
+    def read(self, offset: int, length: int) -> bytes:
+        """The bytes of [offset, offset+length); UNMAPPED and ZEROED read zeros with no I/O."""
+        self._check(offset, length, write=False)
+        bs = self.pool.block_size
+        with self.pool.lock:
+            out = bytearray(length)
+            view = memoryview(out)
+            runs: list[list[int]] = []  # [store offset, out position, length]
+            for vblock, start, end, entry in self._segments(offset, length, skip_holes=True):
+                if entry & STATE_MASK != _DATA:
+                    continue
+                store_off = (entry >> DBLOCK_SHIFT) * bs + start
+                pos = vblock * bs + start - offset
+                last = runs[-1] if runs else None
+                if last and last[0] + last[2] == store_off and last[1] + last[2] == pos:
+                    last[2] += end - start
+                else:
+                    runs.append([store_off, pos, end - start])
+            for store_off, pos, n in runs:
+                view[pos : pos + n] = self.pool.store.pread(store_off, n)
+        return bytes(out)
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
+        """Write data. With detect_zeroes on/unmap, all-zero payloads are not written:
+        over UNMAPPED/ZEROED nothing changes; a whole DATA block becomes ZEROED (on)
+        or, unless provisioned, UNMAPPED (unmap)."""
+        buf = memoryview(data).cast("B")
+        self._check(offset, len(buf), write=True)
+        pool = self.pool
+        bs = pool.block_size
+        detect = self.row.detect_zeroes
+        with pool.lock:
+            plan = []
+            needed = 0
+            for vblock, start, end, entry in self._segments(offset, len(buf), skip_holes=False):
+                pos = vblock * bs + start - offset
+                piece = buf[pos : pos + end - start]
+                state = entry & STATE_MASK
+                zero = detect != "off" and is_zero(piece)
+                if zero and state != _DATA:
+                    continue  # zero-write elision: no change, no I/O
+                if zero and end - start == bs and detect == "unmap" and not entry & PINNED:
+                    new = False  # released below
+                else:
+                    new = self._needs_new_dblock(vblock, entry)
+                needed += new
+                plan.append((vblock, start, end, piece, zero, new))
+            fresh = self._allocate(needed)
+            runs = _Runs()
+            for vblock, start, end, piece, zero, new in plan:
+                entry = self._entry(vblock)
+                state = entry & STATE_MASK
+                pinned = entry & PINNED
+                dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
+                if zero and end - start == bs:
+                    if detect == "unmap" and not pinned:
+                        self._set_entry(vblock, 0)
+                    else:
+                        if new:
+                            runs.allocate(dblock * bs, bs)
+                        self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | pinned | _ZEROED)
+                    continue
+                if state == _DATA and not new:
+                    runs.write(dblock * bs + start, piece)  # in place
+                    continue
+                # The block enters DATA or moves to a fresh dblock: write it whole.
+                if state == _DATA and (start or end != bs):
+                    old = pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs)
+                    head, tail = old[:start], old[end:]
+                else:
+                    head, tail = zero_bytes(start), zero_bytes(bs - end)
+                for at, part in ((0, head), (start, piece), (end, tail)):
+                    if len(part):
+                        runs.write(dblock * bs + at, part)
+                self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | pinned | _DATA)
+            runs.run(pool.store)
+            if fua:
+                pool.commit()
+
+    def trim(self, offset: int, length: int, *, fua: bool = False) -> None:
+        """Discard: whole blocks become UNMAPPED (space back to the pool and the layer
+        below, after the next commit); partial DATA blocks are zeroed in place."""
+        self._zero_or_trim(offset, length, no_hole=False, fast=False, fua=fua)
+
+    def write_zeroes(
+        self, offset: int, length: int, *, no_hole: bool = False, fast: bool = False, fua: bool = False
+    ) -> None:
+        """Make the range read zeros, as metadata wherever blocks are whole.
+
+        no_hole: every touched block ends reserved (ZEROED, or DATA holding zeros).
+        fast: if any zero bytes would have to be written, fail with ENOTSUP and
+        change nothing.
+        """
+        self._zero_or_trim(offset, length, no_hole=no_hole, fast=fast, fua=fua)
+
+    def _zero_or_trim(self, offset: int, length: int, *, no_hole: bool, fast: bool, fua: bool) -> None:
+        self._check(offset, length, write=True)
+        pool = self.pool
+        bs = pool.block_size
+        with pool.lock:
+            if no_hole:
+                self._precheck_space(offset, length)
+            plan = []
+            needed = 0
+            for vblock, start, end, entry in self._segments(offset, length, skip_holes=not no_hole):
+                full = end - start == bs
+                state = entry & STATE_MASK
+                if state == _DATA and not full:
+                    if fast:
+                        raise NotSupportedError("fast zero not possible: part of a data block must be written")
+                    action = "zero_part"
+                elif not no_hole:
+                    if not full or state == _UNMAPPED:
+                        continue
+                    action = "unmap"
+                else:
+                    action = "reserve"
+                new = action != "unmap" and self._needs_new_dblock(vblock, entry)
+                needed += new
+                plan.append((vblock, start, end, action, new))
+            fresh = self._allocate(needed)
+            runs = _Runs()
+            for vblock, start, end, action, new in plan:
+                entry = self._entry(vblock)
+                if action == "unmap":
+                    self._set_entry(vblock, 0)
+                elif action == "zero_part":
+                    if not new:
+                        runs.write((entry >> DBLOCK_SHIFT) * bs + start, zero_bytes(end - start))
+                        continue
+                    dblock = next(fresh)
+                    block = bytearray(pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
+                    block[start:end] = zero_bytes(end - start)
+                    runs.write(dblock * bs, bytes(block))
+                    self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | (entry & PINNED) | _DATA)
+                else:
+                    dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
+                    if new:
+                        runs.allocate(dblock * bs, bs)
+                    self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
+            runs.run(pool.store)
+            if fua:
+                pool.commit()
+
+    def provision(self, offset: int, length: int, *, fua: bool = False) -> None:
+        """Reserve real space for every block touched, in the pool and the layer below.
+
+        All or nothing: ENOSPC and no change when the pool cannot hold it all.
+        """
+        self._check(offset, length, write=True)
+        pool = self.pool
+        bs = pool.block_size
+        with pool.lock:
+            self._precheck_space(offset, length)
+            plan = []
+            needed = 0
+            for vblock, _start, _end, entry in self._segments(offset, length, skip_holes=False):
+                new = self._needs_new_dblock(vblock, entry)
+                if new or not entry & PINNED:
+                    needed += new
+                    plan.append((vblock, new))
+            fresh = self._allocate(needed)
+            runs = _Runs()
+            for vblock, new in plan:
+                entry = self._entry(vblock)
+                if not new:
+                    self._set_entry(vblock, entry | PINNED)
+                    continue
+                dblock = next(fresh)
+                if entry & STATE_MASK == _DATA:
+                    # A shared DATA block: copy it now so later writes need no space.
+                    runs.write(dblock * bs, pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
+                    self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | PINNED | _DATA)
+                else:
+                    runs.allocate(dblock * bs, bs)
+                    self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
+            runs.run(pool.store)
+            if fua:
+                pool.commit()
+
+    def _precheck_space(self, offset: int, length: int) -> None:
+        """Refuse at once a range that cannot fit, before walking its blocks one by one."""
+        if not length:
+            return
+        bs = self.pool.block_size
+        touched = (offset + length - 1) // bs - offset // bs + 1
+        mapped = self.row.data_blocks + self.row.zeroed_blocks
+        if touched - mapped > self.pool.space.free_blocks:
+            self.pool.reserve(touched - mapped)
+
+    def _allocate(self, count: int) -> Iterator[int]:
+        """Reserve and take `count` fresh dblocks, or raise NoSpaceError having changed nothing."""
+        if not count:
+            return iter(())
+        self.pool.reserve(count)
+        return iter(self.pool.space.allocate(count))
+
+    def block_status(self, offset: int, length: int) -> list[tuple[int, BlockState]]:
+        """(length, state) runs covering [offset, offset+length), equal neighbours merged."""
+        self._check(offset, length, write=False)
+        bs = self.pool.block_size
+        runs: list[list[int]] = []
+        pos = offset
+
+        def add(n: int, state: int) -> None:
+            if runs and runs[-1][1] == state:
+                runs[-1][0] += n
+            else:
+                runs.append([n, state])
+
+        with self.pool.lock:
+            for vblock, start, end, entry in self._segments(offset, length, skip_holes=True):
+                seg_off = vblock * bs + start
+                if seg_off > pos:
+                    add(seg_off - pos, _UNMAPPED)
+                add(end - start, entry & STATE_MASK)
+                pos = seg_off + end - start
+        if pos < offset + length:
+            add(offset + length - pos, _UNMAPPED)
+        return [(n, BlockState(state)) for n, state in runs]
+
+    def flush(self) -> None:
+        """Make every completed request durable (a pool-wide commit)."""
+        self.pool.commit()
+
+    def resize(self, size_bytes: int) -> None:
+        """Grow, or shrink unmapping everything past the new end (a partial block is zeroed)."""
+        with self.pool.lock:
+            old = self.row.size_bytes
+            if size_bytes < old:
+                self.trim(size_bytes, old - size_bytes)
+            self.row.size_bytes = size_bytes
+            self.pool.mark_volume_dirty(self)
