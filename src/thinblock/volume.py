@@ -161,13 +161,17 @@ class Volume:
 
     # ----- iteration --------------------------------------------------------------
 
-    def _segments(self, offset: int, length: int, *, skip_holes: bool) -> Iterator[tuple[int, int, int, int]]:
-        """(vblock, start_in_block, end_in_block, entry) for each block touched.
+    def _segments(self, offset: int, length: int, *, skip_holes: bool) -> Iterator[tuple[int, int, int, int, bool]]:
+        """(vblock, start_in_block, end_in_block, entry, whole) for each block touched.
+
+        `whole` means the range covers the block entirely; a volume's last, partial
+        block is whole when covered up to the volume's end (nothing lies beyond).
 
         With skip_holes, pages absent from the root table are skipped whole: the
         caller treats absent blocks as UNMAPPED no-ops (so a 1 PiB trim is cheap).
         """
         bs = self.pool.block_size
+        size = self.row.size_bytes
         end = offset + length
         if length == 0:
             return
@@ -187,7 +191,8 @@ class Volume:
             for vblock in range(lo, hi + 1):
                 base = vblock * bs
                 entry = entries[vblock - page_index * PAGE_ENTRIES] if entries is not None else 0
-                yield vblock, max(offset, base) - base, min(end, base + bs) - base, entry
+                start, stop = max(offset, base), min(end, base + bs)
+                yield vblock, start - base, stop - base, entry, start == base and (stop == base + bs or stop == size)
 
     # ----- the verbs --------------------------------------------------------------
 
@@ -199,7 +204,7 @@ class Volume:
             out = bytearray(length)
             view = memoryview(out)
             runs: list[list[int]] = []  # [store offset, out position, length]
-            for vblock, start, end, entry in self._segments(offset, length, skip_holes=True):
+            for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
                 if entry & STATE_MASK != _DATA:
                     continue
                 store_off = (entry >> DBLOCK_SHIFT) * bs + start
@@ -225,27 +230,27 @@ class Volume:
         with pool.lock:
             plan = []
             needed = 0
-            for vblock, start, end, entry in self._segments(offset, len(buf), skip_holes=False):
+            for vblock, start, end, entry, whole in self._segments(offset, len(buf), skip_holes=False):
                 pos = vblock * bs + start - offset
                 piece = buf[pos : pos + end - start]
                 state = entry & STATE_MASK
                 zero = detect != "off" and is_zero(piece)
                 if zero and state != _DATA:
                     continue  # zero-write elision: no change, no I/O
-                if zero and end - start == bs and detect == "unmap" and not entry & PINNED:
+                if zero and whole and detect == "unmap" and not entry & PINNED:
                     new = False  # released below
                 else:
                     new = self._needs_new_dblock(vblock, entry)
                 needed += new
-                plan.append((vblock, start, end, piece, zero, new))
+                plan.append((vblock, start, end, piece, zero and whole, new))
             fresh = self._allocate(needed)
             runs = _Runs()
-            for vblock, start, end, piece, zero, new in plan:
+            for vblock, start, end, piece, zero_whole, new in plan:
                 entry = self._entry(vblock)
                 state = entry & STATE_MASK
                 pinned = entry & PINNED
                 dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
-                if zero and end - start == bs:
+                if zero_whole:
                     if detect == "unmap" and not pinned:
                         self._set_entry(vblock, 0)
                     else:
@@ -295,8 +300,7 @@ class Volume:
                 self._precheck_space(offset, length)
             plan = []
             needed = 0
-            for vblock, start, end, entry in self._segments(offset, length, skip_holes=not no_hole):
-                full = end - start == bs
+            for vblock, start, end, entry, full in self._segments(offset, length, skip_holes=not no_hole):
                 state = entry & STATE_MASK
                 if state == _DATA and not full:
                     if fast:
@@ -347,7 +351,7 @@ class Volume:
             self._precheck_space(offset, length)
             plan = []
             needed = 0
-            for vblock, _start, _end, entry in self._segments(offset, length, skip_holes=False):
+            for vblock, _start, _end, entry, _whole in self._segments(offset, length, skip_holes=False):
                 new = self._needs_new_dblock(vblock, entry)
                 if new or not entry & PINNED:
                     needed += new
@@ -402,7 +406,7 @@ class Volume:
                 runs.append([n, state])
 
         with self.pool.lock:
-            for vblock, start, end, entry in self._segments(offset, length, skip_holes=True):
+            for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
                 seg_off = vblock * bs + start
                 if seg_off > pos:
                     add(seg_off - pos, _UNMAPPED)

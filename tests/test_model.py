@@ -1,0 +1,230 @@
+"""Property test: random operation sequences against the plain model in tests/model.py."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+
+from tests.model import Model, ModelError, ModelVolume
+from thinblock import BlockState, OpError, Pool
+from thinblock.check import check_metadata
+from thinblock.metadata import DB_NAME, MetadataStore
+
+BS = 4096
+POOL_BLOCKS = 12
+
+
+def sizes() -> st.SearchStrategy[int]:
+    # multiples of 512, often not of the block size, so the last block is partial
+    return st.integers(min_value=1, max_value=6 * BS // 512).map(lambda n: n * 512)
+
+
+def payloads(length: int) -> st.SearchStrategy[bytes]:
+    """Zeros, seeded random bytes, or a block-by-block mix of both.
+
+    Built from a few small draws (a seed, a kind per block) so that hypothesis's
+    per-example entropy budget goes to the operation sequence, not to bytes.
+    """
+    kinds = st.lists(st.sampled_from(["zero", "rand"]), min_size=length // BS + 2, max_size=length // BS + 2)
+    return st.one_of(
+        st.just(bytes(length)),
+        st.integers(0, 2**32).map(lambda seed: random.Random(seed).randbytes(length)),
+        st.tuples(kinds, st.integers(0, 2**32)).map(lambda ks: _mixed(ks[0], ks[1], length)),
+    )
+
+
+def _mixed(kinds: list[str], seed: int, length: int) -> bytes:
+    rng = random.Random(seed)
+    out = bytearray()
+    for kind in kinds:
+        out += bytes(BS) if kind == "zero" else rng.randbytes(BS)
+    return bytes(out[:length])
+
+
+class PoolMachine(RuleBasedStateMachine):
+    names = Bundle("names")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="tb-model-")
+        self.path = os.path.join(self.dir, "pool")
+        self.pool = Pool.create(self.path, POOL_BLOCKS * BS, block_size=BS)
+        self.model = Model(POOL_BLOCKS, BS)
+        self.counter = 0
+
+    def teardown(self) -> None:
+        self.pool.close()
+        meta = MetadataStore.open(os.path.join(self.path, DB_NAME), readonly=True)
+        try:
+            assert check_metadata(meta) == []
+        finally:
+            meta.close()
+        shutil.rmtree(self.dir)
+
+    # ----- helpers ----------------------------------------------------------------
+
+    def _both(self, name: str, impl, model) -> None:
+        """Run an operation on both; they must agree on success or on the errno."""
+        try:
+            model()
+            expected = None
+        except ModelError as exc:
+            expected = exc.code
+        try:
+            impl()
+            got = None
+        except OpError as exc:
+            got = exc.errno
+        assert got == expected, f"{name}: implementation errno {got}, model errno {expected}"
+
+    def _range(self, data: st.DataObject, name: str) -> tuple[int, int]:
+        # Block-aligned ranges are where whole-block rules apply; mix them with
+        # sector-aligned and arbitrary ones.
+        size = self.model.volumes[name].size
+        unit = data.draw(st.sampled_from([BS, BS, 512, 1]))
+        offset = data.draw(st.integers(0, (size - 1) // unit)) * unit
+        length = data.draw(st.integers(0, min(size - offset, 3 * BS) // unit)) * unit
+        if data.draw(st.booleans()):
+            length = size - offset if unit == 1 else min(size - offset, length)
+        return offset, length
+
+    # ----- rules ------------------------------------------------------------------
+
+    @initialize(target=names, size=sizes(), detect=st.sampled_from(["on", "on", "off", "unmap"]))
+    def first_volume(self, size: int, detect: str) -> str:
+        return self.create_volume(size, detect)
+
+    @precondition(lambda self: len(self.model.volumes) < 3)
+    @rule(target=names, size=sizes(), detect=st.sampled_from(["on", "on", "off", "unmap"]))
+    def create_volume(self, size: int, detect: str) -> str:
+        self.counter += 1
+        name = f"v{self.counter}"
+        self.pool.create_volume(name, size, detect_zeroes=detect)
+        self.model.volumes[name] = ModelVolume(size, BS, detect)
+        return name
+
+    @rule(name=consumes(names))
+    def remove_volume(self, name: str) -> None:
+        self.pool.remove_volume(name)
+        del self.model.volumes[name]
+
+    @rule(name=names, data=st.data())
+    def write(self, name: str, data: st.DataObject) -> None:
+        offset, length = self._range(data, name)
+        payload = data.draw(payloads(length))
+        fua = data.draw(st.booleans())
+        vol = self.pool.volume(name)
+        self._both(
+            "write", lambda: vol.write(offset, payload, fua=fua), lambda: self.model.write(name, offset, payload)
+        )
+
+    # Writes matter most: a second rule doubles their share of the steps.
+    @rule(name=names, data=st.data())
+    def write_more(self, name: str, data: st.DataObject) -> None:
+        self.write(name, data)
+
+    @rule(name=names, data=st.data(), no_hole=st.booleans(), fast=st.booleans())
+    def write_zeroes(self, name: str, data: st.DataObject, no_hole: bool, fast: bool) -> None:
+        offset, length = self._range(data, name)
+        vol = self.pool.volume(name)
+        self._both(
+            "write_zeroes",
+            lambda: vol.write_zeroes(offset, length, no_hole=no_hole, fast=fast),
+            lambda: self.model.zero_or_trim(name, offset, length, no_hole, fast),
+        )
+
+    @rule(name=names, data=st.data())
+    def trim(self, name: str, data: st.DataObject) -> None:
+        offset, length = self._range(data, name)
+        vol = self.pool.volume(name)
+        self._both(
+            "trim",
+            lambda: vol.trim(offset, length),
+            lambda: self.model.zero_or_trim(name, offset, length, False, False),
+        )
+
+    @rule(name=names, data=st.data())
+    def provision(self, name: str, data: st.DataObject) -> None:
+        offset, length = self._range(data, name)
+        vol = self.pool.volume(name)
+        self._both(
+            "provision", lambda: vol.provision(offset, length), lambda: self.model.provision(name, offset, length)
+        )
+
+    @rule(name=names, size=sizes())
+    def resize(self, name: str, size: int) -> None:
+        self.pool.resize_volume(name, size)
+        self.model.resize(name, size)
+
+    @rule(name=names, detect=st.sampled_from(["off", "on", "unmap"]))
+    def set_detect_zeroes(self, name: str, detect: str) -> None:
+        self.pool.set_detect_zeroes(name, detect)
+        self.model.volumes[name].detect = detect
+
+    @rule()
+    def flush(self) -> None:
+        self.pool.flush()
+
+    @rule()
+    def reopen(self) -> None:
+        self.pool.close()
+        self.pool = Pool.open(self.path)
+
+    @precondition(lambda self: self.model.pool_blocks < 2 * POOL_BLOCKS)
+    @rule(extra=st.integers(1, 8))
+    def grow_pool(self, extra: int) -> None:
+        self.model.pool_blocks += extra
+        self.pool.grow(self.model.pool_blocks * BS)
+
+    @rule(name=names, data=st.data())
+    def read_range(self, name: str, data: st.DataObject) -> None:
+        offset, length = self._range(data, name)
+        assert self.pool.volume(name).read(offset, length) == bytes(
+            self.model.volumes[name].data[offset : offset + length]
+        )
+
+    # ----- invariants -------------------------------------------------------------
+
+    @invariant()
+    def contents_and_states_match(self) -> None:
+        for name, mv in self.model.volumes.items():
+            vol = self.pool.volume(name)
+            assert vol.size_bytes == mv.size
+            assert vol.read(0, mv.size) == bytes(mv.data), f"{name}: bytes differ from the model"
+            got = [(n, int(s)) for n, s in vol.block_status(0, mv.size)]
+            assert got == self.model.block_status(name, 0, mv.size), f"{name}: block states differ"
+
+    @invariant()
+    def accounting_matches(self) -> None:
+        status = self.pool.status()
+        assert status["size_bytes"] == self.model.pool_blocks * BS
+        assert status["used_bytes"] == self.model.used() * BS
+        assert status["free_bytes"] == self.model.free() * BS
+        by_name = {v["name"]: v for v in status["volumes"]}
+        assert set(by_name) == set(self.model.volumes)
+        for name, mv in self.model.volumes.items():
+            v = by_name[name]
+            assert v["mapped_bytes"] == mv.mapped() * BS
+            assert v["data_bytes"] == mv.states.count(2) * BS
+            assert v["zeroed_bytes"] == mv.states.count(1) * BS
+            assert v["provisioned_bytes"] == sum(mv.pinned) * BS
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("THINBLOCK_MODEL_EXAMPLES", "150")),
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+TestPoolModel = PoolMachine.TestCase
+
+
+def test_block_state_values() -> None:
+    # The model's numbering is the implementation's.
+    assert (BlockState.UNMAPPED, BlockState.ZEROED, BlockState.DATA) == (0, 1, 2)
