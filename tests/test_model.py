@@ -98,11 +98,14 @@ class PoolMachine(RuleBasedStateMachine):
 
     @initialize(target=names, size=sizes(), detect=st.sampled_from(["on", "on", "off", "unmap"]))
     def first_volume(self, size: int, detect: str) -> str:
-        return self.create_volume(size, detect)
+        return self._new_volume(size, detect)
 
     @precondition(lambda self: len(self.model.volumes) < 3)
     @rule(target=names, size=sizes(), detect=st.sampled_from(["on", "on", "off", "unmap"]))
     def create_volume(self, size: int, detect: str) -> str:
+        return self._new_volume(size, detect)
+
+    def _new_volume(self, size: int, detect: str) -> str:
         self.counter += 1
         name = f"v{self.counter}"
         self.pool.create_volume(name, size, detect_zeroes=detect)
