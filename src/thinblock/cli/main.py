@@ -101,7 +101,10 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
             print(f"  - {problem}")
     else:
         print(f"pool {args.pool}: metadata is consistent")
-    return 1 if problems else 0
+    if problems:
+        print(f"thinblock: error: pool check found {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_volume_create(args: argparse.Namespace) -> None:

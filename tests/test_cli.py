@@ -1,0 +1,175 @@
+"""The `thinblock` command line, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from thinblock import Pool
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tb(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "thinblock", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=120,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+        assert "error" in proc.stderr
+    return proc
+
+
+@pytest.fixture
+def pool_dir(tmp_path: Path) -> str:
+    path = str(tmp_path / "pool")
+    tb("pool", "create", path, "--size", "64M")
+    return path
+
+
+def test_pool_lifecycle(pool_dir: str) -> None:
+    status = json.loads(tb("pool", "status", pool_dir, "--json").stdout)
+    assert status["size_bytes"] == 64 << 20
+    assert status["block_size"] == 64 << 10
+    assert status["used_bytes"] == 0 and status["free_bytes"] == 64 << 20
+    assert status["volumes"] == []
+    tb("volume", "create", pool_dir, "vm1", "--size", "1T")  # overcommit
+    tb("volume", "create", pool_dir, "vm2", "--size", "10G", "--detect-zeroes", "unmap")
+    with Pool.open(pool_dir) as pool:
+        pool.volume("vm1").write(0, b"\x01" * (1 << 20))
+        pool.volume("vm1").provision(1 << 30, 1 << 20)
+    vols = {v["name"]: v for v in json.loads(tb("volume", "list", pool_dir, "--json").stdout)}
+    assert vols["vm1"]["size_bytes"] == 1 << 40
+    assert vols["vm1"]["mapped_bytes"] == 2 << 20
+    assert vols["vm1"]["provisioned_bytes"] == 1 << 20
+    assert vols["vm2"]["detect_zeroes"] == "unmap"
+    human = tb("pool", "status", pool_dir).stdout
+    assert "vm1" in human and "used 2M" in human
+    tb("pool", "grow", pool_dir, "--size", "128M")
+    assert json.loads(tb("pool", "status", pool_dir, "--json").stdout)["size_bytes"] == 128 << 20
+    tb("volume", "resize", pool_dir, "vm1", "--size", "512K")
+    vols = {v["name"]: v for v in json.loads(tb("volume", "list", pool_dir, "--json").stdout)}
+    assert vols["vm1"]["size_bytes"] == 512 << 10 and vols["vm1"]["mapped_bytes"] == 512 << 10
+    tb("volume", "set", pool_dir, "vm1", "--detect-zeroes", "off")
+    tb("volume", "remove", pool_dir, "vm1")
+    status = json.loads(tb("pool", "status", pool_dir, "--json").stdout)
+    assert [v["name"] for v in status["volumes"]] == ["vm2"] and status["used_bytes"] == 0
+    assert "consistent" in tb("pool", "check", pool_dir).stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pool", "status", "/nonexistent/pool"],
+        ["pool", "check", "/nonexistent/pool"],
+        ["volume", "create", "/nonexistent/pool", "v", "--size", "1G"],
+        ["pool", "create", "{tmp}/p2", "--size", "10Q"],
+        ["pool", "create", "{tmp}/p2", "--size", "100K"],
+        ["pool", "create", "{tmp}/p2", "--size", "64M", "--block-size", "48K"],
+        ["pool", "create", "{tmp}/p2", "--size", "64M", "--block-size", "32M"],
+        ["pool", "create", "{pool}", "--size", "64M"],
+        ["volume", "create", "{pool}", "v", "--size", "16E"],
+        ["volume", "create", "{pool}", "v", "--size", "1000"],
+        ["volume", "create", "{pool}", "v", "--size", "0"],
+        ["volume", "create", "{pool}", "-v", "--size", "1G"],
+        ["volume", "create", "{pool}", "a/b", "--size", "1G"],
+        ["volume", "create", "{pool}", "dup", "--size", "1G"],
+        ["volume", "remove", "{pool}", "missing"],
+        ["volume", "resize", "{pool}", "missing", "--size", "1G"],
+        ["volume", "resize", "{pool}", "dup", "--size", "1X"],
+        ["pool", "grow", "{pool}", "--size", "32M"],
+        ["pool", "grow", "{pool}", "--size", "65M+1"],
+        ["volume", "set", "{pool}", "dup", "--detect-zeroes", "maybe"],
+        ["pool", "frobnicate"],
+        [],
+    ],
+)
+def test_bad_input_is_a_clear_error_and_changes_nothing(pool_dir: str, tmp_path: Path, args: list[str]) -> None:
+    tb("volume", "create", pool_dir, "dup", "--size", "1G")
+    before = tb("pool", "status", pool_dir, "--json").stdout
+    proc = tb(*[a.format(tmp=tmp_path, pool=pool_dir) for a in args], ok=False)
+    assert proc.stderr.strip()
+    assert tb("pool", "status", pool_dir, "--json").stdout == before
+    assert not (tmp_path / "p2" / "metadata.sqlite").exists()
+
+
+def test_every_command_has_help() -> None:
+    for args in (
+        [],
+        ["pool"],
+        ["pool", "create"],
+        ["pool", "status"],
+        ["pool", "grow"],
+        ["pool", "check"],
+        ["volume"],
+        ["volume", "create"],
+        ["volume", "list"],
+        ["volume", "remove"],
+        ["volume", "resize"],
+        ["volume", "set"],
+        ["quickstart"],
+    ):
+        out = tb(*args, "--help").stdout
+        assert "usage: thinblock" in out
+
+
+def test_busy_pool_is_refused_but_status_works(pool_dir: str) -> None:
+    with Pool.open(pool_dir) as pool:
+        pool.create_volume("live", 1 << 30).write(0, b"x" * 4096)
+        pool.commit()
+        proc = tb("volume", "create", pool_dir, "other", "--size", "1G", ok=False)
+        assert "in use" in proc.stderr and str(os.getpid()) in proc.stderr
+        status = json.loads(tb("pool", "status", pool_dir, "--json").stdout)
+        assert status["volumes"][0]["mapped_bytes"] == 64 << 10
+
+
+def test_check_reports_corrupted_file(pool_dir: str) -> None:
+    tb("volume", "create", pool_dir, "v", "--size", "1G")
+    db = Path(pool_dir) / "metadata.sqlite"
+    data = bytearray(db.read_bytes())
+    data[100:4000] = os.urandom(3900)
+    db.write_bytes(bytes(data))
+    for name in ("metadata.sqlite-wal", "metadata.sqlite-shm"):
+        (Path(pool_dir) / name).unlink(missing_ok=True)
+    proc = tb("pool", "check", pool_dir, ok=False)
+    assert "unreadable" in proc.stderr or "problem" in proc.stdout or "corrupt" in proc.stderr
+
+
+def test_check_reports_damaged_refcounts_in_plain_words(pool_dir: str) -> None:
+    with Pool.open(pool_dir) as pool:
+        pool.create_volume("v", 1 << 30).write(0, b"x" * (3 << 16))
+    conn = sqlite3.connect(Path(pool_dir) / "metadata.sqlite")
+    blob = bytearray(conn.execute("SELECT counts FROM refcount_pages WHERE idx = 0").fetchone()[0])
+    blob[4:8] = (2).to_bytes(4, "little")  # dblock 1: refcount 2, one reference
+    blob[40:44] = (1).to_bytes(4, "little")  # dblock 10: leaked
+    conn.execute("UPDATE refcount_pages SET counts = ? WHERE idx = 0", (bytes(blob),))
+    conn.execute("UPDATE volumes SET data_blocks = 7")
+    conn.commit()
+    conn.close()
+    proc = tb("pool", "check", pool_dir, ok=False)
+    assert "dblock 1: refcount 2 recorded, 1 references found" in proc.stdout
+    assert "dblock 10: refcount 1 recorded but nothing maps it" in proc.stdout
+    assert "volume v: 7 data blocks recorded, 3 mapped" in proc.stdout
+    report = json.loads(tb("pool", "check", pool_dir, "--json", ok=False).stdout)
+    assert report["ok"] is False and len(report["problems"]) >= 3
+
+
+def test_quickstart_creates_default_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "default")
+    first = tb("quickstart", "--pool", path, "--size", "64M", "--volume-size", "1G")
+    assert "created pool" in first.stdout and "disk0" in first.stdout
+    second = json.loads(tb("quickstart", "--pool", path, "--json").stdout)
+    assert [v["name"] for v in second["volumes"]] == ["disk0"]
