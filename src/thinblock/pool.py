@@ -328,9 +328,11 @@ class Pool:
         self._dirty_pages.add(page_id)
         self.dirty = True
 
-    def mark_page_dirty(self, vol: Volume, page_index: int, page: Page) -> None:
+    def page_changed(self, vol: Volume, page_index: int, page: Page) -> None:
+        """An entry of vol's page changed: the page, the volume's counters and maybe emptiness."""
         self._dirty_pages.add(page.page_id)
         self._touched.add((vol, page_index))
+        self._dirty_volumes.add(vol)
         self.dirty = True
 
     def mark_root_dirty(self, vol: Volume, page_index: int) -> None:

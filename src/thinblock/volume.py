@@ -14,7 +14,9 @@ Two rules keep stale bytes out of reads:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from thinblock.errors import NotSupportedError, RangeError, ReadOnlyError
@@ -47,8 +49,9 @@ class _Runs:
         self.writes.append((offset, [buf], len(buf)))
 
     def allocate(self, offset: int, length: int) -> None:
-        if self.allocs and sum(self.allocs[-1]) == offset:
-            self.allocs[-1][1] += length
+        last = self.allocs[-1] if self.allocs else None
+        if last is not None and last[0] + last[1] == offset:
+            last[1] += length
         else:
             self.allocs.append([offset, length])
 
@@ -109,7 +112,7 @@ class Volume:
         if page_id is None:
             page = pool.new_page()
         else:
-            page = pool.page(page_id)
+            page = pool.pages.get(page_id) or pool.page(page_id)
             if page.refcount == 1:
                 return page
             # Copy-on-write of a shared page: the copy references every dblock too.
@@ -126,26 +129,31 @@ class Volume:
         """Point vblock at a new entry; the old dblock loses this reference if it changes.
 
         A new dblock must come from SpaceMap.allocate (which counted this reference).
+        This runs once per changed block, so it is written for speed.
         """
         page_index, slot = divmod(vblock, PAGE_ENTRIES)
         page = self._writable_page(page_index)
-        old = page.entries[slot]
+        entries = page.entries
+        old = entries[slot]
         if old == new:
             return
-        page.entries[slot] = new
+        entries[slot] = new
         row = self.row
-        for entry, sign in ((old, -1), (new, 1)):
-            state = entry & STATE_MASK
-            if state == _DATA:
-                row.data_blocks += sign
-            elif state == _ZEROED:
-                row.zeroed_blocks += sign
-            if entry & PINNED:
-                row.pinned_blocks += sign
-        if old and (new >> DBLOCK_SHIFT != old >> DBLOCK_SHIFT or not new):
+        old_state, new_state = old & STATE_MASK, new & STATE_MASK
+        if old_state != new_state:
+            if old_state == _DATA:
+                row.data_blocks -= 1
+            elif old_state == _ZEROED:
+                row.zeroed_blocks -= 1
+            if new_state == _DATA:
+                row.data_blocks += 1
+            elif new_state == _ZEROED:
+                row.zeroed_blocks += 1
+        if (old ^ new) & PINNED:
+            row.pinned_blocks += 1 if new & PINNED else -1
+        if old and (not new or (old ^ new) >> DBLOCK_SHIFT):
             self.pool.space.decref(old >> DBLOCK_SHIFT)
-        self.pool.mark_page_dirty(self, page_index, page)
-        self.pool.mark_volume_dirty(self)
+        self.pool.page_changed(self, page_index, page)
 
     def _shares_page(self, vblock: int) -> bool:
         page_id = self.root.get(vblock // PAGE_ENTRIES)
@@ -201,8 +209,6 @@ class Volume:
         self._check(offset, length, write=False)
         bs = self.pool.block_size
         with self.pool.lock:
-            out = bytearray(length)
-            view = memoryview(out)
             runs: list[list[int]] = []  # [store offset, out position, length]
             for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
                 if entry & STATE_MASK != _DATA:
@@ -214,6 +220,10 @@ class Volume:
                     last[2] += end - start
                 else:
                     runs.append([store_off, pos, end - start])
+            if len(runs) == 1 and runs[0][2] == length:
+                return self.pool.store.pread(runs[0][0], length)  # all data, one extent: no copies
+            out = bytearray(length)
+            view = memoryview(out)
             for store_off, pos, n in runs:
                 view[pos : pos + n] = self.pool.store.pread(store_off, n)
         return bytes(out)
@@ -242,11 +252,10 @@ class Volume:
                 else:
                     new = self._needs_new_dblock(vblock, entry)
                 needed += new
-                plan.append((vblock, start, end, piece, zero and whole, new))
+                plan.append((vblock, start, end, entry, piece, zero and whole, new))
             fresh = self._allocate(needed)
             runs = _Runs()
-            for vblock, start, end, piece, zero_whole, new in plan:
-                entry = self._entry(vblock)
+            for vblock, start, end, entry, piece, zero_whole, new in plan:
                 state = entry & STATE_MASK
                 pinned = entry & PINNED
                 dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
@@ -314,11 +323,10 @@ class Volume:
                     action = "reserve"
                 new = action != "unmap" and self._needs_new_dblock(vblock, entry)
                 needed += new
-                plan.append((vblock, start, end, action, new))
+                plan.append((vblock, start, end, entry, action, new))
             fresh = self._allocate(needed)
             runs = _Runs()
-            for vblock, start, end, action, new in plan:
-                entry = self._entry(vblock)
+            for vblock, start, end, entry, action, new in plan:
                 if action == "unmap":
                     self._set_entry(vblock, 0)
                 elif action == "zero_part":
@@ -349,31 +357,58 @@ class Volume:
         bs = pool.block_size
         with pool.lock:
             self._precheck_space(offset, length)
-            plan = []
+            plan: list[tuple[int, int, int, bool]] = []  # (first vblock, last vblock, entry, new)
             needed = 0
-            for vblock, _start, _end, entry, _whole in self._segments(offset, length, skip_holes=False):
-                new = self._needs_new_dblock(vblock, entry)
-                if new or not entry & PINNED:
-                    needed += new
-                    plan.append((vblock, new))
+            first, last = offset // bs, (offset + length - 1) // bs
+            for page_index in range(first // PAGE_ENTRIES, last // PAGE_ENTRIES + 1) if length else ():
+                lo = max(first, page_index * PAGE_ENTRIES)
+                hi = min(last, page_index * PAGE_ENTRIES + PAGE_ENTRIES - 1)
+                if page_index not in self.root:
+                    # A page that maps nothing: every block is UNMAPPED, all handled at once.
+                    needed += hi - lo + 1
+                    plan.append((lo, hi, 0, True))
+                    continue
+                for vblock, _start, _end, entry, _whole in self._segments(
+                    lo * bs, (hi - lo + 1) * bs, skip_holes=False
+                ):
+                    new = self._needs_new_dblock(vblock, entry)
+                    if new or not entry & PINNED:
+                        needed += new
+                        plan.append((vblock, vblock, entry, new))
             fresh = self._allocate(needed)
             runs = _Runs()
-            for vblock, new in plan:
-                entry = self._entry(vblock)
+            for lo, hi, entry, new in plan:
                 if not new:
-                    self._set_entry(vblock, entry | PINNED)
-                    continue
-                dblock = next(fresh)
-                if entry & STATE_MASK == _DATA:
+                    self._set_entry(lo, entry | PINNED)
+                elif hi > lo or not entry:
+                    dblocks = list(islice(fresh, hi - lo + 1))
+                    self._set_unmapped_run(lo, [(d << DBLOCK_SHIFT) | PINNED | _ZEROED for d in dblocks])
+                    for dblock in dblocks:
+                        runs.allocate(dblock * bs, bs)
+                elif entry & STATE_MASK == _DATA:
                     # A shared DATA block: copy it now so later writes need no space.
+                    dblock = next(fresh)
                     runs.write(dblock * bs, pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
-                    self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | PINNED | _DATA)
+                    self._set_entry(lo, (dblock << DBLOCK_SHIFT) | PINNED | _DATA)
                 else:
+                    dblock = next(fresh)
                     runs.allocate(dblock * bs, bs)
-                    self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
+                    self._set_entry(lo, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
             runs.run(pool.store)
             if fua:
                 pool.commit()
+
+    def _set_unmapped_run(self, first: int, new_entries: list[int]) -> None:
+        """_set_entry in bulk for a run of UNMAPPED vblocks in one page becoming
+        ZEROED|PINNED on fresh dblocks (the provision rule, for whole empty pages)."""
+        page_index, slot = divmod(first, PAGE_ENTRIES)
+        page = self._writable_page(page_index)
+        if any(page.entries[slot : slot + len(new_entries)]):
+            raise AssertionError("bulk provision over mapped blocks")
+        page.entries[slot : slot + len(new_entries)] = array("Q", new_entries)
+        self.row.zeroed_blocks += len(new_entries)
+        self.row.pinned_blocks += len(new_entries)
+        self.pool.page_changed(self, page_index, page)
 
     def _precheck_space(self, offset: int, length: int) -> None:
         """Refuse at once a range that cannot fit, before walking its blocks one by one."""
