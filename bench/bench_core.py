@@ -141,6 +141,7 @@ def run(scratch: Path, args: argparse.Namespace, r: dict[str, Any]) -> None:
 
     progress("provisioning 8 GiB vs writing 8 GiB of zeros / fallocate on a plain file")
     pvol = pool.create_volume("prov", 8 * GiB)
+
     def tb_provision() -> None:
         pvol.provision(0, 8 * GiB)
         pool.flush()
@@ -159,6 +160,7 @@ def run(scratch: Path, args: argparse.Namespace, r: dict[str, Any]) -> None:
     os.close(zfd)
     zpath.unlink()
     zfd = os.open(zpath, os.O_RDWR | os.O_CREAT, 0o644)
+
     def plain_fallocate() -> None:
         fallocate(zfd, 0, 0, 8 * GiB)
         os.fsync(zfd)

@@ -36,10 +36,13 @@ class _Runs:
     """Data-store ranges collected during one request, merged when contiguous."""
 
     def __init__(self) -> None:
+        self.zeros: list[list[int]] = []
         self.writes: list[tuple[int, list[bytes | memoryview], int]] = []
         self.allocs: list[list[int]] = []
 
     def write(self, offset: int, buf: bytes | memoryview) -> None:
+        if not len(buf):
+            return
         if self.writes:
             start, bufs, length = self.writes[-1]
             if start + length == offset and len(bufs) < IOV_MAX:
@@ -48,14 +51,24 @@ class _Runs:
                 return
         self.writes.append((offset, [buf], len(buf)))
 
-    def allocate(self, offset: int, length: int) -> None:
-        last = self.allocs[-1] if self.allocs else None
+    @staticmethod
+    def _add_range(ranges: list[list[int]], offset: int, length: int) -> None:
+        last = ranges[-1] if ranges else None
         if last is not None and last[0] + last[1] == offset:
             last[1] += length
         else:
-            self.allocs.append([offset, length])
+            ranges.append([offset, length])
+
+    def allocate(self, offset: int, length: int) -> None:
+        self._add_range(self.allocs, offset, length)
+
+    def zero(self, offset: int, length: int) -> None:
+        """Zero a range before this request's writes land (zero-range, not written zeros)."""
+        self._add_range(self.zeros, offset, length)
 
     def run(self, store: DataStore) -> None:
+        for offset, length in self.zeros:
+            store.zero(offset, length)
         for offset, bufs, _ in self.writes:
             store.pwritev(offset, bufs)
         for offset, length in self.allocs:
@@ -270,15 +283,19 @@ class Volume:
                 if state == _DATA and not new:
                     runs.write(dblock * bs + start, piece)  # in place
                     continue
-                # The block enters DATA or moves to a fresh dblock: write it whole.
+                # The block enters DATA or moves to a fresh dblock: none of its old bytes
+                # may show, so it is written whole, or zeroed (a cheap zero-range in the
+                # layer below) and then written in part.
                 if state == _DATA and (start or end != bs):
                     old = pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs)
-                    head, tail = old[:start], old[end:]
+                    runs.write(dblock * bs, old[:start])
+                    runs.write(dblock * bs + start, piece)
+                    runs.write(dblock * bs + end, old[end:])
+                elif start or end != bs:
+                    runs.zero(dblock * bs, bs)
+                    runs.write(dblock * bs + start, piece)
                 else:
-                    head, tail = zero_bytes(start), zero_bytes(bs - end)
-                for at, part in ((0, head), (start, piece), (end, tail)):
-                    if len(part):
-                        runs.write(dblock * bs + at, part)
+                    runs.write(dblock * bs, piece)
                 self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | pinned | _DATA)
             runs.run(pool.store)
             if fua:
