@@ -32,6 +32,16 @@ _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), in
 IOV_MAX = 1024
 
 
+def _add_piece(pieces: list[list[int]], offset: int, length: int, store_off: int) -> None:
+    """Append to read_sparse's pieces, merging zeros with zeros and contiguous data."""
+    if pieces:
+        last = pieces[-1]
+        if (last[2] < 0 and store_off < 0) or (last[2] >= 0 and last[2] + last[1] == store_off):
+            last[1] += length
+            return
+    pieces.append([offset, length, store_off])
+
+
 class _Runs:
     """Data-store ranges collected during one request, merged when contiguous."""
 
@@ -240,6 +250,29 @@ class Volume:
             for store_off, pos, n in runs:
                 view[pos : pos + n] = self.pool.store.pread(store_off, n)
         return bytes(out)
+
+    def read_sparse(self, offset: int, length: int) -> list[tuple[int, int, bytes | None]]:
+        """The range as (offset, length, data) pieces, data None where it reads zeros.
+
+        Frontends use this to keep zeros off the wire (NBD holes, SEEK_HOLE); the
+        pieces and their bytes come from one consistent moment.
+        """
+        self._check(offset, length, write=False)
+        bs = self.pool.block_size
+        pieces: list[list[int]] = []  # [offset, length, store offset or -1]
+        with self.pool.lock:
+            pos = offset
+            for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
+                seg_off = vblock * bs + start
+                if seg_off > pos:
+                    _add_piece(pieces, pos, seg_off - pos, -1)
+                store_off = (entry >> DBLOCK_SHIFT) * bs + start if entry & STATE_MASK == _DATA else -1
+                _add_piece(pieces, seg_off, end - start, store_off)
+                pos = seg_off + end - start
+            if pos < offset + length:
+                _add_piece(pieces, pos, offset + length - pos, -1)
+            store = self.pool.store
+            return [(off, n, None if src < 0 else store.pread(src, n)) for off, n, src in pieces]
 
     def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
         """Write data. With detect_zeroes on/unmap, all-zero payloads are not written:

@@ -5,6 +5,7 @@ call; errors are printed as one sentence with exit status 1, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -148,6 +149,54 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     _emit(args, read_status(args.pool), _human_status)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    """Serve every volume over NBD until SIGINT/SIGTERM, then commit and stop."""
+    import asyncio
+    import logging
+    import signal
+
+    from thinblock.nbd.server import NBDServer, TLSConfig, export_uris, parse_listen
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        tcp = parse_listen(args.listen) if args.listen else None
+    except ValueError as exc:
+        raise ThinblockError(str(exc)) from None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ThinblockError("--tls-cert and --tls-key go together")
+    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
+    socket_path = os.path.abspath(args.socket or os.path.join(args.pool, "nbd.sock"))
+
+    async def serve(pool: Pool) -> None:
+        try:
+            server = NBDServer(pool, read_only=args.read_only, tls=tls)
+        except (OSError, ValueError) as exc:
+            raise ThinblockError(f"cannot load TLS certificate/key: {exc}") from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await server.listen_unix(socket_path)
+            bound = None
+            if tcp:
+                bound = (tcp[0], await server.listen_tcp(*tcp))
+        except OSError as exc:
+            raise ThinblockError(f"cannot listen: {exc.strerror or exc}") from None
+        for uri in export_uris(sorted(pool.volumes), socket_path=socket_path, tcp=bound, tls=tls is not None):
+            print(f"export {uri}", flush=True)
+        print(f"ready: serving {len(pool.volumes)} volume(s) of {args.pool}", flush=True)
+        await stop.wait()
+        print("stopping: finishing requests and committing", flush=True)
+        await server.close()
+
+    with Pool.open(args.pool) as pool:
+        asyncio.run(serve(pool))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket_path)
+    print("stopped", flush=True)
+
+
 # ----- parser --------------------------------------------------------------------------
 
 
@@ -193,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(vol_sub, "set", cmd_volume_set, "change a volume's settings")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--detect-zeroes", choices=("off", "on", "unmap"), help="zero-write handling")
+
+    p = add(sub, "serve", cmd_serve, "serve every volume of the pool over NBD")
+    p.add_argument("--socket", metavar="PATH", help="unix socket path (default POOL/nbd.sock)")
+    p.add_argument("--listen", metavar="[HOST:]PORT", help="also listen on TCP (host defaults to 127.0.0.1)")
+    p.add_argument("--read-only", action="store_true", help="export every volume read-only")
+    p.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM); makes TLS mandatory")
+    p.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
+    p.add_argument("--tls-ca", metavar="FILE", help="CA for client certificates (then they are required)")
 
     p = add(
         sub, "quickstart", cmd_quickstart, "create the default pool and volume if missing and show them", pool=False

@@ -1,0 +1,519 @@
+"""The NBD server protocol with no I/O (in the style of h11 / h2).
+
+Bytes from the client go in with `receive_data`; `next_event` turns them into
+events; bytes for the client come out of `data_to_send` (handshake and option
+replies, which the core answers itself from an `ExportCatalog`) and from the
+`*_reply` methods (transmission replies, which the caller may send in any
+order). Every state transition lives here; the socket code is a thin shell.
+
+Two error kinds, as in h11: `RemoteProtocolError` (the client broke the
+protocol: end that connection) and `LocalProtocolError` (we misused the core).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from thinblock.nbd import constants as c
+
+_OPTION_HEADER = struct.Struct(">QII")
+_OPTION_REPLY = struct.Struct(">QIII")
+_REQUEST = struct.Struct(">IHHQQI")
+_SIMPLE_REPLY = struct.Struct(">IIQ")
+_CHUNK = struct.Struct(">IHHQI")
+
+BASE_ALLOCATION = "base:allocation"
+
+
+class RemoteProtocolError(Exception):
+    """The client violated the protocol; the connection must end."""
+
+
+class LocalProtocolError(Exception):
+    """The caller used the core wrongly (a bug in thinblock, not the client)."""
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """What the core needs to know about one export."""
+
+    name: str
+    size_bytes: int
+    read_only: bool
+    description: str = ""
+    min_block: int = 1
+    preferred_block: int = 4096
+    max_payload: int = c.MAX_PAYLOAD_BYTES
+    meta_contexts: tuple[str, ...] = (BASE_ALLOCATION,)
+
+
+class ExportCatalog(Protocol):
+    def list_exports(self) -> list[ExportInfo]: ...
+
+    def lookup(self, name: str) -> ExportInfo | None: ...
+
+
+class Phase(Enum):
+    GREETING = "greeting"  # waiting for the client flags
+    OPTIONS = "options"
+    TRANSMISSION = "transmission"
+    CLOSED = "closed"
+
+
+# ----- events ----------------------------------------------------------------------------
+
+
+class NeedData:
+    """More bytes are needed before another event can be produced."""
+
+
+NEED_DATA = NeedData()
+
+
+@dataclass
+class StartTLS:
+    """STARTTLS was acknowledged: send data_to_send(), then wrap the socket in TLS."""
+
+
+@dataclass
+class Transmission:
+    """Option haggling ended: requests follow for this export."""
+
+    export: ExportInfo
+    structured: bool
+    contexts: dict[int, str]
+
+
+@dataclass
+class Request:
+    cookie: int
+    command: int
+    flags: int
+    offset: int
+    length: int
+    payload: bytes | None = None
+
+
+@dataclass
+class Closed:
+    """The session is over (client abort/disconnect, EOF, or a refused export)."""
+
+    reason: str
+    clean: bool = True
+
+
+Event = NeedData | StartTLS | Transmission | Request | Closed
+
+
+@dataclass
+class _Negotiated:
+    structured: bool = False
+    no_zeroes: bool = False
+    contexts: dict[int, str] = field(default_factory=dict)
+    contexts_export: str | None = None
+
+
+class ServerConnection:
+    """One client connection's protocol state."""
+
+    def __init__(self, catalog: ExportCatalog, *, tls_required: bool = False, tls_available: bool = False) -> None:
+        self.catalog = catalog
+        self.tls_required = tls_required
+        self.tls_available = tls_available or tls_required
+        self.tls_active = False
+        self.phase = Phase.GREETING
+        self.export: ExportInfo | None = None
+        self.neg = _Negotiated()
+        self._inbuf = bytearray()
+        self._outbuf = bytearray()
+        self._eof = False
+        self._fixed = False
+        self._next_context_id = 1
+        self._outbuf += struct.pack(">QQH", c.NBDMAGIC, c.IHAVEOPT, c.FLAG_FIXED_NEWSTYLE | c.FLAG_NO_ZEROES)
+
+    # ----- I/O-free plumbing ------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes from the client; b"" means the client closed its side."""
+        if data:
+            self._inbuf += data
+        else:
+            self._eof = True
+
+    def data_to_send(self) -> bytes:
+        out = bytes(self._outbuf)
+        self._outbuf.clear()
+        return out
+
+    def _take(self, n: int) -> bytes | None:
+        if len(self._inbuf) < n:
+            return None
+        out = bytes(self._inbuf[:n])
+        del self._inbuf[:n]
+        return out
+
+    def next_event(self) -> Event:
+        if self.phase is Phase.CLOSED:
+            return Closed("session closed")
+        try:
+            event = self._next_event()
+        except RemoteProtocolError:
+            self.phase = Phase.CLOSED
+            raise
+        if isinstance(event, NeedData) and self._eof:
+            self.phase = Phase.CLOSED
+            pending = len(self._inbuf)
+            return Closed(
+                "client closed the connection" + (f" mid-message ({pending} bytes)" if pending else ""),
+                clean=not pending,
+            )
+        if isinstance(event, Closed):
+            self.phase = Phase.CLOSED
+        return event
+
+    def _next_event(self) -> Event:
+        while True:
+            if self.phase is Phase.GREETING:
+                raw = self._take(4)
+                if raw is None:
+                    return NEED_DATA
+                (client_flags,) = struct.unpack(">I", raw)
+                if client_flags & ~(c.FLAG_C_FIXED_NEWSTYLE | c.FLAG_C_NO_ZEROES):
+                    raise RemoteProtocolError(f"unknown client flags {client_flags:#x}")
+                self.neg.no_zeroes = bool(client_flags & c.FLAG_C_NO_ZEROES)
+                self._fixed = bool(client_flags & c.FLAG_C_FIXED_NEWSTYLE)
+                self.phase = Phase.OPTIONS
+                continue
+            if self.phase is Phase.OPTIONS:
+                event = self._next_option()
+                if event is None:
+                    continue  # an option was answered; look for the next
+                return event
+            if self.phase is Phase.TRANSMISSION:
+                return self._next_request()
+            return Closed("session closed")
+
+    # ----- option haggling --------------------------------------------------------
+
+    def _next_option(self) -> Event | None:
+        if len(self._inbuf) < _OPTION_HEADER.size:
+            return NEED_DATA
+        magic, option, length = _OPTION_HEADER.unpack_from(self._inbuf)
+        if magic != c.IHAVEOPT:
+            raise RemoteProtocolError(f"bad option magic {magic:#x}")
+        if length > c.MAX_OPTION_BYTES:
+            raise RemoteProtocolError(f"option {option} carries {length} bytes (limit {c.MAX_OPTION_BYTES})")
+        if len(self._inbuf) < _OPTION_HEADER.size + length:
+            return NEED_DATA
+        del self._inbuf[: _OPTION_HEADER.size]
+        data = self._take(length) or b""
+        return self._handle_option(option, data)
+
+    def _reply(self, option: int, reply: int, payload: bytes = b"") -> None:
+        self._outbuf += _OPTION_REPLY.pack(c.OPTION_REPLY_MAGIC, option, reply, len(payload)) + payload
+
+    def _error(self, option: int, reply: int, message: str) -> None:
+        self._reply(option, reply, message.encode()[: c.MAX_STRING_BYTES])
+
+    def _handle_option(self, option: int, data: bytes) -> Event | None:
+        if option == c.OPT_ABORT:
+            self._reply(option, c.REP_ACK)
+            return Closed("client aborted the negotiation")
+        if self.tls_required and not self.tls_active:
+            if option == c.OPT_EXPORT_NAME:
+                return Closed("client chose an export before starting TLS", clean=False)
+            if option != c.OPT_STARTTLS:
+                self._error(option, c.REP_ERR_TLS_REQD, "this server requires TLS: use STARTTLS")
+                return None
+        if option == c.OPT_EXPORT_NAME:
+            return self._export_name(data)
+        if not self._fixed:
+            raise RemoteProtocolError("client did not set FIXED_NEWSTYLE and sent an option other than EXPORT_NAME")
+        handler = {
+            c.OPT_LIST: self._opt_list,
+            c.OPT_STARTTLS: self._opt_starttls,
+            c.OPT_INFO: self._opt_info_go,
+            c.OPT_GO: self._opt_info_go,
+            c.OPT_STRUCTURED_REPLY: self._opt_structured,
+            c.OPT_LIST_META_CONTEXT: self._opt_meta_context,
+            c.OPT_SET_META_CONTEXT: self._opt_meta_context,
+        }.get(option)
+        if handler is None:
+            self._error(option, c.REP_ERR_UNSUP, f"option {option} is not supported")
+            return None
+        return handler(option, data)
+
+    def _opt_list(self, option: int, data: bytes) -> Event | None:
+        if data:
+            self._error(option, c.REP_ERR_INVALID, "LIST takes no data")
+            return None
+        for export in self.catalog.list_exports():
+            name = export.name.encode()
+            self._reply(option, c.REP_SERVER, struct.pack(">I", len(name)) + name + export.description.encode())
+        self._reply(option, c.REP_ACK)
+        return None
+
+    def _opt_starttls(self, option: int, data: bytes) -> Event | None:
+        if data:
+            self._error(option, c.REP_ERR_INVALID, "STARTTLS takes no data")
+            return None
+        if not self.tls_available:
+            self._error(option, c.REP_ERR_POLICY, "TLS is not configured on this server")
+            return None
+        if self.tls_active:
+            self._error(option, c.REP_ERR_INVALID, "TLS is already active")
+            return None
+        self._reply(option, c.REP_ACK)
+        self.tls_active = True
+        self.neg = _Negotiated(no_zeroes=self.neg.no_zeroes)  # nothing negotiated before TLS survives
+        if self._inbuf:
+            raise RemoteProtocolError("client sent plaintext after STARTTLS")
+        return StartTLS()
+
+    def _opt_structured(self, option: int, data: bytes) -> Event | None:
+        if data:
+            self._error(option, c.REP_ERR_INVALID, "STRUCTURED_REPLY takes no data")
+        elif self.neg.structured:
+            self._error(option, c.REP_ERR_INVALID, "structured replies are already negotiated")
+        else:
+            self.neg.structured = True
+            self._reply(option, c.REP_ACK)
+        return None
+
+    @staticmethod
+    def _parse_name(data: bytes, pos: int) -> tuple[str, int]:
+        if len(data) < pos + 4:
+            raise ValueError("truncated length")
+        (n,) = struct.unpack_from(">I", data, pos)
+        pos += 4
+        if n > c.MAX_STRING_BYTES or len(data) < pos + n:
+            raise ValueError("string longer than its option")
+        return data[pos : pos + n].decode("utf-8"), pos + n
+
+    def _opt_info_go(self, option: int, data: bytes) -> Event | None:
+        try:
+            name, pos = self._parse_name(data, 0)
+            if len(data) < pos + 2:
+                raise ValueError("missing information request count")
+            (count,) = struct.unpack_from(">H", data, pos)
+            pos += 2
+            if len(data) != pos + 2 * count:
+                raise ValueError("information request list does not match its count")
+            requests = set(struct.unpack_from(f">{count}H", data, pos))
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._error(option, c.REP_ERR_INVALID, f"malformed {'GO' if option == c.OPT_GO else 'INFO'}: {exc}")
+            return None
+        export = self.catalog.lookup(name)
+        if export is None:
+            self._error(option, c.REP_ERR_UNKNOWN, f"no export named {name!r}")
+            return None
+        flags = self._transmission_flags(export)
+        self._reply(option, c.REP_INFO, struct.pack(">HQH", c.INFO_EXPORT, export.size_bytes, flags))
+        if c.INFO_NAME in requests:
+            self._reply(option, c.REP_INFO, struct.pack(">H", c.INFO_NAME) + export.name.encode())
+        if c.INFO_DESCRIPTION in requests and export.description:
+            self._reply(option, c.REP_INFO, struct.pack(">H", c.INFO_DESCRIPTION) + export.description.encode())
+        # Block sizes are always sent: they are the defaults' superset and harmless to clients.
+        self._reply(
+            option,
+            c.REP_INFO,
+            struct.pack(">HIII", c.INFO_BLOCK_SIZE, export.min_block, export.preferred_block, export.max_payload),
+        )
+        self._reply(option, c.REP_ACK)
+        if option == c.OPT_INFO:
+            return None
+        return self._enter_transmission(export)
+
+    def _export_name(self, data: bytes) -> Event:
+        try:
+            name = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return Closed("export name is not UTF-8", clean=False)
+        export = self.catalog.lookup(name)
+        if export is None:
+            return Closed(f"client asked for unknown export {name!r}", clean=False)
+        self._outbuf += struct.pack(">QH", export.size_bytes, self._transmission_flags(export))
+        if not self.neg.no_zeroes:
+            self._outbuf += bytes(124)
+        return self._enter_transmission(export)
+
+    def _enter_transmission(self, export: ExportInfo) -> Event:
+        self.export = export
+        self.phase = Phase.TRANSMISSION
+        contexts = self.neg.contexts if self.neg.contexts_export == export.name else {}
+        self.neg.contexts = contexts
+        return Transmission(export, self.neg.structured, dict(contexts))
+
+    def _opt_meta_context(self, option: int, data: bytes) -> Event | None:
+        setting = option == c.OPT_SET_META_CONTEXT
+        if setting:
+            self.neg.contexts, self.neg.contexts_export = {}, None  # replaced even on failure
+        if not self.neg.structured:
+            self._error(option, c.REP_ERR_INVALID, "negotiate structured replies first")
+            return None
+        try:
+            name, pos = self._parse_name(data, 0)
+            if len(data) < pos + 4:
+                raise ValueError("missing query count")
+            (count,) = struct.unpack_from(">I", data, pos)
+            pos += 4
+            queries = []
+            for _ in range(count):
+                query, pos = self._parse_name(data, pos)
+                queries.append(query)
+            if pos != len(data):
+                raise ValueError("trailing bytes after the queries")
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._error(option, c.REP_ERR_INVALID, f"malformed meta context request: {exc}")
+            return None
+        export = self.catalog.lookup(name)
+        if export is None:
+            self._error(option, c.REP_ERR_UNKNOWN, f"no export named {name!r}")
+            return None
+        matched = [ctx for ctx in export.meta_contexts if _matches(ctx, queries, listing=not setting)]
+        for ctx in matched:
+            ctx_id = 0
+            if setting:
+                ctx_id = self._next_context_id
+                self._next_context_id += 1
+                self.neg.contexts[ctx_id] = ctx
+            self._reply(option, c.REP_META_CONTEXT, struct.pack(">I", ctx_id) + ctx.encode())
+        if setting:
+            self.neg.contexts_export = export.name
+        self._reply(option, c.REP_ACK)
+        return None
+
+    def _transmission_flags(self, export: ExportInfo) -> int:
+        flags = (
+            c.FLAG_HAS_FLAGS
+            | c.FLAG_SEND_FLUSH
+            | c.FLAG_SEND_FUA
+            | c.FLAG_CAN_MULTI_CONN
+            | c.FLAG_SEND_CACHE
+            | c.FLAG_SEND_DF
+        )
+        if export.read_only:
+            flags |= c.FLAG_READ_ONLY
+        else:
+            flags |= c.FLAG_SEND_TRIM | c.FLAG_SEND_WRITE_ZEROES | c.FLAG_SEND_FAST_ZERO
+        return flags
+
+    # ----- transmission -----------------------------------------------------------
+
+    def _next_request(self) -> Event:
+        if len(self._inbuf) < _REQUEST.size:
+            return NEED_DATA
+        magic, flags, command, cookie, offset, length = _REQUEST.unpack_from(self._inbuf)
+        if magic != c.REQUEST_MAGIC:
+            raise RemoteProtocolError(f"bad request magic {magic:#x}")
+        payload = None
+        if command == c.CMD_WRITE:
+            if length > c.MAX_PAYLOAD_BYTES:
+                raise RemoteProtocolError(f"write payload of {length} bytes exceeds {c.MAX_PAYLOAD_BYTES}")
+            if len(self._inbuf) < _REQUEST.size + length:
+                return NEED_DATA
+            payload = bytes(self._inbuf[_REQUEST.size : _REQUEST.size + length])
+            del self._inbuf[: _REQUEST.size + length]
+        else:
+            del self._inbuf[: _REQUEST.size]
+        if command == c.CMD_DISC:
+            return Closed("client disconnected")
+        return Request(cookie, command, flags, offset, length, payload)
+
+    def check_request(self, req: Request) -> tuple[int, str] | None:
+        """The NBD error for a request that must not run, or None. Validation happens here once."""
+        export = self.export
+        if export is None:
+            raise LocalProtocolError("check_request before transmission")
+        allowed = {
+            c.CMD_READ: c.CMD_FLAG_FUA | c.CMD_FLAG_DF,
+            c.CMD_WRITE: c.CMD_FLAG_FUA,
+            c.CMD_FLUSH: c.CMD_FLAG_FUA,
+            c.CMD_TRIM: c.CMD_FLAG_FUA,
+            c.CMD_CACHE: c.CMD_FLAG_FUA,
+            c.CMD_WRITE_ZEROES: c.CMD_FLAG_FUA | c.CMD_FLAG_NO_HOLE | c.CMD_FLAG_FAST_ZERO,
+            c.CMD_BLOCK_STATUS: c.CMD_FLAG_FUA | c.CMD_FLAG_REQ_ONE,
+        }.get(req.command)
+        if allowed is None:
+            return c.EINVAL, f"unknown command {req.command}"
+        if req.flags & ~allowed:
+            return c.EINVAL, f"flags {req.flags:#x} are not valid for command {req.command}"
+        if req.flags & c.CMD_FLAG_DF and not self.neg.structured:
+            return c.EINVAL, "DF needs structured replies"
+        writes = req.command in (c.CMD_WRITE, c.CMD_TRIM, c.CMD_WRITE_ZEROES)
+        if writes and export.read_only:
+            return c.EPERM, "export is read-only"
+        if req.command == c.CMD_FLUSH:
+            if req.offset or req.length:
+                return c.EINVAL, "flush takes no range"
+            return None
+        if req.offset + req.length > export.size_bytes:
+            code = c.ENOSPC if req.command in (c.CMD_WRITE, c.CMD_WRITE_ZEROES) else c.EINVAL
+            return code, f"range {req.offset}+{req.length} is beyond the export's {export.size_bytes} bytes"
+        if req.command == c.CMD_READ and req.length > export.max_payload:
+            return (c.EOVERFLOW if self.neg.structured else c.EINVAL), f"read of {req.length} bytes is too large"
+        if req.command == c.CMD_BLOCK_STATUS and not self.neg.contexts:
+            return c.EINVAL, "no metadata context was negotiated"
+        return None
+
+    # ----- replies ----------------------------------------------------------------
+
+    def simple_reply(self, cookie: int, error: int = 0, data: bytes = b"") -> bytes:
+        return _SIMPLE_REPLY.pack(c.SIMPLE_REPLY_MAGIC, error, cookie) + data
+
+    def error_reply(self, cookie: int, error: int, message: str = "") -> bytes:
+        if not self.neg.structured:
+            return self.simple_reply(cookie, error)
+        text = message.encode()[: c.MAX_STRING_BYTES]
+        payload = struct.pack(">IH", error, len(text)) + text
+        return (
+            _CHUNK.pack(c.STRUCTURED_REPLY_MAGIC, c.REPLY_FLAG_DONE, c.REPLY_TYPE_ERROR, cookie, len(payload)) + payload
+        )
+
+    def read_reply(self, cookie: int, pieces: list[tuple[int, int, bytes | None]]) -> list[bytes]:
+        """Reply to a READ; pieces are (offset, length, data or None for zeros), in order.
+
+        With structured replies, zero pieces travel as OFFSET_HOLE chunks: no zero
+        bytes on the wire. Returns buffers to write back to back.
+        """
+        if not self.neg.structured:
+            out = [self.simple_reply(cookie)]
+            out.extend(data if data is not None else bytes(length) for _off, length, data in pieces)
+            return out
+        out = []
+        for i, (offset, length, data) in enumerate(pieces):
+            done = c.REPLY_FLAG_DONE if i == len(pieces) - 1 else 0
+            if data is None:
+                out.append(
+                    _CHUNK.pack(c.STRUCTURED_REPLY_MAGIC, done, c.REPLY_TYPE_OFFSET_HOLE, cookie, 12)
+                    + struct.pack(">QI", offset, length)
+                )
+            else:
+                out.append(
+                    _CHUNK.pack(c.STRUCTURED_REPLY_MAGIC, done, c.REPLY_TYPE_OFFSET_DATA, cookie, 8 + len(data))
+                    + struct.pack(">Q", offset)
+                )
+                out.append(data)
+        if not pieces:
+            out.append(_CHUNK.pack(c.STRUCTURED_REPLY_MAGIC, c.REPLY_FLAG_DONE, c.REPLY_TYPE_NONE, cookie, 0))
+        return out
+
+    def block_status_reply(self, cookie: int, per_context: list[tuple[int, list[tuple[int, int]]]]) -> bytes:
+        """One BLOCK_STATUS chunk per context: (context id, [(length, flags), ...])."""
+        out = bytearray()
+        for i, (ctx_id, extents) in enumerate(per_context):
+            done = c.REPLY_FLAG_DONE if i == len(per_context) - 1 else 0
+            body = struct.pack(">I", ctx_id) + b"".join(struct.pack(">II", n, f) for n, f in extents)
+            out += _CHUNK.pack(c.STRUCTURED_REPLY_MAGIC, done, c.REPLY_TYPE_BLOCK_STATUS, cookie, len(body)) + body
+        return bytes(out)
+
+
+def _matches(context: str, queries: list[str], *, listing: bool) -> bool:
+    """Whether a context is selected by the queries (no queries lists everything)."""
+    if not queries:
+        return listing
+    namespace = context.split(":", 1)[0] + ":"
+    return any(q == context or (listing and q == namespace) for q in queries)
