@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,11 +25,11 @@ def run(*cmd: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
-def status(pool: str) -> dict:  # type: ignore[type-arg]
+def status(pool: str) -> dict[str, Any]:
     return json.loads(thinblock("pool", "status", pool, "--json").stdout)
 
 
-def volume_status(pool: str, name: str) -> dict:  # type: ignore[type-arg]
+def volume_status(pool: str, name: str) -> dict[str, Any]:
     return next(v for v in status(pool)["volumes"] if v["name"] == name)
 
 
