@@ -1,0 +1,149 @@
+"""The sans-IO protocol core on its own: bytes in, events and bytes out."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from thinblock.nbd import constants as c
+from thinblock.nbd.protocol import (
+    NEED_DATA,
+    Closed,
+    ExportInfo,
+    RemoteProtocolError,
+    Request,
+    ServerConnection,
+    Transmission,
+)
+
+
+class Catalog:
+    def __init__(self) -> None:
+        self.exports = {"a": ExportInfo("a", 1 << 20, False), "ro": ExportInfo("ro", 4096, True)}
+
+    def list_exports(self) -> list[ExportInfo]:
+        return list(self.exports.values())
+
+    def lookup(self, name: str) -> ExportInfo | None:
+        return self.exports.get(name)
+
+
+def opt(option: int, data: bytes = b"") -> bytes:
+    return struct.pack(">QII", c.IHAVEOPT, option, len(data)) + data
+
+
+def replies(data: bytes) -> list[tuple[int, int, bytes]]:
+    out = []
+    while data:
+        magic, option, reply, length = struct.unpack_from(">QIII", data)
+        assert magic == c.OPTION_REPLY_MAGIC
+        out.append((option, reply, data[20 : 20 + length]))
+        data = data[20 + length :]
+    return out
+
+
+def started(flags: int = c.FLAG_C_FIXED_NEWSTYLE | c.FLAG_C_NO_ZEROES) -> ServerConnection:
+    conn = ServerConnection(Catalog())
+    greeting = conn.data_to_send()
+    assert greeting == struct.pack(">QQH", c.NBDMAGIC, c.IHAVEOPT, c.FLAG_FIXED_NEWSTYLE | c.FLAG_NO_ZEROES)
+    conn.receive_data(struct.pack(">I", flags))
+    assert conn.next_event() is NEED_DATA
+    return conn
+
+
+def test_bytes_arrive_in_any_split() -> None:
+    conn = started()
+    data = opt(c.OPT_LIST)
+    for i in range(len(data)):
+        conn.receive_data(data[i : i + 1])
+        assert conn.next_event() is NEED_DATA
+    got = replies(conn.data_to_send())
+    assert [r[1] for r in got] == [c.REP_SERVER, c.REP_SERVER, c.REP_ACK]
+    assert got[0][2][4:5] == b"a"
+
+
+def test_go_info_and_unknown_export() -> None:
+    conn = started()
+    name = b"nope"
+    conn.receive_data(opt(c.OPT_INFO, struct.pack(">I", 4) + name + struct.pack(">H", 0)))
+    assert conn.next_event() is NEED_DATA
+    assert replies(conn.data_to_send())[-1][1] == c.REP_ERR_UNKNOWN
+    conn.receive_data(opt(c.OPT_GO, struct.pack(">I", 1) + b"a" + struct.pack(">HH", 1, c.INFO_NAME)))
+    event = conn.next_event()
+    assert isinstance(event, Transmission) and event.export.name == "a" and not event.structured
+    kinds = [(r[1], struct.unpack_from(">H", r[2])[0] if r[2] else None) for r in replies(conn.data_to_send())]
+    assert (c.REP_INFO, c.INFO_EXPORT) in kinds and (c.REP_INFO, c.INFO_NAME) in kinds and kinds[-1][0] == c.REP_ACK
+
+
+def test_meta_context_needs_structured_replies() -> None:
+    conn = started()
+    query = struct.pack(">I", 1) + b"a" + struct.pack(">I", 1) + struct.pack(">I", 15) + b"base:allocation"
+    conn.receive_data(opt(c.OPT_SET_META_CONTEXT, query))
+    conn.next_event()
+    assert replies(conn.data_to_send())[-1][1] == c.REP_ERR_INVALID
+    conn.receive_data(opt(c.OPT_STRUCTURED_REPLY) + opt(c.OPT_SET_META_CONTEXT, query))
+    conn.next_event()
+    got = replies(conn.data_to_send())
+    assert got[-2][1] == c.REP_META_CONTEXT and got[-2][2][4:] == b"base:allocation"
+    conn.receive_data(opt(c.OPT_GO, struct.pack(">I", 1) + b"a" + struct.pack(">H", 0)))
+    event = conn.next_event()
+    assert isinstance(event, Transmission) and list(event.contexts.values()) == ["base:allocation"]
+
+
+def test_export_name_then_requests_and_validation() -> None:
+    conn = started(c.FLAG_C_FIXED_NEWSTYLE)  # zeroes not suppressed
+    conn.receive_data(opt(c.OPT_EXPORT_NAME, b"ro"))
+    assert isinstance(conn.next_event(), Transmission)
+    out = conn.data_to_send()
+    assert len(out) == 8 + 2 + 124
+    size, flags = struct.unpack_from(">QH", out)
+    assert size == 4096 and flags & c.FLAG_READ_ONLY and not flags & c.FLAG_SEND_TRIM
+    conn.receive_data(struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_WRITE, 7, 0, 3) + b"abc")
+    req = conn.next_event()
+    assert isinstance(req, Request) and req.payload == b"abc" and req.cookie == 7
+    assert conn.check_request(req) == (c.EPERM, "export is read-only")
+    assert conn.check_request(Request(1, c.CMD_READ, 0, 4000, 200))[0] == c.EINVAL  # type: ignore[index]
+    assert conn.check_request(Request(1, c.CMD_READ, c.CMD_FLAG_DF, 0, 1))[0] == c.EINVAL  # type: ignore[index]
+    assert conn.check_request(Request(1, 42, 0, 0, 0))[0] == c.EINVAL  # type: ignore[index]
+    assert conn.check_request(Request(1, c.CMD_READ, 0, 0, 4096)) is None
+    assert conn.simple_reply(7, c.EPERM) == struct.pack(">IIQ", c.SIMPLE_REPLY_MAGIC, c.EPERM, 7)
+    conn.receive_data(struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_DISC, 8, 0, 0))
+    assert isinstance(conn.next_event(), Closed)
+
+
+def test_structured_read_reply_sends_holes_not_zeros() -> None:
+    conn = started()
+    conn.receive_data(opt(c.OPT_STRUCTURED_REPLY) + opt(c.OPT_GO, struct.pack(">I", 1) + b"a" + struct.pack(">H", 0)))
+    assert isinstance(conn.next_event(), Transmission)
+    wire = b"".join(conn.read_reply(5, [(0, 1 << 20, None), (1 << 20, 3, b"xyz")]))
+    assert len(wire) == (20 + 12) + (20 + 8 + 3)
+    magic, flags, kind, cookie, length = struct.unpack_from(">IHHQI", wire)
+    assert (magic, flags, kind, cookie, length) == (c.STRUCTURED_REPLY_MAGIC, 0, c.REPLY_TYPE_OFFSET_HOLE, 5, 12)
+    assert struct.unpack_from(">HH", wire, 32 + 4) == (c.REPLY_FLAG_DONE, c.REPLY_TYPE_OFFSET_DATA)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        struct.pack(">I", 0x80),  # unknown client flag
+        struct.pack(">I", 1) + struct.pack(">QII", 1, 1, 0),  # bad option magic
+        struct.pack(">I", 1) + struct.pack(">QII", c.IHAVEOPT, 3, 1 << 30),  # huge option
+    ],
+)
+def test_remote_errors(data: bytes) -> None:
+    conn = ServerConnection(Catalog())
+    conn.receive_data(data)
+    with pytest.raises(RemoteProtocolError):
+        conn.next_event()
+    assert isinstance(conn.next_event(), Closed)
+
+
+def test_tls_required_refuses_plaintext_options() -> None:
+    conn = ServerConnection(Catalog(), tls_required=True)
+    conn.receive_data(struct.pack(">I", 1) + opt(c.OPT_LIST))
+    assert conn.next_event() is NEED_DATA
+    assert replies(conn.data_to_send()[18:])[-1][1] == c.REP_ERR_TLS_REQD
+    conn.receive_data(opt(c.OPT_EXPORT_NAME, b"a"))
+    event = conn.next_event()
+    assert isinstance(event, Closed) and not event.clean

@@ -1,0 +1,197 @@
+"""TLS (with real clients) and hostile clients against a real `thinblock serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.nbd_server import Server, thinblock
+from thinblock.nbd import constants as c
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> str:
+    path = str(tmp_path / "pool")
+    thinblock("pool", "create", path, "--size", "64M")
+    thinblock("volume", "create", path, "disk", "--size", "16M")
+    return path
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Path:
+    """A self-signed certificate for localhost, laid out as libnbd and qemu expect (ca-cert.pem)."""
+    d = tmp_path / "pki"
+    d.mkdir()
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+            "-keyout", str(d / "server-key.pem"), "-out", str(d / "server-cert.pem"),
+            "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    shutil.copy(d / "server-cert.pem", d / "ca-cert.pem")
+    return d
+
+
+@pytest.fixture
+def tls_server(pool: str, certs: Path) -> Iterator[Server]:
+    server = Server(
+        pool, "--listen", "0", "--tls-cert", str(certs / "server-cert.pem"), "--tls-key", str(certs / "server-key.pem")
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+        assert "Traceback" not in server.log.read_text()
+
+
+def run(*cmd: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if ok:
+        assert proc.returncode == 0, f"{cmd}: {proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def test_tls_with_nbdinfo_and_qemu(tls_server: Server, certs: Path) -> None:
+    port = tls_server.tcp_uri("disk").rsplit(":", 1)[1].split("/")[0]
+    uri = f"nbds://localhost:{port}/disk?tls-certificates={certs}"
+    info = json.loads(run("nbdinfo", "--json", uri).stdout)
+    assert info["TLS"] is True
+    assert info["exports"][0]["export-size"] == 16 * MiB
+    opts = f"driver=nbd,host=localhost,port={port},export=disk,tls-creds=tls0"
+    obj = f"tls-creds-x509,id=tls0,dir={certs},endpoint=client"
+    run("qemu-io", "--object", obj, "--image-opts", opts, "-c", "write -P 0x5c 0 1M", "-c", "read -P 0x5c 0 1M")
+    out = run("qemu-img", "info", "--object", obj, "--image-opts", opts).stdout
+    assert "16 MiB" in out
+    # over the unix socket too
+    unix = f"nbds+unix:///disk?socket={tls_server.socket}&tls-certificates={certs}&tls-hostname=localhost"
+    assert json.loads(run("nbdinfo", "--json", unix).stdout)["TLS"] is True
+
+
+def test_plaintext_refused_when_tls_is_on(tls_server: Server) -> None:
+    for uri in (tls_server.tcp_uri("disk").replace("nbds://", "nbd://"), tls_server.unix_uri("disk")):
+        proc = run("nbdinfo", uri, ok=False)
+        assert proc.returncode != 0
+        assert "export-size" not in proc.stdout  # nothing about the export was revealed
+    assert tls_server.alive()
+
+
+# ----- hostile clients -----------------------------------------------------------------
+
+
+def _send(sock_path: str, payload: bytes, *, read: bool = True) -> None:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    try:
+        s.connect(sock_path)
+        if read:
+            s.recv(18)
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(65536):
+            pass
+    except OSError:
+        pass  # being hung up on is the expected answer to most of these
+    finally:
+        s.close()
+
+
+def _opt(option: int, data: bytes = b"", length: int | None = None) -> bytes:
+    return struct.pack(">QII", c.IHAVEOPT, option, len(data) if length is None else length) + data
+
+
+def _go(name: bytes) -> bytes:
+    return _opt(c.OPT_GO, struct.pack(">I", len(name)) + name + struct.pack(">H", 0))
+
+
+FLAGS = struct.pack(">I", c.FLAG_C_FIXED_NEWSTYLE | c.FLAG_C_NO_ZEROES)
+GO_DISK = FLAGS + _opt(c.OPT_STRUCTURED_REPLY) + _go(b"disk")
+
+
+def _req(cmd: int, offset: int = 0, length: int = 0, flags: int = 0, magic: int = c.REQUEST_MAGIC) -> bytes:
+    return struct.pack(">IHHQQI", magic, flags, cmd, 1, offset, length)
+
+
+HOSTILE = [
+    b"",
+    b"\x00",
+    struct.pack(">I", 0xFFFFFFFF),  # unknown client flags
+    FLAGS + b"IHAVEOP",  # truncated option header
+    FLAGS + struct.pack(">QII", 0xDEADBEEF, 1, 0),  # bad option magic
+    FLAGS + _opt(c.OPT_LIST, length=1 << 31),  # absurd option length
+    FLAGS + _opt(c.OPT_GO, b"\xff\xff\xff\xff"),  # name longer than the option
+    FLAGS + _opt(c.OPT_GO, struct.pack(">I", 2) + b"\xc3\x28" + struct.pack(">H", 0)),  # not UTF-8
+    FLAGS + _opt(c.OPT_SET_META_CONTEXT, struct.pack(">I", 4) + b"disk" + struct.pack(">I", 99)),
+    FLAGS + _opt(c.OPT_EXPORT_NAME, b"no-such-export"),
+    FLAGS + _opt(c.OPT_STARTTLS),
+    FLAGS + _opt(999, b"x" * 100),
+    struct.pack(">I", 0) + _opt(c.OPT_LIST),  # non-fixed client sending LIST
+    GO_DISK + _req(c.CMD_READ, magic=0x12345678),  # bad request magic
+    GO_DISK + _req(c.CMD_WRITE, 0, 1 << 31),  # absurd write payload
+    GO_DISK + _req(c.CMD_WRITE, 0, 4096) + b"short",  # truncated payload
+    GO_DISK + _req(c.CMD_READ, 0, 1 << 30),  # too big a read: an error reply
+    GO_DISK + _req(c.CMD_READ, 1 << 60, 10) + _req(99) + _req(c.CMD_BLOCK_STATUS, 0, 10),
+    GO_DISK + _req(c.CMD_FLUSH, 5, 5) + _req(c.CMD_TRIM, 0, 10, flags=0x8000) + _req(c.CMD_DISC),
+    GO_DISK + _req(c.CMD_READ, 0, 1 << 20) * 200,  # many reads, never read back
+]
+
+
+def test_hostile_clients_do_not_hurt_the_server(pool: str) -> None:
+    server = Server(pool)
+    try:
+        for payload in HOSTILE:
+            _send(server.socket, payload)
+        rng = random.Random(99)
+        for _ in range(200):
+            prefix = rng.choice([b"", FLAGS, GO_DISK])
+            _send(server.socket, prefix + rng.randbytes(rng.randrange(1, 300)), read=rng.random() < 0.5)
+        assert server.alive()
+        info = subprocess.run(
+            ["nbdinfo", "--json", server.unix_uri("disk")], capture_output=True, text=True, timeout=60
+        )
+        assert info.returncode == 0, info.stderr
+        assert json.loads(info.stdout)["exports"][0]["export-size"] == 16 * MiB
+        subprocess.run(
+            ["qemu-io", "-f", "raw", "-c", "write -P 7 0 64k", "-c", "read -P 7 0 64k", server.unix_uri("disk")],
+            check=True,
+            capture_output=True,
+        )
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "Traceback" not in log, log
+    assert "protocol error" in log  # malformed bytes were logged
+    thinblock("pool", "check", pool)
+
+
+def test_slow_client_does_not_stall_others(pool: str) -> None:
+    server = Server(pool)
+    try:
+        stalled = socket.socket(socket.AF_UNIX)
+        stalled.connect(server.socket)
+        stalled.recv(18)
+        stalled.sendall(GO_DISK + _req(c.CMD_READ, 0, 1 << 20) * 64)  # 64 MiB of replies it never reads
+        for _ in range(3):
+            subprocess.run(
+                ["qemu-io", "-f", "raw", "-c", "read 0 1M", server.unix_uri("disk")],
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
+        stalled.close()
+        os.sync()
+    finally:
+        server.stop()
