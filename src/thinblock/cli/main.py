@@ -151,9 +151,9 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Serve every volume over NBD until SIGINT/SIGTERM, then commit and stop."""
-    import asyncio
     import logging
     import signal
+    import threading
 
     from thinblock.nbd.server import NBDServer, TLSConfig, export_uris, parse_listen
 
@@ -166,32 +166,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ThinblockError("--tls-cert and --tls-key go together")
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
     socket_path = os.path.abspath(args.socket or os.path.join(args.pool, "nbd.sock"))
-
-    async def serve(pool: Pool) -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with Pool.open(args.pool) as pool:
         try:
             server = NBDServer(pool, read_only=args.read_only, tls=tls)
         except (OSError, ValueError) as exc:
             raise ThinblockError(f"cannot load TLS certificate/key: {exc}") from None
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         try:
-            await server.listen_unix(socket_path)
-            bound = None
-            if tcp:
-                bound = (tcp[0], await server.listen_tcp(*tcp))
+            server.listen_unix(socket_path)
+            bound = (tcp[0], server.listen_tcp(*tcp)) if tcp else None
         except OSError as exc:
+            server.close()
             raise ThinblockError(f"cannot listen: {exc.strerror or exc}") from None
         for uri in export_uris(sorted(pool.volumes), socket_path=socket_path, tcp=bound, tls=tls is not None):
             print(f"export {uri}", flush=True)
         print(f"ready: serving {len(pool.volumes)} volume(s) of {args.pool}", flush=True)
-        await stop.wait()
+        while not stop.wait(1):
+            pass
         print("stopping: finishing requests and committing", flush=True)
-        await server.close()
-
-    with Pool.open(args.pool) as pool:
-        asyncio.run(serve(pool))
+        server.close()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
     print("stopped", flush=True)

@@ -136,7 +136,7 @@ class ServerConnection:
 
     # ----- I/O-free plumbing ------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | memoryview) -> None:
         """Feed bytes from the client; b"" means the client closed its side."""
         if data:
             self._inbuf += data
@@ -148,11 +148,13 @@ class ServerConnection:
         self._outbuf.clear()
         return out
 
-    def _take(self, n: int) -> bytes | None:
-        if len(self._inbuf) < n:
+    def _take(self, n: int, skip: int = 0) -> bytes | None:
+        """Remove skip + n bytes from the input and return the last n (one copy)."""
+        if len(self._inbuf) < skip + n:
             return None
-        out = bytes(self._inbuf[:n])
-        del self._inbuf[:n]
+        with memoryview(self._inbuf) as view:
+            out = bytes(view[skip : skip + n])
+        del self._inbuf[: skip + n]  # deleting from the front of a bytearray is O(1)
         return out
 
     def next_event(self) -> Event:
@@ -413,10 +415,9 @@ class ServerConnection:
         if command == c.CMD_WRITE:
             if length > c.MAX_PAYLOAD_BYTES:
                 raise RemoteProtocolError(f"write payload of {length} bytes exceeds {c.MAX_PAYLOAD_BYTES}")
-            if len(self._inbuf) < _REQUEST.size + length:
+            payload = self._take(length, skip=_REQUEST.size)
+            if payload is None:
                 return NEED_DATA
-            payload = bytes(self._inbuf[_REQUEST.size : _REQUEST.size + length])
-            del self._inbuf[: _REQUEST.size + length]
         else:
             del self._inbuf[: _REQUEST.size]
         if command == c.CMD_DISC:

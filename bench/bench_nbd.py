@@ -1,0 +1,269 @@
+"""NBD benchmark: thinblock serve vs nbdkit file vs qemu-nbd (qcow2), same run.
+
+    .venv/bin/python bench/bench_nbd.py [--quick] [--json]
+
+fio --ioengine=nbd over a unix socket and over TCP for sequential 1 MiB
+write/read (iodepth 16) and 4 KiB random write (iodepth 32); then the zero
+workloads through libnbd: 4 GiB of zero WRITEs to fresh space, WRITE_ZEROES
+of 8 GiB with and without NO_HOLE, and reading a 16 GiB empty export
+(bytes of data on the wire). Every peer gets a fresh 16 GiB export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import nbd
+
+ROOT = Path(__file__).resolve().parent.parent
+GiB = 1 << 30
+MiB = 1 << 20
+EXPORT_BYTES = 16 * GiB
+
+
+def progress(msg: str) -> None:
+    print(f"... {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(path_or_port: str | int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        if isinstance(path_or_port, str):
+            if os.path.exists(path_or_port):
+                try:
+                    with socket.socket(socket.AF_UNIX) as s:
+                        s.connect(path_or_port)
+                    return
+                except OSError:
+                    pass
+        else:
+            try:
+                with socket.create_connection(("127.0.0.1", path_or_port), timeout=1):
+                    return
+            except OSError:
+                pass
+        time.sleep(0.05)
+    raise RuntimeError("server did not start")
+
+
+class Peer:
+    """One server under test; `start` yields (uri, space-used function)."""
+
+    name = ""
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+
+    def start(self, transport: str) -> AbstractContextManager[tuple[str, Callable[[], int]]]:
+        raise NotImplementedError
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class Thinblock(Peer):
+    name = "thinblock"
+
+    @contextmanager
+    def start(self, transport: str) -> Iterator[tuple[str, Callable[[], int]]]:
+        pool = self.scratch / "tb-pool"
+        shutil.rmtree(pool, ignore_errors=True)
+        tb = [sys.executable, "-m", "thinblock"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        subprocess.run([*tb, "pool", "create", str(pool), "--size", "20G"], check=True, env=env, capture_output=True)
+        subprocess.run([*tb, "volume", "create", str(pool), "disk", "--size", "16G"], check=True, env=env, capture_output=True)
+        sock = str(pool / "nbd.sock")
+        port = free_port()
+        args = ["--listen", str(port)] if transport == "tcp" else []
+        proc = subprocess.Popen([*tb, "serve", str(pool), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(port if transport == "tcp" else sock, proc)
+        uri = f"nbd://127.0.0.1:{port}/disk" if transport == "tcp" else f"nbd+unix:///disk?socket={sock}"
+
+        def used() -> int:
+            out = subprocess.run([*tb, "pool", "status", str(pool), "--json"], env=env, capture_output=True, text=True)
+            return int(json.loads(out.stdout)["used_bytes"])
+
+        try:
+            yield uri, used
+        finally:
+            _stop(proc)
+            shutil.rmtree(pool, ignore_errors=True)
+
+
+class Nbdkit(Peer):
+    name = "nbdkit-file"
+
+    @contextmanager
+    def start(self, transport: str) -> Iterator[tuple[str, Callable[[], int]]]:
+        img = self.scratch / "nbdkit.raw"
+        with open(img, "wb") as f:
+            f.truncate(EXPORT_BYTES)
+        sock = str(self.scratch / "nbdkit.sock")
+        Path(sock).unlink(missing_ok=True)
+        port = free_port()
+        listen = ["-p", str(port), "-i", "127.0.0.1"] if transport == "tcp" else ["-U", sock]
+        proc = subprocess.Popen(["nbdkit", "-f", *listen, "file", str(img)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(port if transport == "tcp" else sock, proc)
+        uri = f"nbd://127.0.0.1:{port}/" if transport == "tcp" else f"nbd+unix:///?socket={sock}"
+        try:
+            yield uri, lambda: os.stat(img).st_blocks * 512
+        finally:
+            _stop(proc)
+            img.unlink()
+
+
+class QemuNbd(Peer):
+    name = "qemu-nbd-qcow2"
+
+    @contextmanager
+    def start(self, transport: str) -> Iterator[tuple[str, Callable[[], int]]]:
+        img = self.scratch / "qemu.qcow2"
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(img), str(EXPORT_BYTES)], check=True)
+        sock = str(self.scratch / "qemu.sock")
+        Path(sock).unlink(missing_ok=True)
+        port = free_port()
+        listen = ["-b", "127.0.0.1", "-p", str(port)] if transport == "tcp" else ["-k", sock]
+        proc = subprocess.Popen(
+            ["qemu-nbd", "-f", "qcow2", "-x", "disk", "-t", "--shared=8", "--discard=unmap", "--detect-zeroes=unmap", *listen, str(img)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(port if transport == "tcp" else sock, proc)
+        uri = f"nbd://127.0.0.1:{port}/disk" if transport == "tcp" else f"nbd+unix:///disk?socket={sock}"
+        try:
+            yield uri, lambda: os.stat(img).st_blocks * 512
+        finally:
+            _stop(proc)
+            img.unlink()
+
+
+def fio(uri: str, rw: str, bs: str, iodepth: int, size: str, runtime: int | None = None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    cmd = [
+        "fio", "--name=bench", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}",
+        f"--iodepth={iodepth}", f"--size={size}", "--output-format=json", *extra,
+    ]  # fmt: skip
+    if runtime:
+        cmd += [f"--runtime={runtime}", "--time_based"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{") :])["jobs"][0]
+    side = job["write"] if "write" in rw else job["read"]
+    return {"MiBps": side["bw_bytes"] / MiB, "iops": side["iops"]}
+
+
+def zero_workloads(uri: str, used: Callable[[], int]) -> dict[str, float]:
+    r: dict[str, float] = {}
+    h = nbd.NBD()
+    h.connect_uri(uri)
+    zeros = bytes(4 * MiB)
+    base = used()
+    start = time.perf_counter()
+    for off in range(0, 4 * GiB, len(zeros)):
+        h.pwrite(zeros, off)
+    h.flush()
+    r["zero_write_4GiB_s"] = time.perf_counter() - start
+    time.sleep(1.2)
+    r["zero_write_4GiB_used_bytes"] = used() - base
+    step = 2 * GiB
+    for label, flags in (("write_zeroes_8GiB_s", 0), ("write_zeroes_no_hole_8GiB_s", nbd.CMD_FLAG_NO_HOLE)):
+        start = time.perf_counter()
+        for off in range(4 * GiB, 12 * GiB, step):
+            h.zero(step, off, flags)
+        h.flush()
+        r[label] = time.perf_counter() - start
+    h.shutdown()
+    return r
+
+
+def read_empty(uri: str) -> dict[str, float]:
+    """Read a whole empty 16 GiB export with structured reads; count data bytes on the wire."""
+    h = nbd.NBD()
+    h.connect_uri(uri)
+    data_bytes = 0
+
+    def chunk(buf: bytes, off: int, status: int, err: int) -> int:
+        nonlocal data_bytes
+        if status == nbd.READ_DATA:
+            data_bytes += len(buf)
+        return 0
+
+    start = time.perf_counter()
+    step = 32 * MiB
+    for off in range(0, EXPORT_BYTES, step):
+        h.pread_structured(step, off, chunk)
+    elapsed = time.perf_counter() - start
+    h.shutdown()
+    return {"read_empty_16GiB_s": elapsed, "read_empty_16GiB_data_bytes_on_wire": data_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="/var/tmp", help="scratch directory")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="tb-nbd-bench-", dir=args.dir))
+    seq, runtime = ("256M", 3) if args.quick else ("2G", 8)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for peer in (Thinblock(scratch), Nbdkit(scratch), QemuNbd(scratch)):
+            r: dict[str, Any] = {}
+            for transport in ("unix", "tcp"):
+                progress(f"{peer.name} over {transport}: fio")
+                with peer.start(transport) as (uri, _used):
+                    r[f"{transport}_seq_write_MiBps"] = fio(uri, "write", "1M", 16, seq)["MiBps"]
+                    r[f"{transport}_seq_read_MiBps"] = fio(uri, "read", "1M", 16, seq)["MiBps"]
+                    r[f"{transport}_randwrite_4k_iops"] = fio(uri, "randwrite", "4k", 32, "16G", runtime)["iops"]
+            progress(f"{peer.name}: zero workloads")
+            with peer.start("unix") as (uri, used):
+                r.update(zero_workloads(uri, used))
+            with peer.start("unix") as (uri, used):
+                r.update(read_empty(uri))
+            results[peer.name] = r
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    tb = results["thinblock"]
+    ratios = {}
+    for key, value in tb.items():
+        if key.endswith(("MiBps", "iops")):
+            ratios[key] = {p: value / results[p][key] for p in ("qemu-nbd-qcow2", "nbdkit-file") if results[p][key]}
+    if args.json:
+        print(json.dumps({"results": results, "ratios_thinblock_to_peer": ratios}, indent=2))
+        return
+    peers = list(results)
+    print(f"{'metric':40}" + "".join(f"{p:>16}" for p in peers) + f"{'tb/qemu':>9}{'tb/nbdkit':>10}")
+    for key in tb:
+        row = f"{key:40}" + "".join(f"{results[p][key]:>16.3f}" for p in peers)
+        if key in ratios:
+            row += f"{ratios[key].get('qemu-nbd-qcow2', 0):>9.2f}{ratios[key].get('nbdkit-file', 0):>10.2f}"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
