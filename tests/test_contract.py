@@ -74,6 +74,30 @@ def test_no_stale_bytes_after_zeroing_then_partial_write(pool: Pool) -> None:
     assert vol.read(0, BS) == bytes(10) + b"x" + bytes(BS - 11)
 
 
+def test_no_stale_bytes_after_zero_payload_then_partial_write(pool: Pool) -> None:
+    vol = pool.create_volume("v", 1 << 20)
+    vol.write(0, b"\xee" * BS)
+    vol.write(0, bytes(BS))  # detect_zeroes=on: DATA -> ZEROED on the same dblock
+    assert vol.block_status(0, BS) == [(BS, Z)]
+    vol.write(100, b"y")
+    assert vol.read(0, BS) == bytes(100) + b"y" + bytes(BS - 101)
+
+
+def test_freed_blocks_wait_for_a_durable_punch(pool: Pool) -> None:
+    """A freed block is reused only after the commit that freed it and a data sync."""
+    vol = pool.create_volume("v", 1 << 30)
+    vol.write(0, b"A" * BS)
+    pool.commit()
+    first = vol._entry(0) >> 3
+    vol.trim(0, BS)
+    pool.commit(sync_data=False)  # metadata only: the punch is not durable yet
+    assert first in pool.space.unsynced_free
+    vol.write(BS, b"B" * BS)
+    assert vol._entry(1) >> 3 != first
+    pool.commit()  # data sync: now it may be reused
+    assert first not in pool.space.unsynced_free and pool.space.busy[first] == 0
+
+
 def test_zero_payload_over_data(pool: Pool) -> None:
     on = pool.create_volume("on", 1 << 20)
     unmap = pool.create_volume("unmap", 1 << 20, detect_zeroes="unmap")

@@ -10,6 +10,7 @@ only after the commit that freed them.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import threading
@@ -33,7 +34,10 @@ SECTOR_BYTES = 512
 # multiple of the largest block size below that.
 MAX_VOLUME_BYTES = (1 << 63) - MAX_BLOCK_SIZE
 COMMIT_INTERVAL_S = 1.0
+# Data is synced on flush/FUA and at least this often (the kernel's own dirty-expire time).
+DATA_SYNC_INTERVAL_S = 30.0
 DETECT_ZEROES = ("off", "on", "unmap")
+log = logging.getLogger("thinblock.pool")
 DATA_FILE = "data"
 LOCK_FILE = "lock"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
@@ -125,11 +129,13 @@ class Pool:
         self._touched: set[tuple[Volume, int]] = set()
         self._dirty_volumes: set[Volume] = set()
         self._deleted_volumes: list[int] = []
-        self._superblock_dirty = False
         self.dirty = False
-        self.last_commit = time.monotonic()
+        self.last_commit = self.last_data_sync = time.monotonic()
         self._closed = threading.Event()
         self._committer: threading.Thread | None = None
+        if not sb.get("clean", True):
+            self._recover_free_space()
+        self.meta.commit(Transaction(superblock={"clean": False}))
         if autocommit:
             self._committer = threading.Thread(target=self._commit_loop, name="thinblock-commit", daemon=True)
             self._committer.start()
@@ -169,6 +175,14 @@ class Pool:
         if data_path is None:
             with open(os.path.join(path, DATA_FILE), "xb") as f:
                 f.truncate(size_bytes)
+        if data_path is not None:
+            # Allocatable blocks must read zero (see spacemap): clear the device once.
+            device = FallbackStore(FileStore(data_path))
+            try:
+                device.punch(0, size_bytes)
+                device.flush()
+            finally:
+                device.close()
         meta = MetadataStore.create(
             os.path.join(path, DB_NAME),
             {
@@ -178,6 +192,7 @@ class Pool:
                 "data_path": data_path,
                 "used_blocks": 0,
                 "created": time.time(),
+                "clean": True,
             },
         )
         meta.close()
@@ -277,7 +292,6 @@ class Pool:
             self.store.grow(size_bytes)
             self.space.grow(size_bytes // self.block_size)
             self.size_bytes = size_bytes
-            self._superblock_dirty = True
             self.dirty = True
             self.commit()
 
@@ -286,7 +300,8 @@ class Pool:
         if n_blocks <= self.space.allocatable_blocks:
             return
         if n_blocks <= self.space.free_blocks:
-            # Blocks freed in the open transaction become usable once it is committed.
+            # Freed blocks become usable once committed, punched and synced: two commits.
+            self.commit()
             self.commit()
             if n_blocks <= self.space.allocatable_blocks:
                 return
@@ -345,14 +360,30 @@ class Pool:
 
     # ----- transactions -----------------------------------------------------------
 
-    def commit(self) -> None:
-        """Make everything done so far durable: data first, then metadata, atomically."""
+    def commit(self, *, sync_data: bool = True) -> None:
+        """Commit the open transaction atomically.
+
+        With sync_data (flush, FUA, pool and volume commands), every completed
+        write is made durable first, so the commit covers data and metadata
+        (DESIGN.md's flush). Without it (the once-a-second background commit),
+        only metadata is written: unflushed data may still be lost on power
+        failure, but never replaced by another volume's bytes, because blocks
+        are reused only once their punch is durable (see spacemap).
+        """
+        if sync_data and (self.dirty or self.space.unsynced_free) and not self._closed.is_set():
+            # Most dirty data is synced here without holding the pool lock, so requests
+            # keep running; the sync under the lock below then has little left to do.
+            self.store.flush()
         with self.lock:
+            if sync_data:
+                punched_before = len(self.space.unsynced_free)
+                self.store.flush()
+                self.last_data_sync = time.monotonic()
+                self.space.release_synced(punched_before)
             if not self.dirty:
                 self.last_commit = time.monotonic()
                 return
             self._drop_empty_pages()
-            self.store.flush()
             self.transaction_id += 1
             txn = Transaction(
                 superblock={
@@ -381,12 +412,21 @@ class Pool:
             self._touched.clear()
             self._dirty_volumes.clear()
             self._deleted_volumes.clear()
-            self._superblock_dirty = False
             self.dirty = False
             self.last_commit = time.monotonic()
-            # Only now may freed blocks go back to the layer below and be reused.
-            for start, count in self.space.release_pending():
+            # Only now may freed blocks go back to the layer below; they become
+            # allocatable after the next data sync has made the punch durable.
+            for start, count in self.space.take_pending():
                 self.store.punch(start * self.block_size, count * self.block_size)
+
+    def _recover_free_space(self) -> None:
+        """After an unclean shutdown, free blocks may hold bytes written but never
+        committed: punch them all, durably, so that allocatable blocks read zero."""
+        runs = self.space.free_runs()
+        for start, count in runs:
+            self.store.punch(start * self.block_size, count * self.block_size)
+        self.store.flush()
+        log.info("pool %s was not closed cleanly: punched %d free extents", self.path, len(runs))
 
     def _drop_empty_pages(self) -> None:
         for vol, page_index in self._touched:
@@ -405,11 +445,13 @@ class Pool:
 
     def _commit_loop(self) -> None:
         while not self._closed.wait(COMMIT_INTERVAL_S / 4):
-            if self.dirty and time.monotonic() - self.last_commit >= COMMIT_INTERVAL_S:
+            now = time.monotonic()
+            sync = now - self.last_data_sync >= DATA_SYNC_INTERVAL_S
+            if (self.dirty and now - self.last_commit >= COMMIT_INTERVAL_S) or (sync and self.space.unsynced_free):
                 with self.lock:
                     if self._closed.is_set():
                         return
-                    self.commit()
+                    self.commit(sync_data=sync)
 
     def close(self) -> None:
         """Commit and release everything; the pool object is unusable afterwards."""
@@ -417,6 +459,7 @@ class Pool:
             if self._closed.is_set():
                 return
             self.commit()
+            self.meta.commit(Transaction(superblock={"clean": True}))
             self._closed.set()
             self.store.close()
             self.meta.close()

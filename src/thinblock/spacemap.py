@@ -1,8 +1,16 @@
-"""Data-block reference counts and free space, in memory, with a strict rule:
-a dblock whose last reference goes in the open transaction stays busy until
-that transaction is committed (dm persistent-data's rule). Otherwise a crash
-could leave committed metadata pointing at a block already handed to someone
-else, or punched to zeros.
+"""Data-block reference counts and free space, in memory, with two strict rules.
+
+1. A dblock whose last reference goes in the open transaction stays busy until
+   that transaction is committed (dm persistent-data's rule). Otherwise a crash
+   could leave committed metadata pointing at a block already handed to someone
+   else, or punched to zeros.
+2. After that commit the block is punched in the layer below, and it stays busy
+   until that punch is durable (the next data sync). So every allocatable block
+   reads zero even after a power loss, and a block that enters use never needs
+   zeroing: no stale bytes of its previous owner can ever show.
+
+A freed block therefore moves: referenced -> pending (open transaction) ->
+unsynced (punched, not yet durable) -> free.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ class SpaceMap:
         self.busy = bytearray(1 if count else 0 for count in self.refcounts)
         self.used_blocks = sum(self.busy)
         self.pending_free: list[int] = []
+        self.unsynced_free: list[int] = []
         self.dirty_pages: set[int] = set()
         self._cursor = 0
 
@@ -47,8 +56,8 @@ class SpaceMap:
 
     @property
     def allocatable_blocks(self) -> int:
-        """Blocks that can be handed out right now (pending frees excluded)."""
-        return self.n_blocks - self.used_blocks - len(self.pending_free)
+        """Blocks that can be handed out right now (pending and unsynced frees excluded)."""
+        return self.n_blocks - self.used_blocks - len(self.pending_free) - len(self.unsynced_free)
 
     def grow(self, n_blocks: int) -> None:
         extra = n_blocks - self.n_blocks
@@ -111,16 +120,37 @@ class SpaceMap:
         self.dirty_pages.clear()
         return out
 
-    def release_pending(self) -> list[tuple[int, int]]:
-        """After a commit: make pending frees allocatable; return them as (start, count) runs."""
-        runs: list[tuple[int, int]] = []
-        for dblock in sorted(self.pending_free):
-            if self.refcounts[dblock]:
-                continue  # re-referenced in the same transaction (cannot happen today, but be safe)
-            self.busy[dblock] = 0
-            if runs and runs[-1][0] + runs[-1][1] == dblock:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((dblock, 1))
+    def take_pending(self) -> list[tuple[int, int]]:
+        """After a commit: pending frees become unsynced; returns them as (start, count) runs to punch."""
+        blocks = sorted(self.pending_free)
         self.pending_free.clear()
+        self.unsynced_free.extend(blocks)
+        return to_runs(blocks)
+
+    def release_synced(self, count: int) -> None:
+        """After a data sync: the first `count` unsynced frees (punched before it) are free."""
+        for dblock in self.unsynced_free[:count]:
+            self.busy[dblock] = 0
+        del self.unsynced_free[:count]
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """Every allocatable block, as (start, count) runs."""
+        runs = []
+        start = self.busy.find(0)
+        while start >= 0:
+            end = self.busy.find(1, start)
+            end = self.n_blocks if end < 0 else end
+            runs.append((start, end - start))
+            start = self.busy.find(0, end)
         return runs
+
+
+def to_runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Sorted block numbers as (start, count) runs."""
+    runs: list[tuple[int, int]] = []
+    for dblock in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == dblock:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((dblock, 1))
+    return runs

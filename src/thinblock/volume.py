@@ -8,8 +8,9 @@ allocate, reserves them (ENOSPC before any change), then acts.
 
 Two rules keep stale bytes out of reads:
   * UNMAPPED and ZEROED blocks are never read from the data store;
-  * a block entering DATA is written whole (payload plus zeros), so a recycled
-    dblock's old bytes are always overwritten before they can be read.
+  * every dblock that can be handed out, and every ZEROED block's dblock, reads
+    zero in the layer below (punched durably before reuse, see spacemap; zeroed
+    when DATA becomes ZEROED), so a block entering DATA needs only its payload.
 """
 
 from __future__ import annotations
@@ -309,26 +310,26 @@ class Volume:
                     if detect == "unmap" and not pinned:
                         self._set_entry(vblock, 0)
                     else:
+                        # A ZEROED block's dblock reads zero in the layer below too.
                         if new:
                             runs.allocate(dblock * bs, bs)
+                        else:
+                            runs.zero(dblock * bs, bs)
                         self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | pinned | _ZEROED)
                     continue
                 if state == _DATA and not new:
                     runs.write(dblock * bs + start, piece)  # in place
                     continue
-                # The block enters DATA or moves to a fresh dblock: none of its old bytes
-                # may show, so it is written whole, or zeroed (a cheap zero-range in the
-                # layer below) and then written in part.
+                # The block enters DATA or moves to a fresh dblock. A fresh dblock and a
+                # ZEROED block's dblock read zero (spacemap's rule), so only the payload is
+                # written; a copy-on-write copy takes the old block's other bytes.
                 if state == _DATA and (start or end != bs):
                     old = pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs)
                     runs.write(dblock * bs, old[:start])
                     runs.write(dblock * bs + start, piece)
                     runs.write(dblock * bs + end, old[end:])
-                elif start or end != bs:
-                    runs.zero(dblock * bs, bs)
-                    runs.write(dblock * bs + start, piece)
                 else:
-                    runs.write(dblock * bs, piece)
+                    runs.write(dblock * bs + start, piece)
                 self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | pinned | _DATA)
             runs.run(pool.store)
             if fua:
@@ -392,6 +393,8 @@ class Volume:
                     dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
                     if new:
                         runs.allocate(dblock * bs, bs)
+                    elif entry & STATE_MASK == _DATA:
+                        runs.zero(dblock * bs, bs)  # ZEROED dblocks read zero below too
                     self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
             runs.run(pool.store)
             if fua:
