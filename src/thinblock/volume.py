@@ -360,7 +360,11 @@ class Volume:
                 self._precheck_space(offset, length)
             plan = []
             needed = 0
-            for vblock, start, end, entry, full in self._segments(offset, length, skip_holes=not no_hole):
+            for vblock, start, end, entry, full in self._segments_or_empty_pages(offset, length, no_hole):
+                if entry < 0:  # an empty page's run of vblocks [vblock, end]: all reserved at once
+                    needed += end - vblock + 1
+                    plan.append((vblock, start, end, entry, "reserve_run", True))
+                    continue
                 state = entry & STATE_MASK
                 if state == _DATA and not full:
                     if fast:
@@ -378,7 +382,9 @@ class Volume:
             fresh = self._allocate(needed)
             runs = _Runs()
             for vblock, start, end, entry, action, new in plan:
-                if action == "unmap":
+                if action == "reserve_run":
+                    self._reserve_unmapped_run(vblock, end, fresh, runs)
+                elif action == "unmap":
                     self._set_entry(vblock, 0)
                 elif action == "zero_part":
                     if not new:
@@ -412,32 +418,22 @@ class Volume:
             self._precheck_space(offset, length)
             plan: list[tuple[int, int, int, bool]] = []  # (first vblock, last vblock, entry, new)
             needed = 0
-            first, last = offset // bs, (offset + length - 1) // bs
-            for page_index in range(first // PAGE_ENTRIES, last // PAGE_ENTRIES + 1) if length else ():
-                lo = max(first, page_index * PAGE_ENTRIES)
-                hi = min(last, page_index * PAGE_ENTRIES + PAGE_ENTRIES - 1)
-                if page_index not in self.root:
-                    # A page that maps nothing: every block is UNMAPPED, all handled at once.
-                    needed += hi - lo + 1
-                    plan.append((lo, hi, 0, True))
+            for vblock, _start, end, entry, _whole in self._segments_or_empty_pages(offset, length, True):
+                if entry < 0:  # an empty page's run of vblocks [vblock, end]
+                    needed += end - vblock + 1
+                    plan.append((vblock, end, 0, True))
                     continue
-                for vblock, _start, _end, entry, _whole in self._segments(
-                    lo * bs, (hi - lo + 1) * bs, skip_holes=False
-                ):
-                    new = self._needs_new_dblock(vblock, entry)
-                    if new or not entry & PINNED:
-                        needed += new
-                        plan.append((vblock, vblock, entry, new))
+                new = self._needs_new_dblock(vblock, entry)
+                if new or not entry & PINNED:
+                    needed += new
+                    plan.append((vblock, vblock, entry, new))
             fresh = self._allocate(needed)
             runs = _Runs()
             for lo, hi, entry, new in plan:
                 if not new:
                     self._set_entry(lo, entry | PINNED)
-                elif hi > lo or not entry:
-                    dblocks = list(islice(fresh, hi - lo + 1))
-                    self._set_unmapped_run(lo, [(d << DBLOCK_SHIFT) | PINNED | _ZEROED for d in dblocks])
-                    for dblock in dblocks:
-                        runs.allocate(dblock * bs, bs)
+                elif not entry:
+                    self._reserve_unmapped_run(lo, hi, fresh, runs)
                 elif entry & STATE_MASK == _DATA:
                     # A shared DATA block: copy it now so later writes need no space.
                     dblock = next(fresh)
@@ -450,6 +446,35 @@ class Volume:
             runs.run(pool.store)
             if fua:
                 pool.commit()
+
+    def _segments_or_empty_pages(
+        self, offset: int, length: int, bulk: bool
+    ) -> Iterator[tuple[int, int, int, int, bool]]:
+        """_segments, except that with `bulk` a page absent from the root table comes as
+        one item (first vblock, 0, last vblock, -1, False): every block in it is UNMAPPED,
+        so rules that reserve space can treat it at once (an 8 GiB provision is fast)."""
+        if not bulk:
+            yield from self._segments(offset, length, skip_holes=True)
+            return
+        bs = self.pool.block_size
+        page_bytes = bs * PAGE_ENTRIES
+        pos, end = offset, offset + length
+        while pos < end:
+            page_index = pos // page_bytes
+            stop = min(end, (page_index + 1) * page_bytes)
+            if page_index in self.root:
+                yield from self._segments(pos, stop - pos, skip_holes=False)
+            else:
+                yield pos // bs, 0, (stop - 1) // bs, -1, False
+            pos = stop
+
+    def _reserve_unmapped_run(self, first: int, last: int, fresh: Iterator[int], runs: _Runs) -> None:
+        """UNMAPPED vblocks [first, last] of one page become ZEROED|PINNED on fresh dblocks."""
+        bs = self.pool.block_size
+        dblocks = list(islice(fresh, last - first + 1))
+        self._set_unmapped_run(first, [(d << DBLOCK_SHIFT) | PINNED | _ZEROED for d in dblocks])
+        for dblock in dblocks:
+            runs.allocate(dblock * bs, bs)
 
     def _set_unmapped_run(self, first: int, new_entries: list[int]) -> None:
         """_set_entry in bulk for a run of UNMAPPED vblocks in one page becoming

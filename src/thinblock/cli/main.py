@@ -5,7 +5,6 @@ call; errors are printed as one sentence with exit status 1, never a traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -183,12 +182,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         for uri in export_uris(sorted(pool.volumes), socket_path=socket_path, tcp=bound, tls=tls is not None):
             print(f"export {uri}", flush=True)
         print(f"ready: serving {len(pool.volumes)} volume(s) of {args.pool}", flush=True)
-        while not stop.wait(1):
-            pass
+        stop.wait()
         print("stopping: finishing requests and committing", flush=True)
         server.close()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(socket_path)
     print("stopped", flush=True)
 
 

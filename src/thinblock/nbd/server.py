@@ -45,6 +45,7 @@ log = logging.getLogger("thinblock.nbd")
 MAX_IN_FLIGHT = 64
 READ_CHUNK_BYTES = 1 << 20
 WORKERS = 4
+QUICK_REQUEST_BYTES = 128 << 10
 IOV_MAX = 1024
 
 _STATE_FLAGS = {
@@ -143,6 +144,15 @@ def execute(conn: ServerConnection, vol: Volume, req: Request) -> list[bytes]:
     return [conn.simple_reply(req.cookie)]
 
 
+def _quick(req: Request) -> bool:
+    """Small data requests run on the connection's reader thread; big ones, flushes and
+    FUA writes (which wait for the disk) go to the worker pool, so the reader keeps
+    reading and their replies may overtake or follow others."""
+    if req.flags & c.CMD_FLAG_FUA or req.command == c.CMD_FLUSH:
+        return False
+    return req.command in (c.CMD_READ, c.CMD_WRITE) and req.length <= QUICK_REQUEST_BYTES
+
+
 @dataclass
 class TLSConfig:
     cert: str
@@ -168,6 +178,7 @@ class NBDServer:
         self.ssl_context = tls.context() if tls else None
         self.executor = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="thinblock-nbd-worker")
         self.listeners: list[socket.socket] = []
+        self.unix_paths: list[tuple[str, int]] = []
         self.threads: list[threading.Thread] = []
         self.sessions: set[Session] = set()
         self.lock = threading.Lock()
@@ -179,6 +190,7 @@ class NBDServer:
             os.unlink(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(path)
+        self.unix_paths.append((path, os.stat(path).st_ino))
         self._listen(sock)
 
     def listen_tcp(self, host: str, port: int) -> int:
@@ -219,6 +231,10 @@ class NBDServer:
             listener.close()
         for thread in self.threads:
             thread.join()
+        for path, inode in self.unix_paths:
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == inode:  # never remove a newer server's socket
+                    os.unlink(path)
         with self.lock:
             sessions = list(self.sessions)
         for session in sessions:
@@ -302,7 +318,10 @@ class Session:
                 self.slots.acquire()
                 with self.pending_lock:
                     self.pending += 1
-                self.server.executor.submit(self._work, event)
+                if _quick(event):
+                    self._work(event)  # no thread handoff for small requests: the common case
+                else:
+                    self.server.executor.submit(self._work, event)
             elif isinstance(event, StartTLS):
                 assert self.server.ssl_context is not None
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
