@@ -294,3 +294,33 @@ def test_data_store_contract(pool: Pool) -> None:
     store.flush()
     support = store.support()
     assert set(support) == {"punch", "zero", "allocate"}
+
+
+def _crash(pool: Pool) -> None:
+    """Abandon a pool as SIGKILL would: no commit, no clean flag (the page cache survives)."""
+    pool._closed.set()
+    if pool._committer is not None:
+        pool._committer.join()
+    pool.meta.close()
+    pool.store.close()
+    os.close(pool._lock_fd)
+
+
+def test_recovery_restores_zero_rules_after_a_crash(pool: Pool) -> None:
+    vol = pool.create_volume("v", 1 << 20)
+    vol.provision(0, 2 * BS)  # two ZEROED blocks, committed below
+    pool.commit()
+    vol.write(10, b"\x15" * 100)  # ZEROED -> DATA, never committed
+    vol.write(2 * BS + 10, b"\x16" * 100)  # a fresh block, never committed
+    _crash(pool)
+    again = Pool.open(pool.path)
+    try:
+        vol = again.volume("v")
+        assert vol.block_status(0, 3 * BS) == [(2 * BS, Z), (BS, U)]
+        assert vol.read(0, 3 * BS) == bytes(3 * BS)
+        vol.write(BS // 2, b"x")  # partial writes into the recovered blocks show no old bytes
+        vol.write(2 * BS + BS // 2, b"y")
+        assert vol.read(0, BS) == bytes(BS // 2) + b"x" + bytes(BS // 2 - 1)
+        assert vol.read(2 * BS, BS) == bytes(BS // 2) + b"y" + bytes(BS // 2 - 1)
+    finally:
+        again.close()

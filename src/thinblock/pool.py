@@ -20,10 +20,10 @@ from typing import Any
 
 from thinblock.datastore import DataStore, FallbackStore, FileStore
 from thinblock.errors import NoSpaceError, PoolBusyError, ThinblockError
-from thinblock.mapping import PAGE_ENTRIES, Page
+from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState, Page
 from thinblock.metadata import DB_NAME, MetadataStore, Transaction, VolumeRow
 from thinblock.sizes import format_size
-from thinblock.spacemap import SpaceMap
+from thinblock.spacemap import SpaceMap, to_runs
 from thinblock.volume import Volume
 
 DEFAULT_BLOCK_SIZE = 64 << 10
@@ -420,13 +420,30 @@ class Pool:
                 self.store.punch(start * self.block_size, count * self.block_size)
 
     def _recover_free_space(self) -> None:
-        """After an unclean shutdown, free blocks may hold bytes written but never
-        committed: punch them all, durably, so that allocatable blocks read zero."""
+        """After an unclean shutdown, restore the two zero rules: free blocks and
+        ZEROED blocks' dblocks may hold bytes written but never committed (a write
+        into them ran, the commit recording it did not). Punch the free ones, zero
+        the ZEROED ones, durably."""
         runs = self.space.free_runs()
         for start, count in runs:
             self.store.punch(start * self.block_size, count * self.block_size)
+        zeroed = sorted(
+            {
+                entry >> DBLOCK_SHIFT
+                for _pid, _ref, blob in self.meta.all_pages()
+                for entry in Page.from_blob(0, 0, blob).entries
+                if entry & STATE_MASK == BlockState.ZEROED
+            }
+        )
+        for start, count in to_runs(zeroed):
+            self.store.zero(start * self.block_size, count * self.block_size)
         self.store.flush()
-        log.info("pool %s was not closed cleanly: punched %d free extents", self.path, len(runs))
+        log.info(
+            "pool %s was not closed cleanly: punched %d free extents, re-zeroed %d ZEROED blocks",
+            self.path,
+            len(runs),
+            len(zeroed),
+        )
 
     def _drop_empty_pages(self) -> None:
         for vol, page_index in self._touched:
