@@ -21,10 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import nbd
 
@@ -98,11 +98,15 @@ class Thinblock(Peer):
         tb = [sys.executable, "-m", "thinblock"]
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
         subprocess.run([*tb, "pool", "create", str(pool), "--size", "20G"], check=True, env=env, capture_output=True)
-        subprocess.run([*tb, "volume", "create", str(pool), "disk", "--size", "16G"], check=True, env=env, capture_output=True)
+        subprocess.run(
+            [*tb, "volume", "create", str(pool), "disk", "--size", "16G"], check=True, env=env, capture_output=True
+        )
         sock = str(pool / "nbd.sock")
         port = free_port()
         args = ["--listen", str(port)] if transport == "tcp" else []
-        proc = subprocess.Popen([*tb, "serve", str(pool), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [*tb, "serve", str(pool), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         wait_for(port if transport == "tcp" else sock, proc)
         uri = f"nbd://127.0.0.1:{port}/disk" if transport == "tcp" else f"nbd+unix:///disk?socket={sock}"
 
@@ -129,7 +133,9 @@ class Nbdkit(Peer):
         Path(sock).unlink(missing_ok=True)
         port = free_port()
         listen = ["-p", str(port), "-i", "127.0.0.1"] if transport == "tcp" else ["-U", sock]
-        proc = subprocess.Popen(["nbdkit", "-f", *listen, "file", str(img)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            ["nbdkit", "-f", *listen, "file", str(img)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         wait_for(port if transport == "tcp" else sock, proc)
         uri = f"nbd://127.0.0.1:{port}/" if transport == "tcp" else f"nbd+unix:///?socket={sock}"
         try:
@@ -151,7 +157,19 @@ class QemuNbd(Peer):
         port = free_port()
         listen = ["-b", "127.0.0.1", "-p", str(port)] if transport == "tcp" else ["-k", sock]
         proc = subprocess.Popen(
-            ["qemu-nbd", "-f", "qcow2", "-x", "disk", "-t", "--shared=8", "--discard=unmap", "--detect-zeroes=unmap", *listen, str(img)],
+            [
+                "qemu-nbd",
+                "-f",
+                "qcow2",
+                "-x",
+                "disk",
+                "-t",
+                "--shared=8",
+                "--discard=unmap",
+                "--detect-zeroes=unmap",
+                *listen,
+                str(img),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -164,7 +182,9 @@ class QemuNbd(Peer):
             img.unlink()
 
 
-def fio(uri: str, rw: str, bs: str, iodepth: int, size: str, runtime: int | None = None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+def fio(
+    uri: str, rw: str, bs: str, iodepth: int, size: str, runtime: int | None = None, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     cmd = [
         "fio", "--name=bench", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}",
         f"--iodepth={iodepth}", f"--size={size}", "--output-format=json", *extra,
