@@ -86,9 +86,8 @@ def test_qemu_io_and_map(served: Server) -> None:
         "-c", "read -P 0 1M 7M",
         uri,
     )  # fmt: skip
-    qmap = run("qemu-io", "-f", "raw", "-c", "map", uri)
-    assert "64 KiB (0x10000) bytes not allocated at offset 0 bytes" in qmap
-    assert "960 KiB (0xf0000) bytes     allocated at offset 64 KiB" in qmap
+    # qemu-io's map reports the raw format layer (all allocated); holes show in nbdinfo/qemu-img map.
+    assert "1 GiB (0x40000000) bytes" in run("qemu-io", "-f", "raw", "-c", "map", uri)
     extents = json.loads(run("nbdinfo", "--map", "--json", uri))
     by_offset = {e["offset"]: (e["length"], e["type"]) for e in extents}
     assert by_offset[0] == (64 << 10, 3)  # hole,zero
