@@ -13,14 +13,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def thinblock(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    proc = subprocess.run(
         [sys.executable, "-m", "thinblock", *args],
         capture_output=True,
         text=True,
-        check=check,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         timeout=300,
     )
+    if check:
+        assert proc.returncode == 0, f"thinblock {' '.join(args)}: {proc.stdout}{proc.stderr}"
+    return proc
 
 
 class Server:

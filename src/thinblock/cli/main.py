@@ -188,6 +188,67 @@ def cmd_serve(args: argparse.Namespace) -> None:
     print("stopped", flush=True)
 
 
+def cmd_fuse_daemon(args: argparse.Namespace) -> None:
+    """Internal: serve a pool's volumes as files at MOUNTPOINT until unmounted."""
+    import logging
+
+    from thinblock.fuse.fs import mount
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    with Pool.open(args.pool) as pool:
+        logging.getLogger("thinblock.fuse").info("serving %s at %s", args.pool, args.mountpoint)
+        mount(pool, args.mountpoint)
+    logging.getLogger("thinblock.fuse").info("unmounted; pool committed and closed")
+
+
+def cmd_attach(args: argparse.Namespace) -> None:
+    from thinblock.fuse.attach import attach, list_attached
+
+    if args.list:
+        rows = [a.__dict__ for a in list_attached()]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for a in rows:
+                state = "" if a["daemon_alive"] else "  (daemon dead: I/O fails; detach to clean up)"
+                print(f"{a['device']}  {a['pool']}  {a['volume']}{state}")
+        return
+    if not args.pool or not args.name:
+        raise ThinblockError("attach needs POOL and NAME (or --list)")
+    print(attach(args.pool, args.name))
+
+
+def cmd_detach(args: argparse.Namespace) -> None:
+    from thinblock.fuse.attach import detach
+
+    detach(args.device)
+    print(f"detached {args.device}")
+
+
+def cmd_mkfs(args: argparse.Namespace) -> None:
+    from thinblock.fuse.mkfs import format_volume
+
+    extra = [a for a in args.extra if a != "--"]
+    result = format_volume(args.pool, args.name, args.type, extra)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    hint = (
+        "known zero: passing -E assume_storage_prezeroed=1"
+        if result["prezeroed_hint"]
+        else (
+            "known zero (mkfs.xfs has no prezeroed hint)"
+            if result["storage_was_zero"]
+            else "holds data: formatting normally"
+        )
+    )
+    print(f"{args.name}: {hint}")
+    print(
+        f"{' '.join(result['command'])}: {result['seconds']:.2f} s, pool space used "
+        f"{format_size(result['pool_bytes_used'])} ({result['percent_of_volume']:.3f}% of the volume)"
+    )
+
+
 # ----- parser --------------------------------------------------------------------------
 
 
@@ -241,6 +302,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM); makes TLS mandatory")
     p.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
     p.add_argument("--tls-ca", metavar="FILE", help="CA for client certificates (then they are required)")
+
+    p = add(sub, "attach", cmd_attach, "attach a volume as a kernel block device (FUSE file + loop)", pool=False)
+    p.add_argument("pool", metavar="POOL", nargs="?", help="pool directory")
+    p.add_argument("name", metavar="NAME", nargs="?", help="volume name")
+    p.add_argument("--list", action="store_true", help="show what is attached")
+    p.add_argument("--json", action="store_true", help="machine-readable output (with --list)")
+    p = add(sub, "detach", cmd_detach, "detach a loop device (then the FUSE daemon when unused)", pool=False)
+    p.add_argument("device", metavar="DEVICE", help="/dev/loopN printed by attach")
+    p = add(sub, "mkfs", cmd_mkfs, "format a volume; skips zeroing when the pool knows it is zero")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("-t", "--type", default="ext4", choices=("ext4", "xfs"), help="filesystem (default ext4)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("extra", nargs="*", metavar="-- ARGS", help="extra arguments for mke2fs/mkfs.xfs, after --")
+    p = add(sub, "fuse-daemon", cmd_fuse_daemon, "internal: the FUSE daemon started by attach")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
 
     p = add(
         sub, "quickstart", cmd_quickstart, "create the default pool and volume if missing and show them", pool=False

@@ -1,0 +1,205 @@
+"""Kernel block devices for volumes: a FUSE daemon per pool, a loop device per volume.
+
+State lives where the kernel keeps it: the FUSE mount under RUNTIME_DIR and the
+loop devices' backing files (losetup). `attach` starts the pool's daemon if
+needed and binds a direct-I/O loop device to the volume's file; `detach`
+removes the loop device first, then the FUSE mount once nothing uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from thinblock.errors import ThinblockError
+from thinblock.pool import _open_meta
+
+RUNTIME_DIR = Path(os.environ.get("THINBLOCK_RUNTIME_DIR", "/run/thinblock"))
+
+
+@dataclass
+class Attachment:
+    device: str
+    pool: str
+    volume: str
+    daemon_pid: int
+    daemon_alive: bool
+
+
+def _pool_dir(pool: str) -> Path:
+    key = hashlib.sha1(os.path.realpath(pool).encode()).hexdigest()[:12]
+    return RUNTIME_DIR / key
+
+
+def _is_mounted(path: Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == target for line in f)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _loops() -> list[tuple[str, str]]:
+    """(device, backing file) for every loop device."""
+    out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True, check=False).stdout
+    if not out.strip():
+        return []
+    return [(d["name"], d.get("back-file") or "") for d in json.loads(out)["loopdevices"]]
+
+
+def _backing(device: str) -> str:
+    name = os.path.basename(os.path.realpath(device))
+    try:
+        return Path(f"/sys/block/{name}/loop/backing_file").read_text().strip()
+    except OSError:
+        raise ThinblockError(f"{device} is not an attached loop device") from None
+
+
+def _daemon_info(pdir: Path) -> dict[str, object] | None:
+    try:
+        return dict(json.loads((pdir / "daemon.json").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _start_daemon(pool: str, pdir: Path) -> None:
+    mnt = pdir / "mnt"
+    mnt.mkdir(parents=True, exist_ok=True)
+    log = open(pdir / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thinblock", "fuse-daemon", os.path.realpath(pool), str(mnt)],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,  # outlives this command, as a daemon should
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    log.close()
+    deadline = time.monotonic() + 30
+    while not _is_mounted(mnt):
+        if proc.poll() is not None:
+            tail = (pdir / "daemon.log").read_text(errors="replace").strip().splitlines()[-1:]
+            raise ThinblockError(f"the FUSE daemon for {pool} exited: {tail[0] if tail else 'no output'}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise ThinblockError(f"the FUSE daemon for {pool} did not come up")
+        time.sleep(0.05)
+    (pdir / "daemon.json").write_text(json.dumps({"pid": proc.pid, "pool": os.path.realpath(pool), "mnt": str(mnt)}))
+
+
+def attach(pool: str, volume: str) -> str:
+    """The loop device for pool/volume, attaching it (and starting the daemon) if needed."""
+    meta = _open_meta(pool, readonly=True)  # clear errors for a missing pool
+    try:
+        names = {row.name for row in meta.volumes()}
+    finally:
+        meta.close()
+    if volume not in names:
+        raise ThinblockError(f"no volume {volume!r} in pool {pool}")
+    pdir = _pool_dir(pool)
+    info = _daemon_info(pdir)
+    if info is None or not _alive(int(info["pid"])) or not _is_mounted(pdir / "mnt"):  # type: ignore[call-overload]
+        _cleanup_dead(pdir)
+        _start_daemon(pool, pdir)
+    backing = str(pdir / "mnt" / volume)
+    for device, back in _loops():
+        if back == backing:
+            return device
+    deadline = time.monotonic() + 10
+    while not os.path.exists(backing):  # a volume created a moment ago appears after a commit
+        if time.monotonic() > deadline:
+            raise ThinblockError(f"volume {volume!r} does not appear in the FUSE daemon of {pool}")
+        time.sleep(0.1)
+    proc = subprocess.run(
+        ["losetup", "--find", "--show", "--direct-io=on", backing], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise ThinblockError(f"losetup failed: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def _cleanup_dead(pdir: Path) -> None:
+    mnt = pdir / "mnt"
+    if _is_mounted(mnt):
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
+    with contextlib.suppress(FileNotFoundError):
+        (pdir / "daemon.json").unlink()
+
+
+def list_attached() -> list[Attachment]:
+    out = []
+    loops = _loops()
+    for info_file in sorted(RUNTIME_DIR.glob("*/daemon.json")):
+        info = _daemon_info(info_file.parent)
+        if info is None:
+            continue
+        mnt = str(info["mnt"])
+        pid = int(info["pid"])  # type: ignore[call-overload]
+        for device, back in loops:
+            if back.startswith(mnt + "/"):
+                out.append(Attachment(device, str(info["pool"]), back[len(mnt) + 1 :], pid, _alive(pid)))
+    return out
+
+
+def _mounted_at(device: str) -> str | None:
+    real = os.path.realpath(device)
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if os.path.realpath(fields[0]) == real:
+                return fields[1]
+    return None
+
+
+def detach(device: str) -> None:
+    """Remove the loop device, then the pool's FUSE mount when no loop device uses it."""
+    backing = _backing(device)
+    pdir = Path(backing).parent.parent
+    if not str(backing).startswith(str(RUNTIME_DIR) + "/") or not (pdir / "daemon.json").exists():
+        raise ThinblockError(f"{device} is not a thinblock device (backing file {backing})")
+    where = _mounted_at(device)
+    if where:
+        raise ThinblockError(f"{device} is mounted at {where}: unmount it first")
+    proc = subprocess.run(["losetup", "--detach", device], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise ThinblockError(f"losetup --detach {device} failed: {proc.stderr.strip()}")
+    name = os.path.basename(os.path.realpath(device))
+    deadline = time.monotonic() + 10
+    while Path(f"/sys/block/{name}/loop/backing_file").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the kernel lets go of the file once the last opener closes
+    mnt = str(pdir / "mnt")
+    if any(back.startswith(mnt + "/") for _dev, back in _loops()):
+        return  # another volume of this pool is still attached
+    _stop_daemon(pdir)
+
+
+def _stop_daemon(pdir: Path) -> None:
+    info = _daemon_info(pdir)
+    pid = int(info["pid"]) if info else 0  # type: ignore[call-overload]
+    mnt = pdir / "mnt"
+    if pid and _alive(pid):
+        # Unmounting ends the daemon's FUSE loop; it then commits and closes the pool.
+        if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, check=False).returncode != 0:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+    _cleanup_dead(pdir)
+    with contextlib.suppress(OSError):
+        mnt.rmdir()

@@ -1,0 +1,200 @@
+"""Kernel block devices on thin volumes: FUSE + loop, real mkfs, mount, fstrim, e2fsck."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.nbd_server import thinblock
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def sh(*cmd: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if ok:
+        assert proc.returncode == 0, f"{cmd}: {proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private runtime dir; afterwards every mount, loop device and daemon of the test is gone."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("THINBLOCK_RUNTIME_DIR", str(run))
+    yield tmp_path
+    with open("/proc/mounts") as f:
+        mounts = [line.split()[1] for line in f if str(tmp_path) in line.split()[1]]
+    for target in sorted(mounts, key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], check=False)
+    out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True).stdout
+    for dev in json.loads(out)["loopdevices"] if out.strip() else []:
+        if str(tmp_path) in (dev.get("back-file") or ""):
+            subprocess.run(["losetup", "-d", dev["name"]], check=False)
+
+
+def make_pool(root: Path, *volumes: tuple[str, str], size: str = "8G") -> str:
+    pool = str(root / "pool")
+    thinblock("pool", "create", pool, "--size", size)
+    for name, vsize in volumes:
+        thinblock("volume", "create", pool, name, "--size", vsize)
+    return pool
+
+
+def volume(pool: str, name: str) -> dict[str, Any]:
+    status = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+    return next(v for v in status["volumes"] if v["name"] == name)
+
+
+def sync_volume(env_root: Path, name: str) -> None:
+    """fsync the volume's FUSE file: the daemon commits, so status is current."""
+    (mnt,) = (env_root / "run").glob("*/mnt")
+    fd = os.open(mnt / name, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def sparse_loop_usage(root: Path, size: int, mkfs: list[str]) -> int:
+    """Host bytes a format takes on a loop device over a plain sparse file (upstream's setup)."""
+    img = root / f"sparse-{mkfs[0]}.img"
+    with open(img, "wb") as f:
+        f.truncate(size)
+    dev = sh("losetup", "--find", "--show", str(img)).stdout.strip()
+    try:
+        sh(*mkfs, dev)
+    finally:
+        sh("losetup", "-d", dev)
+    used = os.stat(img).st_blocks * 512
+    img.unlink()
+    return used
+
+
+def test_thinblock_mkfs_on_200g_uses_almost_nothing(env: Path) -> None:
+    pool = make_pool(env, ("big", "200G"))
+    result = json.loads(thinblock("mkfs", pool, "big", "--json").stdout)
+    assert result["prezeroed_hint"] is True
+    assert "assume_storage_prezeroed=1" in " ".join(result["command"])
+    assert result["percent_of_volume"] <= 0.02, result
+    assert json.loads(thinblock("attach", "--list", "--json").stdout) == []  # mkfs detached again
+    dev = thinblock("attach", pool, "big").stdout.strip()
+    assert sh("e2fsck", "-fn", dev).returncode == 0
+    thinblock("detach", dev)
+
+
+@pytest.mark.parametrize("fs", ["ext4", "xfs"])
+def test_plain_mkfs_uses_no_more_than_a_sparse_file(env: Path, fs: str) -> None:
+    pool = make_pool(env, ("v", "200G"))
+    dev = thinblock("attach", pool, "v").stdout.strip()
+    cmd = ["mke2fs", "-q", "-t", "ext4", "-F"] if fs == "ext4" else ["mkfs.xfs", "-q", "-f"]
+    sh(*cmd, dev)
+    sync_volume(env, "v")
+    used = volume(pool, "v")["mapped_bytes"]
+    thinblock("detach", dev)
+    sparse = sparse_loop_usage(env, 200 * GiB, cmd)
+    assert used <= sparse * 1.02, (used, sparse)
+
+
+@pytest.mark.parametrize("fs", ["ext4", "xfs"])
+def test_files_roundtrip_then_fstrim_returns_space(env: Path, fs: str) -> None:
+    pool = make_pool(env, ("v", "200G"))
+    result = json.loads(thinblock("mkfs", pool, "v", "-t", fs, "--json").stdout)
+    empty = result["volume_mapped_bytes"]
+    dev = thinblock("attach", pool, "v").stdout.strip()
+    mnt = env / "mnt"
+    mnt.mkdir()
+    sh("mount", dev, str(mnt))
+    sums = {}
+    for i in range(12):
+        data = os.urandom((i + 1) * 1024 * 1024 + i * 4097)
+        (mnt / f"f{i}").write_bytes(data)
+        sums[f"f{i}"] = hashlib.sha256(data).hexdigest()
+    sh("sync")
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    for name, digest in sums.items():
+        assert hashlib.sha256((mnt / name).read_bytes()).hexdigest() == digest
+    sync_volume(env, "v")
+    assert volume(pool, "v")["data_bytes"] >= 78 * MiB
+    detach = thinblock("detach", dev, check=False)  # refused while mounted
+    assert detach.returncode == 1 and "mounted" in detach.stderr
+    for name in sums:
+        (mnt / name).unlink()
+    sh("sync")
+    sh("fstrim", str(mnt))
+    sh("umount", str(mnt))
+    if fs == "ext4":
+        sh("e2fsck", "-fn", dev)
+    else:
+        sh("xfs_repair", "-n", dev)
+    sync_volume(env, "v")
+    after = volume(pool, "v")["mapped_bytes"]
+    assert after <= empty + 4 * MiB, (after, empty)
+    thinblock("detach", dev)
+    assert thinblock("pool", "check", pool).returncode == 0
+
+
+def test_volume_with_data_never_gets_the_hint(env: Path) -> None:
+    pool = make_pool(env, ("v", "10G"))
+    dev = thinblock("attach", pool, "v").stdout.strip()
+    sh("dd", "if=/dev/urandom", f"of={dev}", "bs=64K", "count=1", "seek=1000", "oflag=direct", "status=none")
+    thinblock("detach", dev)
+    result = json.loads(thinblock("mkfs", pool, "v", "--json").stdout)
+    assert result["prezeroed_hint"] is False and result["storage_was_zero"] is False
+    assert "assume_storage_prezeroed" not in " ".join(result["command"])
+
+
+def test_zero_writes_through_the_loop_device_use_no_space(env: Path) -> None:
+    pool = make_pool(env, ("v", "4G"))
+    dev = thinblock("attach", pool, "v").stdout.strip()
+    sh("dd", "if=/dev/zero", f"of={dev}", "bs=1M", "count=256", "oflag=direct", "status=none")
+    sync_volume(env, "v")
+    assert volume(pool, "v")["mapped_bytes"] == 0
+    # SEEK_DATA/SEEK_HOLE on the volume file follow block status
+    sh("dd", "if=/dev/urandom", f"of={dev}", "bs=1M", "count=1", "seek=10", "oflag=direct", "status=none")
+    (mnt,) = (env / "run").glob("*/mnt")
+    fd = os.open(mnt / "v", os.O_RDONLY)
+    try:
+        assert os.lseek(fd, 0, os.SEEK_DATA) == 10 * MiB
+        assert os.lseek(fd, 10 * MiB, os.SEEK_HOLE) == 11 * MiB
+    finally:
+        os.close(fd)
+    thinblock("detach", dev)
+
+
+def test_attach_errors_and_list(env: Path) -> None:
+    pool = make_pool(env, ("a", "1G"), ("b", "1G"))
+    missing = thinblock("attach", pool, "nope", check=False)
+    assert missing.returncode == 1 and "no volume 'nope'" in missing.stderr
+    assert thinblock("attach", str(env / "nopool"), "a", check=False).returncode == 1
+    da = thinblock("attach", pool, "a").stdout.strip()
+    db = thinblock("attach", pool, "b").stdout.strip()
+    assert thinblock("attach", pool, "a").stdout.strip() == da  # idempotent
+    listed = {(a["device"], a["volume"]) for a in json.loads(thinblock("attach", "--list", "--json").stdout)}
+    assert listed == {(da, "a"), (db, "b")}
+    assert thinblock("detach", "/dev/null", check=False).returncode == 1
+    thinblock("detach", da)
+    thinblock("detach", db)
+    assert json.loads(thinblock("attach", "--list", "--json").stdout) == []
+
+
+def test_dead_daemon_gives_io_errors_and_detach_cleans_up(env: Path) -> None:
+    pool = make_pool(env, ("v", "1G"))
+    dev = thinblock("attach", pool, "v").stdout.strip()
+    (info,) = (env / "run").glob("*/daemon.json")
+    pid = json.loads(info.read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    read = sh("dd", f"if={dev}", "of=/dev/null", "bs=4K", "count=1", "iflag=direct", "status=none", ok=False)
+    assert read.returncode != 0
+    thinblock("detach", dev)
+    assert json.loads(thinblock("attach", "--list", "--json").stdout) == []
+    assert thinblock("pool", "check", pool).returncode == 0
