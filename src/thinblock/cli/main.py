@@ -228,8 +228,7 @@ def cmd_detach(args: argparse.Namespace) -> None:
 def cmd_mkfs(args: argparse.Namespace) -> None:
     from thinblock.fuse.mkfs import format_volume
 
-    extra = [a for a in args.extra if a != "--"]
-    result = format_volume(args.pool, args.name, args.type, extra)
+    result = format_volume(args.pool, args.name, args.type, args.extra)
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -310,11 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output (with --list)")
     p = add(sub, "detach", cmd_detach, "detach a loop device (then the FUSE daemon when unused)", pool=False)
     p.add_argument("device", metavar="DEVICE", help="/dev/loopN printed by attach")
-    p = add(sub, "mkfs", cmd_mkfs, "format a volume; skips zeroing when the pool knows it is zero")
+    p = add(
+        sub,
+        "mkfs",
+        cmd_mkfs,
+        "format a volume; skips zeroing when the pool knows it is zero (extra mkfs arguments after --)",
+    )
     p.add_argument("name", metavar="NAME")
     p.add_argument("-t", "--type", default="ext4", choices=("ext4", "xfs"), help="filesystem (default ext4)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("extra", nargs="*", metavar="-- ARGS", help="extra arguments for mke2fs/mkfs.xfs, after --")
     p = add(sub, "fuse-daemon", cmd_fuse_daemon, "internal: the FUSE daemon started by attach")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
 
@@ -330,7 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after "--" belongs to the program thinblock runs (mkfs), not to us.
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    args.extra = extra
     try:
         result = args.func(args)
     except (ThinblockError, OpError) as exc:
