@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.nbd_server import thinblock
+from tests.cli import thinblock
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -6,28 +6,20 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import thinblock
 from thinblock import Pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def tb(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "thinblock", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-        timeout=120,
-    )
-    assert "Traceback" not in proc.stderr, proc.stderr
-    if ok:
-        assert proc.returncode == 0, proc.stderr
-    else:
+    """The CLI; with ok=False it must fail cleanly: exit 1 and a message."""
+    proc = thinblock(*args, check=ok)
+    if not ok:
         assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
         assert "error" in proc.stderr
     return proc
