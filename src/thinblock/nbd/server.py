@@ -240,7 +240,10 @@ class NBDServer:
         for session in sessions:
             session.hang_up()
         for session in sessions:
-            session.join()
+            session.join(timeout=10)
+            if session.reader.is_alive():
+                session.hang_up(both=True)  # a client that reads no replies must not hold up the stop
+                session.join()
         self.executor.shutdown(wait=True)
 
 
@@ -271,12 +274,12 @@ class Session:
     def start(self) -> None:
         self.reader.start()
 
-    def join(self) -> None:
-        self.reader.join()
+    def join(self, timeout: float | None = None) -> None:
+        self.reader.join(timeout)
 
-    def hang_up(self) -> None:
+    def hang_up(self, *, both: bool = False) -> None:
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RD)
+            self.sock.shutdown(socket.SHUT_RDWR if both else socket.SHUT_RD)
 
     def _run(self) -> None:
         log.info("%s: connected", self.name)
