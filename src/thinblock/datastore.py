@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from thinblock.errors import NotSupportedError, ThinblockError
+from thinblock.iovec import write_all
 from thinblock.zeros import ZERO_CHUNK_BYTES, zero_bytes
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -121,15 +122,15 @@ class FileStore(DataStore):
         return data
 
     def pwritev(self, offset: int, buffers: Sequence[bytes | memoryview]) -> None:
-        pending = [memoryview(b).cast("B") for b in buffers]
-        while pending:
-            written = os.pwritev(self._fd, pending, offset)
-            offset += written
-            while pending and written >= len(pending[0]):
-                written -= len(pending[0])
-                pending.pop(0)
-            if pending and written:
-                pending[0] = pending[0][written:]
+        position = offset
+
+        def write(views: list[memoryview]) -> int:
+            nonlocal position
+            written = os.pwritev(self._fd, views, position)
+            position += written
+            return written
+
+        write_all(write, buffers)
 
     def _fallocate(self, name: str, mode: int, offset: int, length: int) -> None:
         if self._support[name] is Support.EMULATE:

@@ -175,7 +175,7 @@ class Pool:
         if data_path is None:
             with open(os.path.join(path, DATA_FILE), "xb") as f:
                 f.truncate(size_bytes)
-        if data_path is not None:
+        else:
             # Allocatable blocks must read zero (see spacemap): clear the device once.
             device = FallbackStore(FileStore(data_path))
             try:

@@ -21,6 +21,7 @@ from itertools import islice
 from typing import TYPE_CHECKING
 
 from thinblock.errors import NotSupportedError, RangeError, ReadOnlyError
+from thinblock.iovec import IOV_MAX
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
 from thinblock.metadata import VolumeRow
 from thinblock.zeros import is_zero, zero_bytes
@@ -30,11 +31,10 @@ if TYPE_CHECKING:
     from thinblock.pool import Pool
 
 _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
-IOV_MAX = 1024
 
 
 def _add_piece(pieces: list[list[int]], offset: int, length: int, store_off: int) -> None:
-    """Append to read_sparse's pieces, merging zeros with zeros and contiguous data."""
+    """Append to a _sparse_plan, merging zeros with zeros and contiguous data."""
     if pieces:
         last = pieces[-1]
         if (last[2] < 0 and store_off < 0) or (last[2] >= 0 and last[2] + last[1] == store_off):
@@ -231,25 +231,16 @@ class Volume:
     def read(self, offset: int, length: int) -> bytes:
         """The bytes of [offset, offset+length); UNMAPPED and ZEROED read zeros with no I/O."""
         self._check(offset, length, write=False)
-        bs = self.pool.block_size
+        store = self.pool.store
         with self.pool.lock:
-            runs: list[list[int]] = []  # [store offset, out position, length]
-            for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
-                if entry & STATE_MASK != _DATA:
-                    continue
-                store_off = (entry >> DBLOCK_SHIFT) * bs + start
-                pos = vblock * bs + start - offset
-                last = runs[-1] if runs else None
-                if last and last[0] + last[2] == store_off and last[1] + last[2] == pos:
-                    last[2] += end - start
-                else:
-                    runs.append([store_off, pos, end - start])
-            if len(runs) == 1 and runs[0][2] == length:
-                return self.pool.store.pread(runs[0][0], length)  # all data, one extent: no copies
+            pieces = self._sparse_plan(offset, length)
+            if len(pieces) == 1 and pieces[0][2] >= 0:
+                return store.pread(pieces[0][2], length)  # all data, one extent: no copies
             out = bytearray(length)
             view = memoryview(out)
-            for store_off, pos, n in runs:
-                view[pos : pos + n] = self.pool.store.pread(store_off, n)
+            for off, n, src in pieces:
+                if src >= 0:
+                    view[off - offset : off - offset + n] = store.pread(src, n)
         return bytes(out)
 
     def read_sparse(self, offset: int, length: int) -> list[tuple[int, int, bytes | None]]:
@@ -259,21 +250,27 @@ class Volume:
         pieces and their bytes come from one consistent moment.
         """
         self._check(offset, length, write=False)
-        bs = self.pool.block_size
-        pieces: list[list[int]] = []  # [offset, length, store offset or -1]
+        store = self.pool.store
         with self.pool.lock:
-            pos = offset
-            for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
-                seg_off = vblock * bs + start
-                if seg_off > pos:
-                    _add_piece(pieces, pos, seg_off - pos, -1)
-                store_off = (entry >> DBLOCK_SHIFT) * bs + start if entry & STATE_MASK == _DATA else -1
-                _add_piece(pieces, seg_off, end - start, store_off)
-                pos = seg_off + end - start
-            if pos < offset + length:
-                _add_piece(pieces, pos, offset + length - pos, -1)
-            store = self.pool.store
+            pieces = self._sparse_plan(offset, length)
             return [(off, n, None if src < 0 else store.pread(src, n)) for off, n, src in pieces]
+
+    def _sparse_plan(self, offset: int, length: int) -> list[list[int]]:
+        """[offset, length, store offset or -1 for zeros] pieces of the range: runs of
+        zeros merged, DATA merged where it is contiguous in the data store too."""
+        bs = self.pool.block_size
+        pieces: list[list[int]] = []
+        pos = offset
+        for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
+            seg_off = vblock * bs + start
+            if seg_off > pos:
+                _add_piece(pieces, pos, seg_off - pos, -1)
+            store_off = (entry >> DBLOCK_SHIFT) * bs + start if entry & STATE_MASK == _DATA else -1
+            _add_piece(pieces, seg_off, end - start, store_off)
+            pos = seg_off + end - start
+        if pos < offset + length:
+            _add_piece(pieces, pos, offset + length - pos, -1)
+        return pieces
 
     def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
         """Write data. With detect_zeroes on/unmap, all-zero payloads are not written:

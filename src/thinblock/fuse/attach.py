@@ -39,10 +39,15 @@ def _pool_dir(pool: str) -> Path:
     return RUNTIME_DIR / key
 
 
+def _mounts() -> list[tuple[str, str]]:
+    """(source, mount point) of everything mounted."""
+    with open("/proc/mounts") as f:
+        return [(fields[0], fields[1]) for fields in (line.split() for line in f)]
+
+
 def _is_mounted(path: Path) -> bool:
     target = os.path.realpath(path)
-    with open("/proc/mounts") as f:
-        return any(line.split()[1] == target for line in f)
+    return any(where == target for _source, where in _mounts())
 
 
 def _alive(pid: int) -> bool:
@@ -157,12 +162,7 @@ def list_attached() -> list[Attachment]:
 
 def _mounted_at(device: str) -> str | None:
     real = os.path.realpath(device)
-    with open("/proc/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if os.path.realpath(fields[0]) == real:
-                return fields[1]
-    return None
+    return next((where for source, where in _mounts() if os.path.realpath(source) == real), None)
 
 
 def detach(device: str) -> None:

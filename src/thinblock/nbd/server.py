@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from thinblock.errors import OpError
+from thinblock.iovec import write_all
 from thinblock.mapping import BlockState
 from thinblock.nbd import constants as c
 from thinblock.nbd.protocol import (
@@ -46,7 +47,6 @@ MAX_IN_FLIGHT = 64
 READ_CHUNK_BYTES = 1 << 20
 WORKERS = 4
 QUICK_REQUEST_BYTES = 128 << 10
-IOV_MAX = 1024
 
 _STATE_FLAGS = {
     BlockState.UNMAPPED: c.STATE_HOLE | c.STATE_ZERO,
@@ -368,14 +368,7 @@ class Session:
         if isinstance(sock, ssl.SSLSocket):
             sock.sendall(b"".join(bufs))
             return
-        views = [memoryview(b) for b in bufs if len(b)]
-        while views:
-            sent = sock.sendmsg(views[:IOV_MAX])
-            while views and sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            if views and sent:
-                views[0] = views[0][sent:]
+        write_all(sock.sendmsg, bufs)
 
     def _reply(self, req: Request) -> list[bytes]:
         conn = self.conn
