@@ -157,7 +157,7 @@ def test_status_while_served_and_clean_stop(served: Server) -> None:
     assert "disk" in thinblock("volume", "list", served.pool).stdout
     # a second server on the same pool is refused with a clear message
     second = thinblock("serve", served.pool, "--socket", str(Path(served.pool) / "other.sock"), check=False)
-    assert second.returncode == 1 and "in use" in second.stderr
+    assert second.returncode == 1 and "already held" in second.stderr and "thinblock serve" in second.stderr
     out = served.stop()
     assert "stopped" in out
     assert "connected" in served.log.read_text()

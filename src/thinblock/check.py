@@ -13,7 +13,7 @@ from collections import Counter
 
 from thinblock.errors import CorruptionError
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page, entry_valid
-from thinblock.metadata import MetadataStore
+from thinblock.metadata import RESERVE_FULL, MetadataStore, VolumeRow
 from thinblock.spacemap import REFCOUNT_PAGE_ENTRIES
 
 
@@ -23,6 +23,46 @@ def check_metadata(meta: MetadataStore) -> list[str]:
         return _check(meta)
     except (sqlite3.DatabaseError, CorruptionError, ValueError, KeyError, TypeError) as exc:
         return [f"metadata cannot be read: {exc}"]
+
+
+def _check_lineage_and_reservations(
+    meta: MetadataStore,
+    volumes: dict[int, VolumeRow],
+    pages: dict[int, Page],
+    dblock_refs: array[int],
+    block_size: int,
+    n_blocks: int,
+) -> list[str]:
+    """Snapshots are read-only volumes with a valid origin; reservations fit in the pool."""
+    problems: list[str] = []
+    for row in volumes.values():
+        if row.kind not in ("volume", "snapshot"):
+            problems.append(f"volume {row.name}: unknown kind {row.kind!r}")
+        if row.origin_id is not None and row.origin_id not in volumes:
+            problems.append(f"{row.kind} {row.name}: origin id {row.origin_id} does not exist")
+        if row.kind == "snapshot" and row.reserve_bytes:
+            problems.append(f"snapshot {row.name} has a reservation (only volumes may)")
+        if row.reserve_bytes < RESERVE_FULL:
+            problems.append(f"volume {row.name}: invalid reservation {row.reserve_bytes}")
+    # What reservations set aside: R - blocks the volume owns alone, summed.
+    reserved = 0
+    for vid, row in volumes.items():
+        if not row.reserve_bytes:
+            continue
+        target = row.size_bytes if row.reserve_bytes == RESERVE_FULL else row.reserve_bytes
+        owned = 0
+        for _pi, page_id in meta.roots(vid).items():
+            page = pages.get(page_id)
+            if page is None or page.refcount > 1:
+                continue
+            owned += sum(
+                1 for e in page.entries if e and e >> DBLOCK_SHIFT < n_blocks and dblock_refs[e >> DBLOCK_SHIFT] == 1
+            )
+        reserved += max(0, -(-target // block_size) - owned)
+    free = n_blocks - sum(1 for count in dblock_refs if count)
+    if reserved > free:
+        problems.append(f"reservations set aside {reserved} blocks but only {free} are free")
+    return problems
 
 
 def _check(meta: MetadataStore) -> list[str]:
@@ -98,6 +138,8 @@ def _check(meta: MetadataStore) -> list[str]:
         ):
             if stored != actual:
                 problems.append(f"volume {row.name}: {stored} {label} recorded, {actual} mapped")
+
+    problems.extend(_check_lineage_and_reservations(meta, volumes, pages, dblock_refs, block_size, n_blocks))
 
     stored_refs = array("I", bytes(4 * n_blocks))
     for index, blob in meta.refcount_pages().items():

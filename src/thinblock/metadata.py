@@ -6,7 +6,7 @@ on-disk metadata is always the state at some commit.
 
 Tables
   superblock(key, value)                 format, block size, size, counters
-  volumes(id, name, ...)                 one row per volume (snapshots later)
+  volumes(id, name, kind, origin_id, ...) one row per volume or snapshot
   roots(volume_id, page_index, page_id)  each volume's root table, sparse
   pages(id, refcount, entries)           mapping pages (PAGE_ENTRIES uint64)
   refcount_pages(idx, counts)            dblock refcounts, 1024 uint32 a page
@@ -22,7 +22,7 @@ from typing import Any
 
 from thinblock.errors import CorruptionError, ThinblockError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DB_NAME = "metadata.sqlite"
 
 _SCHEMA = """
@@ -35,7 +35,12 @@ CREATE TABLE volumes (
     created REAL NOT NULL,
     data_blocks INTEGER NOT NULL DEFAULT 0,
     zeroed_blocks INTEGER NOT NULL DEFAULT 0,
-    pinned_blocks INTEGER NOT NULL DEFAULT 0
+    pinned_blocks INTEGER NOT NULL DEFAULT 0,
+    kind TEXT NOT NULL DEFAULT 'volume',
+    origin_id INTEGER,
+    reserve_bytes INTEGER NOT NULL DEFAULT 0,
+    low_water REAL,
+    on_low_water TEXT
 );
 CREATE TABLE roots (
     volume_id INTEGER NOT NULL,
@@ -58,6 +63,26 @@ class VolumeRow:
     data_blocks: int = 0
     zeroed_blocks: int = 0
     pinned_blocks: int = 0
+    kind: str = "volume"  # or "snapshot" (read-only)
+    origin_id: int | None = None  # the volume a snapshot was taken of, the snapshot a clone came from
+    reserve_bytes: int = 0  # RESERVE_FULL follows the size
+    low_water: float | None = None  # percent of the size left unmapped
+    on_low_water: str | None = None
+
+
+RESERVE_FULL = -1
+_VOLUME_COLUMNS = (
+    "id, name, size_bytes, detect_zeroes, created, data_blocks, zeroed_blocks, pinned_blocks,"
+    " kind, origin_id, reserve_bytes, low_water, on_low_water"
+)
+# Format 1 had no snapshots, reservations or low-water marks; the columns default sensibly.
+_MIGRATE_1_TO_2 = (
+    "ALTER TABLE volumes ADD COLUMN kind TEXT NOT NULL DEFAULT 'volume'",
+    "ALTER TABLE volumes ADD COLUMN origin_id INTEGER",
+    "ALTER TABLE volumes ADD COLUMN reserve_bytes INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE volumes ADD COLUMN low_water REAL",
+    "ALTER TABLE volumes ADD COLUMN on_low_water TEXT",
+)
 
 
 @dataclass
@@ -70,6 +95,7 @@ class Transaction:
     roots: dict[tuple[int, int], int | None] = field(default_factory=dict)  # None deletes
     pages: dict[int, tuple[int, bytes] | None] = field(default_factory=dict)  # None deletes
     refcount_pages: dict[int, bytes] = field(default_factory=dict)
+    page_refcounts: dict[int, int] = field(default_factory=dict)  # refcount-only changes (snapshots)
 
 
 def _connect(path: str, readonly: bool) -> sqlite3.Connection:
@@ -105,20 +131,36 @@ class MetadataStore:
             conn = _connect(path, readonly)
             store = cls(conn)
             version = store.superblock().get("format_version")
+            if version == 1 and not readonly:
+                store._migrate_from_1()
+                version = FORMAT_VERSION
         except sqlite3.DatabaseError as exc:
             raise CorruptionError(f"metadata database {path} is unreadable: {exc}") from exc
+        if version == 1:
+            raise ThinblockError(
+                f"metadata format 1 in {path}: open the pool once for writing (any pool command) to upgrade it"
+            )
         if version != FORMAT_VERSION:
             raise ThinblockError(f"metadata format version {version!r} is not supported (expected {FORMAT_VERSION})")
         return store
+
+    def _migrate_from_1(self) -> None:
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _MIGRATE_1_TO_2:
+                c.execute(statement)
+            c.execute("UPDATE superblock SET value = ? WHERE key = 'format_version'", (json.dumps(FORMAT_VERSION),))
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        c.execute("COMMIT")
 
     def superblock(self) -> dict[str, Any]:
         return {k: json.loads(v) for k, v in self.conn.execute("SELECT key, value FROM superblock")}
 
     def volumes(self) -> list[VolumeRow]:
-        rows = self.conn.execute(
-            "SELECT id, name, size_bytes, detect_zeroes, created, data_blocks, zeroed_blocks, pinned_blocks"
-            " FROM volumes ORDER BY name"
-        )
+        rows = self.conn.execute(f"SELECT {_VOLUME_COLUMNS} FROM volumes ORDER BY name")
         return [VolumeRow(*row) for row in rows]
 
     def roots(self, volume_id: int) -> dict[int, int]:
@@ -159,6 +201,24 @@ class MetadataStore:
         self.conn.close()
 
 
+def volume_tuple(v: VolumeRow) -> tuple[object, ...]:
+    return (
+        v.id,
+        v.name,
+        v.size_bytes,
+        v.detect_zeroes,
+        v.created,
+        v.data_blocks,
+        v.zeroed_blocks,
+        v.pinned_blocks,
+        v.kind,
+        v.origin_id,
+        v.reserve_bytes,
+        v.low_water,
+        v.on_low_water,
+    )
+
+
 def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
     if txn.superblock:
         c.executemany(
@@ -169,11 +229,8 @@ def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
         c.execute("DELETE FROM volumes WHERE id = ?", (vid,))
         c.execute("DELETE FROM roots WHERE volume_id = ?", (vid,))
     c.executemany(
-        "INSERT OR REPLACE INTO volumes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        [
-            (v.id, v.name, v.size_bytes, v.detect_zeroes, v.created, v.data_blocks, v.zeroed_blocks, v.pinned_blocks)
-            for v in txn.volumes
-        ],
+        f"INSERT OR REPLACE INTO volumes ({_VOLUME_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [volume_tuple(v) for v in txn.volumes],
     )
     c.executemany(
         "DELETE FROM roots WHERE volume_id = ? AND page_index = ?",
@@ -188,4 +245,5 @@ def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
         "INSERT OR REPLACE INTO pages VALUES (?, ?, ?)",
         [(pid, *page) for pid, page in txn.pages.items() if page is not None],
     )
+    c.executemany("UPDATE pages SET refcount = ? WHERE id = ?", [(n, pid) for pid, n in txn.page_refcounts.items()])
     c.executemany("INSERT OR REPLACE INTO refcount_pages VALUES (?, ?)", txn.refcount_pages.items())

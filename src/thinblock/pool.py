@@ -9,20 +9,24 @@ only after the commit that freed them.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from array import array
+from collections.abc import Iterator
 from typing import Any
 
 from thinblock.datastore import DataStore, FallbackStore, FileStore
 from thinblock.errors import NoSpaceError, PoolBusyError, ThinblockError
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState, Page
-from thinblock.metadata import DB_NAME, MetadataStore, Transaction, VolumeRow
+from thinblock.metadata import DB_NAME, RESERVE_FULL, MetadataStore, Transaction, VolumeRow
 from thinblock.sizes import format_size
+from thinblock.space_policy import SpacePolicy
 from thinblock.spacemap import SpaceMap, to_runs
 from thinblock.volume import Volume
 
@@ -59,37 +63,40 @@ def validate_volume_size(size_bytes: int) -> None:
         )
 
 
-def status_dict(size_bytes: int, block_size: int, used_blocks: int, rows: list[VolumeRow]) -> dict[str, Any]:
-    """The `pool status` figures, from committed or live counters alike."""
-    used = used_blocks * block_size
-    return {
-        "size_bytes": size_bytes,
-        "block_size": block_size,
-        "used_bytes": used,
-        "free_bytes": size_bytes - used,
-        "virtual_bytes": sum(r.size_bytes for r in rows),
-        "volumes": [volume_dict(r, block_size) for r in rows],
-    }
-
-
-def volume_dict(row: VolumeRow, block_size: int) -> dict[str, Any]:
+def volume_dict(row: VolumeRow, block_size: int, origin: str | None) -> dict[str, Any]:
+    """A volume's figures as of its row (counters kept per commit)."""
     return {
         "name": row.name,
+        "kind": row.kind,
+        "origin": origin,
         "size_bytes": row.size_bytes,
         "mapped_bytes": (row.data_blocks + row.zeroed_blocks) * block_size,
         "data_bytes": row.data_blocks * block_size,
         "zeroed_bytes": row.zeroed_blocks * block_size,
         "provisioned_bytes": row.pinned_blocks * block_size,
         "detect_zeroes": row.detect_zeroes,
+        "reserve": "full" if row.reserve_bytes == RESERVE_FULL else row.reserve_bytes,
+        "low_water_percent": row.low_water,
+        "created": row.created,
     }
 
 
 def read_status(path: str) -> dict[str, Any]:
-    """Status as of the last commit, without locking the pool (works while it is served)."""
+    """Committed figures without locking the pool (mkfs reads these while the pool is attached)."""
     meta = _open_meta(path, readonly=True)
     try:
         sb = meta.superblock()
-        return status_dict(int(sb["size_bytes"]), int(sb["block_size"]), int(sb["used_blocks"]), meta.volumes())
+        rows = meta.volumes()
+        names = {r.id: r.name for r in rows}
+        bs = int(sb["block_size"])
+        used = int(sb["used_blocks"]) * bs
+        return {
+            "size_bytes": int(sb["size_bytes"]),
+            "block_size": bs,
+            "used_bytes": used,
+            "free_bytes": int(sb["size_bytes"]) - used,
+            "volumes": [volume_dict(r, bs, names.get(r.origin_id or 0)) for r in rows],
+        }
     finally:
         meta.close()
 
@@ -101,6 +108,32 @@ def _open_meta(path: str, *, readonly: bool) -> MetadataStore:
     if not os.path.exists(db):
         raise ThinblockError(f"no pool at {path}: {DB_NAME} is missing")
     return MetadataStore.open(db, readonly=readonly)
+
+
+def _lock(path: str, purpose: str) -> int:
+    """Take the pool's exclusive lock (a flock on POOL/lock naming its holder)."""
+    lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(lock_fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        os.close(lock_fd)
+        raise PoolBusyError(f"pool {path} is already held by another thinblock process (pid {holder})") from None
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()} {purpose or ' '.join(sys.argv[:2])}".strip().encode() + b"\n", 0)
+    return lock_fd
+
+
+@contextlib.contextmanager
+def held_lock(path: str) -> Iterator[None]:
+    """The pool's lock without opening it (restore, repair): refused while it is served."""
+    if not os.path.isdir(path):
+        raise ThinblockError(f"no pool at {path}: not a directory")
+    fd = _lock(path, "thinblock restore/repair")
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 class Pool:
@@ -123,8 +156,12 @@ class Pool:
         self.volumes: dict[str, Volume] = {}
         for row in meta.volumes():
             self.volumes[row.name] = Volume(self, row, meta.roots(row.id))
+        self.policy = SpacePolicy(self, sb)
+        # Writers held by the wait policy sleep on this; grow, frees and removals wake them.
+        self.space_changed = threading.Condition(self.lock)
         # Changes of the open transaction.
         self._dirty_pages: set[int] = set()
+        self._dirty_page_refs: set[int] = set()  # refcount changed, entries not
         self._dirty_roots: set[tuple[int, int]] = set()
         self._touched: set[tuple[Volume, int]] = set()
         self._dirty_volumes: set[Volume] = set()
@@ -132,9 +169,11 @@ class Pool:
         self.dirty = False
         self.last_commit = self.last_data_sync = time.monotonic()
         self._closed = threading.Event()
+        self._waits_cancelled = threading.Event()
         self._committer: threading.Thread | None = None
         if not sb.get("clean", True):
             self._recover_free_space()
+        self.recount_owned()
         self.meta.commit(Transaction(superblock={"clean": False}))
         if autocommit:
             self._committer = threading.Thread(target=self._commit_loop, name="thinblock-commit", daemon=True)
@@ -199,19 +238,16 @@ class Pool:
         return cls.open(path)
 
     @classmethod
-    def open(cls, path: str, *, autocommit: bool = True) -> Pool:
-        """Open a pool for reading and writing; only one process may hold it so."""
+    def open(cls, path: str, *, autocommit: bool = True, purpose: str = "") -> Pool:
+        """Open a pool for reading and writing; only one process may hold it so.
+
+        purpose ("thinblock serve", ...) is what a refused second opener is told."""
         meta = _open_meta(path, readonly=False)
-        lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(lock_fd)
+            lock_fd = _lock(path, purpose)
+        except PoolBusyError:
             meta.close()
-            raise PoolBusyError(f"pool {path} is in use by another thinblock process (pid {holder})") from None
-        os.ftruncate(lock_fd, 0)
-        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+            raise
         sb = meta.superblock()
         data_path = sb.get("data_path") or os.path.join(path, DATA_FILE)
         store = FallbackStore(FileStore(str(data_path)))
@@ -225,56 +261,184 @@ class Pool:
 
     # ----- volumes ----------------------------------------------------------------
 
-    def volume(self, name: str) -> Volume:
-        try:
-            return self.volumes[name]
-        except KeyError:
-            raise ThinblockError(f"no volume {name!r} in pool {self.path}") from None
+    def volume(self, name: str, *, kind: str | None = None) -> Volume:
+        """The volume or snapshot called name; with kind, it must be of that kind."""
+        vol = self.volumes.get(name)
+        if vol is None:
+            raise ThinblockError(f"no {kind or 'volume'} {name!r} in pool {self.path}")
+        if kind is not None and vol.row.kind != kind:
+            raise ThinblockError(f"{name!r} is a {vol.row.kind}, not a {kind}")
+        return vol
+
+    def volume_by_id(self, volume_id: int | None) -> Volume | None:
+        return next((v for v in self.volumes.values() if v.row.id == volume_id), None)
 
     def create_volume(self, name: str, size_bytes: int, *, detect_zeroes: str = "on") -> Volume:
-        validate_name(name)
         validate_volume_size(size_bytes)
         if detect_zeroes not in DETECT_ZEROES:
             raise ThinblockError(f"invalid detect_zeroes {detect_zeroes!r}: use one of {', '.join(DETECT_ZEROES)}")
         with self.lock:
-            if name in self.volumes:
-                raise ThinblockError(f"volume {name!r} already exists in pool {self.path}")
-            row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time())
-            self._next_volume_id += 1
-            vol = Volume(self, row, {})
-            self.volumes[name] = vol
-            self.mark_volume_dirty(vol)
+            vol = self.add_volume(name, size_bytes, detect_zeroes, {})
             self.commit()
             return vol
 
-    def remove_volume(self, name: str) -> None:
+    def add_volume(
+        self, name: str, size_bytes: int, detect_zeroes: str, root: dict[int, int], *, like: VolumeRow | None = None
+    ) -> Volume:
+        """A new volume row over a root table whose page references the caller has taken.
+        With `like`, the counters (and kind/origin set by the caller) come from that row."""
+        validate_name(name)
+        if name in self.volumes:
+            raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
+        row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time())
+        if like is not None:
+            row.data_blocks, row.zeroed_blocks, row.pinned_blocks = (
+                like.data_blocks,
+                like.zeroed_blocks,
+                like.pinned_blocks,
+            )
+        self._next_volume_id += 1
+        vol = Volume(self, row, root)
+        self.volumes[name] = vol
+        for page_index in root:
+            self.mark_root_dirty(vol, page_index)
+        self.mark_volume_dirty(vol)
+        return vol
+
+    def remove_volume(self, name: str, *, kind: str | None = None) -> None:
+        """Remove a volume or snapshot (any order): pages and dblocks lose one
+        reference; space returns when the last goes."""
         with self.lock:
-            vol = self.volume(name)
-            for page_index in list(vol.root):
-                self.release_page(vol.root.pop(page_index))
+            vol = self.volume(name, kind=kind)
+            self.refuse_if_busy(vol, "remove")
+            self.release_root(vol)
             del self.volumes[name]
             vol.removed = True
+            for other in self.volumes.values():
+                if other.row.origin_id == vol.row.id:  # lineage ends here; the blocks stay shared
+                    other.row.origin_id = None
+                    self.mark_volume_dirty(other)
             self._dirty_volumes.discard(vol)
             self._touched = {t for t in self._touched if t[0] is not vol}
             self._dirty_roots = {r for r in self._dirty_roots if r[0] != vol.row.id}
             self._deleted_volumes.append(vol.row.id)
             self.dirty = True
+            self.recount_owned()
             self.commit()
+
+    def refuse_if_busy(self, vol: Volume, what: str) -> None:
+        if vol.users:
+            raise PoolBusyError(
+                f"cannot {what} {vol.row.kind} {vol.name}: it is open by {vol.users} client(s)"
+                " (NBD connections or an attached loop device)"
+            )
+
+    def release_root(self, vol: Volume) -> None:
+        """Drop every page of vol's root table (the table ends empty)."""
+        for page_index in list(vol.root):
+            self.release_page(vol.root.pop(page_index))
+            self.mark_root_dirty(vol, page_index)
+
+    def share_root(self, vol: Volume) -> dict[int, int]:
+        """A copy of vol's root table holding its own reference to every page: O(pages)."""
+        root = dict(vol.root)
+        for page_id in root.values():
+            self.page(page_id).refcount += 1
+            self._dirty_page_refs.add(page_id)
+        self.dirty = True
+        return root
 
     def resize_volume(self, name: str, size_bytes: int) -> None:
         validate_volume_size(size_bytes)
         with self.lock:
-            self.volume(name).resize(size_bytes)
+            vol = self.volume(name, kind="volume")
+            if vol.row.reserve_bytes == RESERVE_FULL and size_bytes > vol.size_bytes:
+                extra = -(-size_bytes // self.block_size) - -(-vol.size_bytes // self.block_size)
+                self.check_reservable(vol, self.set_aside(vol) + extra, "grow")
+            vol.resize(size_bytes)
             self.commit()
 
     def set_detect_zeroes(self, name: str, mode: str) -> None:
         if mode not in DETECT_ZEROES:
             raise ThinblockError(f"invalid detect_zeroes {mode!r}: use one of {', '.join(DETECT_ZEROES)}")
         with self.lock:
-            vol = self.volume(name)
+            vol = self.volume(name, kind="volume")
             vol.row.detect_zeroes = mode
             self.mark_volume_dirty(vol)
             self.commit()
+
+    def set_low_water(self, name: str, percent: float | None, command: str | None) -> None:
+        if percent is not None and not 0 < percent < 100:
+            raise ThinblockError(f"invalid low-water mark {percent}: a percentage between 0 and 100")
+        with self.lock:
+            vol = self.volume(name, kind="volume")
+            vol.row.low_water = percent
+            vol.row.on_low_water = command
+            self.policy.rearm(vol)
+            self.mark_volume_dirty(vol)
+            self.commit()
+
+    def set_policy(self, changes: dict[str, Any]) -> None:
+        """Change the out-of-space policy (see space_policy); validated before anything changes."""
+        with self.lock:
+            self.policy.update(changes)
+            self.dirty = True
+            self.commit()
+            self.policy.check()
+            self.space_changed.notify_all()
+
+    # ----- reservations -------------------------------------------------------------
+    # A volume with a reservation of R blocks may own R blocks exclusively without
+    # ever failing with ENOSPC (ZFS refreservation). The pool sets aside what it does
+    # not own yet: max(0, R - owned). A snapshot shares everything the volume owned,
+    # so it raises the set-aside to R and is refused when the pool cannot hold that.
+
+    def reserve_target(self, vol: Volume) -> int:
+        r = vol.row.reserve_bytes
+        if r == RESERVE_FULL:
+            r = vol.size_bytes
+        return -(-r // self.block_size)
+
+    def set_aside(self, vol: Volume) -> int:
+        return max(0, self.reserve_target(vol) - vol.owned_blocks) if vol.row.reserve_bytes else 0
+
+    def reserved_blocks(self) -> int:
+        return sum(self.set_aside(v) for v in self.volumes.values() if v.row.reserve_bytes)
+
+    def recount_owned(self) -> None:
+        """Exact exclusive-block counts of reserved volumes (the I/O path keeps a lower
+        bound: it cannot see a block it shared become another volume's alone)."""
+        for vol in self.volumes.values():
+            if vol.row.reserve_bytes:
+                vol.owned_blocks = vol.usage()[0]
+
+    def check_reservable(self, vol: Volume, new_set_aside: int, what: str, freed: int = 0) -> None:
+        """Refuse (ENOSPC, nothing changed) when vol's set-aside cannot grow to new_set_aside."""
+        extra = new_set_aside - self.set_aside(vol)
+        available = self.space.free_blocks + freed - self.reserved_blocks()
+        if extra > available:
+            raise NoSpaceError(
+                f"cannot {what} {vol.name}: its reservation needs {format_size(extra * self.block_size)} more"
+                f" set aside and the pool has {format_size(max(0, available) * self.block_size)} unreserved free"
+            )
+
+    def set_reserve(self, name: str, reserve_bytes: int) -> None:
+        """Set a volume's reservation (bytes, RESERVE_FULL or 0 for none)."""
+        if reserve_bytes < RESERVE_FULL:
+            raise ThinblockError(f"invalid reservation {reserve_bytes}")
+        with self.lock:
+            vol = self.volume(name, kind="volume")
+            old = vol.row.reserve_bytes
+            vol.owned_blocks = vol.usage()[0]
+            vol.row.reserve_bytes = reserve_bytes
+            target = self.set_aside(vol)
+            vol.row.reserve_bytes = old
+            self.check_reservable(vol, target, "reserve space for")
+            vol.row.reserve_bytes = reserve_bytes
+            self.mark_volume_dirty(vol)
+            self.commit()
+            with self.space_changed:
+                self.space_changed.notify_all()
 
     # ----- space ------------------------------------------------------------------
 
@@ -294,23 +458,75 @@ class Pool:
             self.size_bytes = size_bytes
             self.dirty = True
             self.commit()
+            log.info("pool %s grown to %s", self.path, format_size(size_bytes))
+            with self.space_changed:
+                self.space_changed.notify_all()
 
-    def reserve(self, n_blocks: int) -> None:
-        """Ensure n_blocks can be allocated now, or raise NoSpaceError (nothing changed)."""
-        if n_blocks <= self.space.allocatable_blocks:
+    def reserve(self, n_blocks: int, vol: Volume | None = None) -> None:
+        """Ensure n_blocks can be allocated now for vol, or raise NoSpaceError (nothing changed).
+
+        vol may use its own set-aside; everyone else's stays untouched."""
+        others = self.reserved_blocks() - (self.set_aside(vol) if vol is not None else 0)
+        if n_blocks <= self.space.allocatable_blocks - others:
             return
-        if n_blocks <= self.space.free_blocks:
+        if n_blocks <= self.space.free_blocks - others:
             # Freed blocks become usable once committed, punched and synced: two commits.
             self.commit()
             self.commit()
-            if n_blocks <= self.space.allocatable_blocks:
+            if n_blocks <= self.space.allocatable_blocks - others:
                 return
-        raise NoSpaceError(f"pool {self.path} is out of space: {n_blocks} blocks needed, {self.space.free_blocks} free")
+        if self.policy.autogrow_for(n_blocks + others - self.space.free_blocks):
+            return self.reserve(n_blocks, vol)
+        raise NoSpaceError(
+            f"pool {self.path} is out of space: {n_blocks} blocks needed,"
+            f" {max(0, self.space.free_blocks - others)} free"
+            + (f" ({others} reserved by other volumes)" if others else "")
+        )
+
+    def wait_for_space(self, deadline: float) -> bool:
+        """Under the wait policy, sleep (pool lock released) until space may have
+        appeared; False once the deadline passed or the pool closes."""
+        with self.space_changed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._waits_cancelled.is_set():
+                return False
+            self.space_changed.wait(min(remaining, COMMIT_INTERVAL_S))
+            return not self._waits_cancelled.is_set()
+
+    def cancel_waits(self) -> None:
+        """Shutting down: requests held by the wait policy get ENOSPC now."""
+        with self.space_changed:
+            self._waits_cancelled.set()
+            self.space_changed.notify_all()
 
     def status(self) -> dict[str, Any]:
+        """Live figures; volumes with exclusive/shared bytes (walks their pages)."""
         with self.lock:
-            rows = [v.row for v in sorted(self.volumes.values(), key=lambda v: v.row.name)]
-            return status_dict(self.size_bytes, self.block_size, self.space.used_blocks, rows)
+            bs = self.block_size
+            used = self.space.used_blocks * bs
+            reserved = self.reserved_blocks() * bs
+            return {
+                "size_bytes": self.size_bytes,
+                "block_size": bs,
+                "used_bytes": used,
+                "free_bytes": self.size_bytes - used,
+                "reserved_bytes": reserved,
+                "available_bytes": max(0, self.size_bytes - used - reserved),
+                "virtual_bytes": sum(v.size_bytes for v in self.volumes.values() if v.row.kind == "volume"),
+                **self.policy.settings(),
+                "volumes": [self.volume_info(v) for _, v in sorted(self.volumes.items())],
+            }
+
+    def volume_info(self, vol: Volume) -> dict[str, Any]:
+        origin = self.volume_by_id(vol.row.origin_id)
+        exclusive, shared = vol.usage()
+        return {
+            **volume_dict(vol.row, self.block_size, origin.name if origin else None),
+            "exclusive_bytes": exclusive * self.block_size,
+            "shared_bytes": shared * self.block_size,
+            "reserved_bytes": self.set_aside(vol) * self.block_size,
+            "open_clients": vol.users,
+        }
 
     # ----- pages (used by Volume) ---------------------------------------------------
 
@@ -340,7 +556,9 @@ class Pool:
             for entry in page.entries:
                 if entry:
                     self.space.decref(entry >> 3)
-        self._dirty_pages.add(page_id)
+            self._dirty_pages.add(page_id)
+        else:
+            self._dirty_page_refs.add(page_id)
         self.dirty = True
 
     def page_changed(self, vol: Volume, page_index: int, page: Page) -> None:
@@ -390,10 +608,12 @@ class Pool:
                     "transaction_id": self.transaction_id,
                     "used_blocks": self.space.used_blocks,
                     "size_bytes": self.size_bytes,
+                    **self.policy.to_superblock(),
                 },
                 volumes=[v.row for v in self._dirty_volumes],
                 deleted_volumes=list(self._deleted_volumes),
                 refcount_pages=self.space.take_dirty_pages(),
+                page_refcounts={pid: self.pages[pid].refcount for pid in self._dirty_page_refs - self._dirty_pages},
             )
             roots_by_id = {v.row.id: v.root for v in self.volumes.values()}
             for vid, page_index in self._dirty_roots:
@@ -408,6 +628,7 @@ class Pool:
                     txn.pages[page_id] = (page.refcount, page.to_blob())
             self.meta.commit(txn)
             self._dirty_pages.clear()
+            self._dirty_page_refs.clear()
             self._dirty_roots.clear()
             self._touched.clear()
             self._dirty_volumes.clear()
@@ -418,6 +639,9 @@ class Pool:
             # allocatable after the next data sync has made the punch durable.
             for start, count in self.space.take_pending():
                 self.store.punch(start * self.block_size, count * self.block_size)
+            if sync_data and punched_before:
+                self.space_changed.notify_all()
+            self.policy.check()
 
     def _recover_free_space(self) -> None:
         """After an unclean shutdown, restore the two zero rules: free blocks and
@@ -478,6 +702,8 @@ class Pool:
             self.commit()
             self.meta.commit(Transaction(superblock={"clean": True}))
             self._closed.set()
+            self._waits_cancelled.set()
+            self.space_changed.notify_all()
             self.store.close()
             self.meta.close()
             os.close(self._lock_fd)

@@ -16,11 +16,11 @@ Two rules keep stale bytes out of reads:
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from thinblock.errors import NotSupportedError, RangeError, ReadOnlyError
+from thinblock.errors import NoSpaceError, NotSupportedError, RangeError, ReadOnlyError
 from thinblock.iovec import IOV_MAX
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
 from thinblock.metadata import VolumeRow
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from thinblock.pool import Pool
 
 _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def _add_piece(pieces: list[list[int]], offset: int, length: int, store_off: int) -> None:
@@ -94,7 +96,11 @@ class Volume:
         self.row = row
         self.root = root  # page_index -> page_id
         self.removed = False
-        self.readonly = False
+        self.readonly = row.kind == "snapshot"
+        # Blocks this volume owns alone (a lower bound; see Pool.recount_owned). Only
+        # reservations use it, so the pool counts it exactly for reserved volumes.
+        self.owned_blocks = 0
+        self.users = 0  # open NBD connections and FUSE handles: removal/rollback wait for none
 
     @property
     def name(self) -> str:
@@ -175,8 +181,14 @@ class Volume:
                 row.zeroed_blocks += 1
         if (old ^ new) & PINNED:
             row.pinned_blocks += 1 if new & PINNED else -1
-        if old and (not new or (old ^ new) >> DBLOCK_SHIFT):
-            self.pool.space.decref(old >> DBLOCK_SHIFT)
+        if not old or not new or (old ^ new) >> DBLOCK_SHIFT:  # the dblock changes (dblock 0 is a dblock too)
+            space = self.pool.space
+            if old:
+                if space.refcounts[old >> DBLOCK_SHIFT] == 1:
+                    self.owned_blocks -= 1
+                space.decref(old >> DBLOCK_SHIFT)
+            if new:
+                self.owned_blocks += 1  # a fresh dblock, in a page this volume alone holds
         self.pool.page_changed(self, page_index, page)
 
     def _shares_page(self, vblock: int) -> bool:
@@ -276,6 +288,9 @@ class Volume:
         """Write data. With detect_zeroes on/unmap, all-zero payloads are not written:
         over UNMAPPED/ZEROED nothing changes; a whole DATA block becomes ZEROED (on)
         or, unless provisioned, UNMAPPED (unmap)."""
+        self._waiting_for_space(self._write, offset, data, fua)
+
+    def _write(self, offset: int, data: bytes | bytearray | memoryview, fua: bool) -> None:
         buf = memoryview(data).cast("B")
         self._check(offset, len(buf), write=True)
         pool = self.pool
@@ -349,6 +364,9 @@ class Volume:
         self._zero_or_trim(offset, length, no_hole=no_hole, fast=fast, fua=fua)
 
     def _zero_or_trim(self, offset: int, length: int, *, no_hole: bool, fast: bool, fua: bool) -> None:
+        self._waiting_for_space(self._zero_or_trim_once, offset, length, no_hole, fast, fua)
+
+    def _zero_or_trim_once(self, offset: int, length: int, no_hole: bool, fast: bool, fua: bool) -> None:
         self._check(offset, length, write=True)
         pool = self.pool
         bs = pool.block_size
@@ -408,6 +426,9 @@ class Volume:
 
         All or nothing: ENOSPC and no change when the pool cannot hold it all.
         """
+        self._waiting_for_space(self._provision, offset, length, fua)
+
+    def _provision(self, offset: int, length: int, fua: bool) -> None:
         self._check(offset, length, write=True)
         pool = self.pool
         bs = pool.block_size
@@ -483,6 +504,7 @@ class Volume:
         page.entries[slot : slot + len(new_entries)] = array("Q", new_entries)
         self.row.zeroed_blocks += len(new_entries)
         self.row.pinned_blocks += len(new_entries)
+        self.owned_blocks += len(new_entries)
         self.pool.page_changed(self, page_index, page)
 
     def _precheck_space(self, offset: int, length: int) -> None:
@@ -499,32 +521,96 @@ class Volume:
         """Reserve and take `count` fresh dblocks, or raise NoSpaceError having changed nothing."""
         if not count:
             return iter(())
-        self.pool.reserve(count)
-        return iter(self.pool.space.allocate(count))
+        self.pool.reserve(count, self)
+        blocks = self.pool.space.allocate(count)
+        self.pool.policy.check(self)
+        return iter(blocks)
+
+    def _waiting_for_space(self, verb: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """Run a mutating verb; under the pool's wait policy, ENOSPC holds it (pool lock
+        released) until space appears or the time runs out, then it plans again from
+        scratch (ENOSPC changed nothing, so re-running it is safe)."""
+        deadline: float | None = None
+        while True:
+            try:
+                return verb(*args, **kwargs)
+            except NoSpaceError:
+                if deadline is None:
+                    deadline = self.pool.policy.full_deadline()
+                if deadline is None or not self.pool.wait_for_space(deadline):
+                    raise
 
     def block_status(self, offset: int, length: int) -> list[tuple[int, BlockState]]:
         """(length, state) runs covering [offset, offset+length), equal neighbours merged."""
+        return [(n, BlockState(key)) for n, key in self._status_runs(offset, length, backed=False)]
+
+    def allocation_status(self, offset: int, length: int) -> list[tuple[int, BlockState, bool]]:
+        """block_status plus, per run, whether a write there is sure to find space.
+
+        This is where the NBD rule "a write to a range reported allocated (not HOLE)
+        never fails with ENOSPC" is kept: a mapped block this volume shares with a
+        snapshot or clone needs a fresh dblock on its first write, so it counts as
+        backed only when the volume's reservation has set aside enough for every
+        block it shares. UNMAPPED blocks are never backed.
+        """
+        runs = self._status_runs(offset, length, backed=True)
+        return [(n, BlockState(key & STATE_MASK), bool(key & 4)) for n, key in runs]
+
+    def _status_runs(self, offset: int, length: int, *, backed: bool) -> list[tuple[int, int]]:
         self._check(offset, length, write=False)
         bs = self.pool.block_size
         runs: list[list[int]] = []
         pos = offset
 
-        def add(n: int, state: int) -> None:
-            if runs and runs[-1][1] == state:
+        def add(n: int, key: int) -> None:
+            if runs and runs[-1][1] == key:
                 runs[-1][0] += n
             else:
-                runs.append([n, state])
+                runs.append([n, key])
 
         with self.pool.lock:
+            refcounts = self.pool.space.refcounts
+            row = self.row
+            # Every shared block is covered when the set-aside can copy them all.
+            covered = (
+                self.readonly
+                or not backed
+                or self.pool.set_aside(self) >= row.data_blocks + row.zeroed_blocks - self.owned_blocks
+            )
             for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
                 seg_off = vblock * bs + start
                 if seg_off > pos:
                     add(seg_off - pos, _UNMAPPED)
-                add(end - start, entry & STATE_MASK)
+                key = entry & STATE_MASK
+                if (
+                    backed
+                    and entry
+                    and (covered or (refcounts[entry >> DBLOCK_SHIFT] == 1 and not self._shares_page(vblock)))
+                ):
+                    key |= 4
+                add(end - start, key)
                 pos = seg_off + end - start
         if pos < offset + length:
             add(offset + length - pos, _UNMAPPED)
-        return [(n, BlockState(state)) for n, state in runs]
+        return [(n, key) for n, key in runs]
+
+    def usage(self) -> tuple[int, int]:
+        """(exclusive, shared) mapped blocks: shared ones are also held by another
+        volume or snapshot (through a shared page or dblock), like thin_ls."""
+        pool = self.pool
+        refcounts = pool.space.refcounts
+        exclusive = shared = 0
+        with pool.lock:
+            for page_id in self.root.values():
+                page = pool.page(page_id)
+                mapped = [e >> DBLOCK_SHIFT for e in page.entries if e]
+                if page.refcount > 1:
+                    shared += len(mapped)
+                    continue
+                alone = sum(1 for d in mapped if refcounts[d] == 1)
+                exclusive += alone
+                shared += len(mapped) - alone
+        return exclusive, shared
 
     def flush(self) -> None:
         """Make every completed request durable (a pool-wide commit)."""

@@ -11,9 +11,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from thinblock.admin import open_admin
 from thinblock.check import check_metadata
 from thinblock.errors import OpError, ThinblockError
-from thinblock.pool import DEFAULT_BLOCK_SIZE, Pool, _open_meta, read_status
+from thinblock.pool import DEFAULT_BLOCK_SIZE, Pool, _open_meta
 from thinblock.sizes import format_size, parse_size
 
 DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-pool"))
@@ -38,11 +39,38 @@ def _emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> N
     print(json.dumps(data, indent=2) if getattr(args, "json", False) else human(data))
 
 
+def _reserve_arg(text: str) -> str | int:
+    if text in ("full", "none"):
+        return text
+    return _size(text)
+
+
+def _percent_arg(text: str) -> float | None:
+    if text == "none":
+        return None
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 100:
+        raise argparse.ArgumentTypeError(f"invalid percentage {text!r}: between 0 and 100, or none")
+    return value
+
+
 def _human_status(status: dict[str, Any]) -> str:
+    n_volumes = sum(1 for v in status["volumes"] if v["kind"] == "volume")
     lines = [
         f"size {format_size(status['size_bytes'])}, block size {format_size(status['block_size'])}, "
         f"used {format_size(status['used_bytes'])}, free {format_size(status['free_bytes'])}, "
-        f"virtual {format_size(status['virtual_bytes'])} in {len(status['volumes'])} volume(s)"
+        f"reserved {format_size(status['reserved_bytes'])}, "
+        f"virtual {format_size(status['virtual_bytes'])} in {n_volumes} volume(s)",
+        f"when full: {status['when_full']}; low-water mark: "
+        + (f"{status['low_water_percent']:g}%" if status["low_water_percent"] is not None else "none")
+        + (
+            f"; autogrow {format_size(status['autogrow']['step_bytes'])} up to {format_size(status['autogrow']['max_bytes'])}"
+            if status["autogrow"]
+            else ""
+        ),
     ]
     if status["volumes"]:
         lines.append(_human_volumes(status["volumes"]))
@@ -50,16 +78,20 @@ def _human_status(status: dict[str, Any]) -> str:
 
 
 def _human_volumes(volumes: list[dict[str, Any]]) -> str:
-    rows = [("NAME", "SIZE", "MAPPED", "DATA", "PROVISIONED", "DETECT_ZEROES")]
+    rows = [("NAME", "KIND", "ORIGIN", "SIZE", "MAPPED", "EXCLUSIVE", "SHARED", "PROVISIONED", "RESERVE")]
     for v in volumes:
+        reserve = v["reserve"]
         rows.append(
             (
                 v["name"],
+                v["kind"],
+                v["origin"] or "-",
                 format_size(v["size_bytes"]),
                 format_size(v["mapped_bytes"]),
-                format_size(v["data_bytes"]),
+                format_size(v["exclusive_bytes"]),
+                format_size(v["shared_bytes"]),
                 format_size(v["provisioned_bytes"]),
-                v["detect_zeroes"],
+                reserve if isinstance(reserve, str) else format_size(reserve) if reserve else "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -78,13 +110,29 @@ def cmd_pool_create(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_status(args: argparse.Namespace) -> None:
-    _emit(args, read_status(args.pool), _human_status)
+    with open_admin(args.pool) as admin:
+        _emit(args, admin.call("status"), _human_status)
 
 
 def cmd_pool_grow(args: argparse.Namespace) -> None:
-    with Pool.open(args.pool, autocommit=False) as pool:
-        pool.grow(args.size)
+    with open_admin(args.pool) as admin:
+        admin.call("pool_grow", size_bytes=args.size)
     print(f"pool {args.pool} is now {format_size(args.size)}")
+
+
+def cmd_pool_set(args: argparse.Namespace) -> None:
+    changes: dict[str, Any] = {}
+    if args.when_full is not None:
+        changes["when_full"] = args.when_full
+    if args.low_water is not None:
+        changes["low_water"] = None if args.low_water == "none" else args.low_water
+    if args.on_low_water is not None:
+        changes["on_low_water"] = args.on_low_water
+    if args.autogrow is not None:
+        changes["autogrow"] = args.autogrow
+    with open_admin(args.pool) as admin:
+        settings = admin.call("pool_set", **changes)
+    _emit(args, settings, lambda s: "\n".join(f"{k}: {v}" for k, v in s.items()))
 
 
 def cmd_pool_check(args: argparse.Namespace) -> int:
@@ -107,33 +155,128 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pool_dump(args: argparse.Namespace) -> None:
+    from thinblock.dump import format_text
+
+    with open_admin(args.pool) as admin:
+        dump = admin.call("pool_dump")
+    text = json.dumps(dump, indent=1) + "\n" if args.json else format_text(dump)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+
+
+def cmd_pool_restore(args: argparse.Namespace) -> None:
+    from thinblock.dump import parse_dump, restore
+
+    try:
+        with open(args.file) as f:
+            text = f.read()
+    except OSError as exc:
+        raise ThinblockError(f"cannot read {args.file}: {exc.strerror}") from None
+    result = restore(args.pool, parse_dump(text))
+    print(f"restored {result['volumes']} volume(s) into {args.pool}; {format_size(result['used_bytes'])} in use")
+
+
+def cmd_pool_repair(args: argparse.Namespace) -> int:
+    from thinblock.dump import repair
+
+    result = repair(args.pool)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"repaired {args.pool}: rebuilt refcounts and free space for {result['volumes']} volume(s)")
+        print(f"the old metadata is kept in {result['backup']}")
+        for sentence in result["lost"]:
+            print(f"  lost: {sentence}")
+        if not result["lost"]:
+            print("every mapping was saved")
+    return 0
+
+
 def cmd_volume_create(args: argparse.Namespace) -> None:
-    with Pool.open(args.pool, autocommit=False) as pool:
-        pool.create_volume(args.name, args.size, detect_zeroes=args.detect_zeroes)
+    with open_admin(args.pool) as admin:
+        admin.call("volume_create", name=args.name, size_bytes=args.size, detect_zeroes=args.detect_zeroes)
     print(f"created volume {args.name}: {format_size(args.size)}")
 
 
 def cmd_volume_list(args: argparse.Namespace) -> None:
-    _emit(args, read_status(args.pool)["volumes"], _human_volumes)
+    with open_admin(args.pool) as admin:
+        _emit(args, admin.call("volume_list"), _human_volumes)
 
 
 def cmd_volume_remove(args: argparse.Namespace) -> None:
-    with Pool.open(args.pool, autocommit=False) as pool:
-        pool.remove_volume(args.name)
+    with open_admin(args.pool) as admin:
+        admin.call("volume_remove", name=args.name, kind="volume")
     print(f"removed volume {args.name}")
 
 
 def cmd_volume_resize(args: argparse.Namespace) -> None:
-    with Pool.open(args.pool, autocommit=False) as pool:
-        pool.resize_volume(args.name, args.size)
+    with open_admin(args.pool) as admin:
+        admin.call("volume_resize", name=args.name, size_bytes=args.size)
     print(f"volume {args.name} is now {format_size(args.size)}")
 
 
 def cmd_volume_set(args: argparse.Namespace) -> None:
-    with Pool.open(args.pool, autocommit=False) as pool:
-        if args.detect_zeroes:
-            pool.set_detect_zeroes(args.name, args.detect_zeroes)
-    print(f"volume {args.name} updated")
+    changes: dict[str, Any] = {}
+    if args.detect_zeroes:
+        changes["detect_zeroes"] = args.detect_zeroes
+    if args.reserve is not None:
+        changes["reserve"] = args.reserve
+    if args.low_water is not None:
+        changes["low_water"] = None if args.low_water == "none" else _percent_arg(args.low_water)
+    if args.on_low_water is not None:
+        changes["on_low_water"] = args.on_low_water
+    if not changes:
+        raise ThinblockError("nothing to change: give --detect-zeroes, --reserve, --low-water or --on-low-water")
+    with open_admin(args.pool) as admin:
+        info = admin.call("volume_set", name=args.name, **changes)
+    _emit(args, info, lambda i: f"volume {i['name']} updated")
+
+
+def cmd_volume_clone(args: argparse.Namespace) -> None:
+    with open_admin(args.pool) as admin:
+        admin.call("volume_clone", snapshot=args.snapshot, name=args.name)
+    print(f"cloned snapshot {args.snapshot} as volume {args.name}")
+
+
+def cmd_volume_rollback(args: argparse.Namespace) -> None:
+    with open_admin(args.pool) as admin:
+        admin.call("volume_rollback", name=args.name, snapshot=args.snapshot)
+    print(f"volume {args.name} rolled back to snapshot {args.snapshot}")
+
+
+def cmd_snapshot_create(args: argparse.Namespace) -> None:
+    with open_admin(args.pool) as admin:
+        info = admin.call("snapshot_create", volume=args.volume, name=args.name)
+    _emit(args, info, lambda i: f"created snapshot {i['name']} of {args.volume}")
+
+
+def cmd_snapshot_list(args: argparse.Namespace) -> None:
+    with open_admin(args.pool) as admin:
+        _emit(args, admin.call("volume_list", kind="snapshot"), _human_volumes)
+
+
+def cmd_snapshot_remove(args: argparse.Namespace) -> None:
+    with open_admin(args.pool) as admin:
+        admin.call("volume_remove", name=args.name, kind="snapshot")
+    print(f"removed snapshot {args.name}")
+
+
+def cmd_delta(args: argparse.Namespace) -> None:
+    with open_admin(args.pool) as admin:
+        delta = admin.call("delta", source=args.source, target=args.target)
+
+    def human(d: dict[str, Any]) -> str:
+        lines = [f"{r['offset']} {r['length']}" for r in d["ranges"]]
+        lines.append(
+            f"# {d['from']} -> {d['to']}: {len(d['ranges'])} range(s), {format_size(d['changed_bytes'])} changed"
+        )
+        return "\n".join(lines)
+
+    _emit(args, delta, human)
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
@@ -141,11 +284,11 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     if not os.path.exists(os.path.join(args.pool, "metadata.sqlite")):
         Pool.create(args.pool, args.size, block_size=DEFAULT_BLOCK_SIZE).close()
         print(f"created pool {args.pool} ({format_size(args.size)})")
-    with Pool.open(args.pool, autocommit=False) as pool:
-        if args.volume not in pool.volumes:
-            pool.create_volume(args.volume, args.volume_size)
+    with open_admin(args.pool) as admin:
+        if not any(v["name"] == args.volume for v in admin.call("volume_list")):
+            admin.call("volume_create", name=args.volume, size_bytes=args.volume_size)
             print(f"created volume {args.volume} ({format_size(args.volume_size)})")
-    _emit(args, read_status(args.pool), _human_status)
+        _emit(args, admin.call("status"), _human_status)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -154,6 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import signal
     import threading
 
+    from thinblock.control import ControlServer
     from thinblock.nbd.server import NBDServer, TLSConfig, export_uris, parse_listen
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
@@ -168,7 +312,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with Pool.open(args.pool) as pool:
+    with Pool.open(args.pool, purpose="thinblock serve") as pool:
         try:
             server = NBDServer(pool, read_only=args.read_only, tls=tls)
         except (OSError, ValueError) as exc:
@@ -176,6 +320,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         try:
             server.listen_unix(socket_path)
             bound = (tcp[0], server.listen_tcp(*tcp)) if tcp else None
+            control = ControlServer(pool)
         except OSError as exc:
             server.close()
             raise ThinblockError(f"cannot listen: {exc.strerror or exc}") from None
@@ -184,6 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         print(f"ready: serving {len(pool.volumes)} volume(s) of {args.pool}", flush=True)
         stop.wait()
         print("stopping: finishing requests and committing", flush=True)
+        control.close()
         server.close()
     print("stopped", flush=True)
 
@@ -192,12 +338,17 @@ def cmd_fuse_daemon(args: argparse.Namespace) -> None:
     """Internal: serve a pool's volumes as files at MOUNTPOINT until unmounted."""
     import logging
 
+    from thinblock.control import ControlServer
     from thinblock.fuse.fs import mount
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    with Pool.open(args.pool) as pool:
+    with Pool.open(args.pool, purpose="thinblock fuse-daemon (attach)") as pool:
         logging.getLogger("thinblock.fuse").info("serving %s at %s", args.pool, args.mountpoint)
-        mount(pool, args.mountpoint)
+        control = ControlServer(pool)
+        try:
+            mount(pool, args.mountpoint)
+        finally:
+            control.close()
     logging.getLogger("thinblock.fuse").info("unmounted; pool committed and closed")
 
 
@@ -272,7 +423,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(pool_sub, "grow", cmd_pool_grow, "grow the pool's data store")
     p.add_argument("--size", type=_size, required=True, help="new pool size, e.g. 20G")
-    p = add(pool_sub, "check", cmd_pool_check, "verify the metadata; exit 1 on any problem")
+    p = add(pool_sub, "check", cmd_pool_check, "verify the committed metadata; exit 1 on any problem")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(pool_sub, "set", cmd_pool_set, "change the out-of-space policy")
+    p.add_argument("--when-full", metavar="error|wait:SECONDS", help="fail at once, or hold writes until space")
+    p.add_argument("--low-water", metavar="PERCENT|none", help="warn when unreserved free space falls below this")
+    p.add_argument("--on-low-water", metavar="COMMAND", help="shell command run at each low-water crossing")
+    p.add_argument("--autogrow", metavar="STEP:MAX|none", help="grow by STEP at the mark or when full, up to MAX")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(pool_sub, "dump", cmd_pool_dump, "write the metadata in a neutral, versioned text (or JSON) form")
+    p.add_argument("--json", action="store_true", help="JSON instead of the line-oriented text")
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    p = add(pool_sub, "restore", cmd_pool_restore, "rebuild the metadata from a dump (pool must not be in use)")
+    p.add_argument("file", metavar="FILE", help="a file written by 'pool dump' (text or --json)")
+    p = add(pool_sub, "repair", cmd_pool_repair, "rebuild refcounts and free space from the readable mappings")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     vol_p = sub.add_parser("volume", help="create, list, remove and resize volumes", description="Volume commands.")
@@ -283,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--detect-zeroes", choices=("off", "on", "unmap"), default="on", help="zero-write handling (default on)"
     )
-    p = add(vol_sub, "list", cmd_volume_list, "list volumes")
+    p = add(vol_sub, "list", cmd_volume_list, "list volumes and snapshots with exclusive and shared space")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(vol_sub, "remove", cmd_volume_remove, "remove a volume; its space returns to the pool")
     p.add_argument("name", metavar="NAME")
@@ -293,6 +457,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(vol_sub, "set", cmd_volume_set, "change a volume's settings")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--detect-zeroes", choices=("off", "on", "unmap"), help="zero-write handling")
+    p.add_argument("--reserve", type=_reserve_arg, metavar="SIZE|full|none", help="space set aside for this volume")
+    p.add_argument("--low-water", metavar="PERCENT|none", help="warn when its unmapped share falls below this")
+    p.add_argument("--on-low-water", metavar="COMMAND", help="command for its low-water mark (default: the pool's)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(vol_sub, "clone", cmd_volume_clone, "a writable volume sharing a snapshot's blocks")
+    p.add_argument("snapshot", metavar="SNAPSHOT")
+    p.add_argument("name", metavar="NEWVOLUME")
+    p = add(vol_sub, "rollback", cmd_volume_rollback, "make a volume's contents a snapshot's again")
+    p.add_argument("name", metavar="VOLUME")
+    p.add_argument("snapshot", metavar="SNAPSHOT")
+
+    snap_p = sub.add_parser("snapshot", help="create, list and remove snapshots", description="Snapshot commands.")
+    snap_sub = snap_p.add_subparsers(dest="snapshot_command", required=True, parser_class=_Parser)
+    p = add(snap_sub, "create", cmd_snapshot_create, "take a read-only snapshot (instant; blocks are shared)")
+    p.add_argument("volume", metavar="VOLUME", help="a volume or a snapshot")
+    p.add_argument("name", metavar="SNAPSHOT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(snap_sub, "list", cmd_snapshot_list, "list snapshots")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(snap_sub, "remove", cmd_snapshot_remove, "remove a snapshot; space returns when nothing shares it")
+    p.add_argument("name", metavar="SNAPSHOT")
+
+    p = add(sub, "delta", cmd_delta, "byte ranges that differ between two volumes/snapshots (metadata only)")
+    p.add_argument("source", metavar="FROM")
+    p.add_argument("target", metavar="TO")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = add(sub, "serve", cmd_serve, "serve every volume of the pool over NBD")
     p.add_argument("--socket", metavar="PATH", help="unix socket path (default POOL/nbd.sock)")

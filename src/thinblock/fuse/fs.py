@@ -81,6 +81,8 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
         vol = self._volume(path)
         if vol.readonly and flags & (os.O_WRONLY | os.O_RDWR):
             raise mfusepy.FuseOSError(errno.EROFS)
+        with self.pool.lock:
+            vol.users += 1  # a loop device keeps its file open: removal and rollback wait
         return 0
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -109,6 +111,10 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
         return 0  # close(2) is not a durability point; fsync is
 
     def release(self, path: str, fh: int) -> int:
+        vol = self.pool.volumes.get(path.lstrip("/"))
+        if vol is not None:
+            with self.pool.lock:
+                vol.users = max(0, vol.users - 1)
         return 0
 
     def truncate(self, path: str, length: int, fh: int | None = None) -> int:

@@ -23,6 +23,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from thinblock.delta import changed_ranges
 from thinblock.errors import OpError
 from thinblock.iovec import write_all
 from thinblock.mapping import BlockState
@@ -53,6 +54,9 @@ _STATE_FLAGS = {
     BlockState.ZEROED: c.STATE_ZERO,
     BlockState.DATA: 0,
 }
+# thinblock:changed:SNAPSHOT - bit 0 set: the range differs from the snapshot.
+CHANGED_PREFIX = "thinblock:changed:"
+STATE_CHANGED = 1
 
 _ERRNO_TO_NBD = {
     errno.EPERM: c.EPERM,
@@ -91,7 +95,10 @@ class PoolCatalog:
             min_block=1,
             preferred_block=min(self.pool.block_size, 1 << 16),
             max_payload=c.MAX_PAYLOAD_BYTES,
-            meta_contexts=(BASE_ALLOCATION,),
+            meta_contexts=(
+                BASE_ALLOCATION,
+                *(CHANGED_PREFIX + name for name, v in sorted(self.pool.volumes.items()) if v.row.kind == "snapshot"),
+            ),
         )
 
     def list_exports(self) -> list[ExportInfo]:
@@ -105,8 +112,9 @@ class PoolCatalog:
     def volume(self, name: str) -> Volume | None:
         """The volume behind an export name; "" is the default export when the pool has one volume."""
         with self.pool.lock:
-            if name == "" and len(self.pool.volumes) == 1:
-                return next(iter(self.pool.volumes.values()))
+            if name == "":
+                volumes = [v for v in self.pool.volumes.values() if v.row.kind == "volume"]
+                return volumes[0] if len(volumes) == 1 else None
             return self.pool.volumes.get(name)
 
 
@@ -136,12 +144,38 @@ def execute(conn: ServerConnection, vol: Volume, req: Request) -> list[bytes]:
     elif cmd == c.CMD_CACHE:
         pass  # the data store is a local file: the page cache already serves this
     elif cmd == c.CMD_BLOCK_STATUS:
-        runs = vol.block_status(req.offset, req.length)
-        extents = [(n, _STATE_FLAGS[state]) for n, state in runs]
-        if req.flags & c.CMD_FLAG_REQ_ONE:
-            extents = extents[:1]
-        return [conn.block_status_reply(req.cookie, [(ctx_id, extents) for ctx_id in conn.neg.contexts])]
+        replies = []
+        for ctx_id, name in conn.neg.contexts.items():
+            extents = context_extents(vol, name, req.offset, req.length)
+            replies.append((ctx_id, extents[:1] if req.flags & c.CMD_FLAG_REQ_ONE else extents))
+        return [conn.block_status_reply(req.cookie, replies)]
     return [conn.simple_reply(req.cookie)]
+
+
+def context_extents(vol: Volume, context: str, offset: int, length: int) -> list[tuple[int, int]]:
+    """(length, flags) extents of one metadata context over [offset, offset+length)."""
+    if context == BASE_ALLOCATION:
+        # A mapped range is reported allocated (no HOLE) only when a write there is sure
+        # to find space: the NBD rule on ENOSPC (Volume.allocation_status says why).
+        return [
+            (n, _STATE_FLAGS[state] | (0 if backed or state is BlockState.UNMAPPED else c.STATE_HOLE))
+            for n, state, backed in vol.allocation_status(offset, length)
+        ]
+    snapshot = vol.pool.volumes.get(context.removeprefix(CHANGED_PREFIX))
+    if snapshot is None:
+        # The snapshot was removed since negotiation: everything counts as changed, so
+        # a backup client copies too much rather than too little.
+        return [(length, STATE_CHANGED)]
+    extents: list[tuple[int, int]] = []
+    pos = offset
+    for start, n in changed_ranges(snapshot, vol, offset, length):
+        if start > pos:
+            extents.append((start - pos, 0))
+        extents.append((n, STATE_CHANGED))
+        pos = start + n
+    if pos < offset + length:
+        extents.append((offset + length - pos, 0))
+    return extents
 
 
 def _quick(req: Request) -> bool:
@@ -225,6 +259,7 @@ class NBDServer:
     def close(self) -> None:
         """Stop accepting, let in-flight requests finish, end every session."""
         self.stopping.set()
+        self.pool.cancel_waits()  # writes held by the wait policy fail now
         for listener in self.listeners:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)
@@ -303,6 +338,9 @@ class Session:
                 self.sock.close()
             with self.server.lock:
                 self.server.sessions.discard(self)
+            if self.volume is not None:
+                with self.server.pool.lock:
+                    self.volume.users -= 1
             log.info("%s: closed (%s)", self.name, reason)
 
     def _loop(self) -> str:
@@ -331,6 +369,9 @@ class Session:
                 log.info("%s: TLS started (%s)", self.name, self.sock.version())
             elif isinstance(event, Transmission):
                 self.volume = self.server.catalog.volume(event.export.name)
+                if self.volume is not None:
+                    with self.server.pool.lock:
+                        self.volume.users += 1
                 self.writer = threading.Thread(target=self._write_loop, name=f"{self.reader.name}-w", daemon=True)
                 self.writer.start()
                 log.info(

@@ -1,0 +1,116 @@
+"""Pool administration verbs, one table for every way of reaching a pool.
+
+`open_admin(path)` gives an object with `call(verb, **args)`: when no process
+holds the pool it opens the pool itself; when a server (`thinblock serve`, the
+FUSE daemon) holds it, it sends the same call over the server's control
+socket (control.py), so nothing touches the metadata behind a live server.
+Verbs take and return JSON-able values; errors travel as ThinblockError or
+OpError with their errno.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from thinblock.delta import delta_dict
+from thinblock.dump import dump_metadata
+from thinblock.errors import PoolBusyError, ThinblockError
+from thinblock.metadata import RESERVE_FULL
+from thinblock.pool import Pool
+from thinblock.snapshot import clone, create_snapshot, rollback
+
+CONTROL_SOCKET = "control.sock"
+
+
+def _volume_set(pool: Pool, name: str, **changes: Any) -> dict[str, Any]:
+    vol = pool.volume(name, kind="volume")
+    if changes.get("detect_zeroes") is not None:
+        pool.set_detect_zeroes(name, changes["detect_zeroes"])
+    if changes.get("reserve") is not None:
+        reserve = changes["reserve"]
+        pool.set_reserve(name, RESERVE_FULL if reserve == "full" else 0 if reserve == "none" else int(reserve))
+    if "low_water" in changes:
+        pool.set_low_water(name, changes["low_water"], changes.get("on_low_water") or vol.row.on_low_water)
+    elif changes.get("on_low_water") is not None:
+        pool.set_low_water(name, vol.row.low_water, changes["on_low_water"])
+    return pool.volume_info(vol)
+
+
+def _listing(pool: Pool, kind: str | None) -> list[dict[str, Any]]:
+    return [v for v in pool.status()["volumes"] if kind is None or v["kind"] == kind]
+
+
+def _dump(pool: Pool) -> dict[str, Any]:
+    with pool.lock:
+        pool.commit()
+        return dump_metadata(pool.meta)
+
+
+VERBS: dict[str, Callable[..., Any]] = {
+    "status": lambda pool: pool.status(),
+    "pool_grow": lambda pool, size_bytes: pool.grow(size_bytes),
+    "pool_set": lambda pool, **changes: (pool.set_policy(changes), pool.policy.settings())[1],
+    "pool_dump": _dump,
+    "volume_list": lambda pool, kind=None: _listing(pool, kind),
+    "volume_create": lambda pool, name, size_bytes, detect_zeroes="on": pool.volume_info(
+        pool.create_volume(name, size_bytes, detect_zeroes=detect_zeroes)
+    ),
+    "volume_remove": lambda pool, name, kind=None: pool.remove_volume(name, kind=kind),
+    "volume_resize": lambda pool, name, size_bytes: pool.resize_volume(name, size_bytes),
+    "volume_set": _volume_set,
+    "volume_clone": lambda pool, snapshot, name: pool.volume_info(clone(pool, snapshot, name)),
+    "volume_rollback": lambda pool, name, snapshot: rollback(pool, name, snapshot),
+    "snapshot_create": lambda pool, volume, name: pool.volume_info(create_snapshot(pool, volume, name)),
+    "delta": lambda pool, source, target: delta_dict(pool.volume(source), pool.volume(target)),
+}
+
+
+def run_verb(pool: Pool, verb: str, args: dict[str, Any]) -> Any:
+    """Run one verb on an open pool (locally, or for a control-socket client)."""
+    func = VERBS.get(verb)
+    if func is None:
+        raise ThinblockError(f"unknown administration verb {verb!r}")
+    try:
+        return func(pool, **args)
+    except TypeError as exc:
+        if "argument" in str(exc):  # a client sent the wrong arguments: its error, not ours
+            raise ThinblockError(f"bad arguments for {verb}: {exc}") from None
+        raise
+
+
+class Admin(Protocol):
+    def call(self, verb: str, **args: Any) -> Any: ...
+
+
+class LocalAdmin:
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def call(self, verb: str, **args: Any) -> Any:
+        return run_verb(self.pool, verb, args)
+
+
+@contextlib.contextmanager
+def open_admin(path: str) -> Iterator[Admin]:
+    """Administer the pool at path: directly, or through the server that holds it."""
+    from thinblock.control import ControlClient
+
+    try:
+        pool = Pool.open(path, autocommit=False, purpose="thinblock admin command")
+    except PoolBusyError as exc:
+        socket_path = os.path.join(path, CONTROL_SOCKET)
+        if not os.path.exists(socket_path):
+            raise PoolBusyError(f"{exc}, which offers no control socket") from None
+        client = ControlClient(socket_path)
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+    try:
+        yield LocalAdmin(pool)
+    finally:
+        pool.close()

@@ -1,0 +1,361 @@
+"""Dump, restore and repair: the metadata in a neutral, versioned form.
+
+Like thin_dump / thin_restore / thin_repair, the neutral form knows volumes
+and their mappings (vblock -> dblock runs with a state), not pages, page ids or
+refcounts: those are derived again on restore. Two forms carry the same dict:
+JSON (`--json`) and a line-oriented text for people:
+
+    thinblock-dump 1
+    pool block_size=65536 size_bytes=1073741824 data_path=null ...
+    volume id=1 name="vm1" kind="volume" origin_id=null size_bytes=... ...
+      map VBLOCK DBLOCK COUNT data|zeroed [pinned]
+
+Every `key=value` value is JSON. Restore rebuilds every table from the dict;
+identical pages at one page index of several volumes become one shared page
+again, so snapshots keep sharing pages. Repair salvages what it can read into
+that dict and restores it, reporting what it could not save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+from array import array
+from collections import Counter
+from typing import Any
+
+from thinblock.errors import CorruptionError, ThinblockError
+from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
+from thinblock.metadata import DB_NAME, MetadataStore, Transaction, VolumeRow
+from thinblock.spacemap import REFCOUNT_PAGE_ENTRIES
+
+DUMP_FORMAT = "thinblock-dump"
+DUMP_VERSION = 1
+_STATES = {"data": BlockState.DATA, "zeroed": BlockState.ZEROED}
+_POOL_KEYS = ("block_size", "size_bytes", "data_path", "created", "when_full", "low_water", "on_low_water", "autogrow")
+_VOLUME_KEYS = (
+    "id",
+    "name",
+    "kind",
+    "origin_id",
+    "size_bytes",
+    "detect_zeroes",
+    "created",
+    "reserve_bytes",
+    "low_water",
+    "on_low_water",
+)
+_PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+# ----- dump ------------------------------------------------------------------------
+
+
+def mapping_runs(entries: list[tuple[int, int]]) -> list[list[Any]]:
+    """Sorted (vblock, entry) pairs as [vblock, dblock, count, state, pinned] runs."""
+    runs: list[list[Any]] = []
+    for vblock, entry in entries:
+        dblock, state, pinned = entry >> DBLOCK_SHIFT, BlockState(entry & STATE_MASK).name.lower(), bool(entry & PINNED)
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last[0] + last[2] == vblock
+            and last[1] + last[2] == dblock
+            and last[3] == state
+            and last[4] == pinned
+        ):
+            last[2] += 1
+        else:
+            runs.append([vblock, dblock, 1, state, pinned])
+    return runs
+
+
+def dump_metadata(meta: MetadataStore) -> dict[str, Any]:
+    """The committed metadata as the neutral dict."""
+    sb = meta.superblock()
+    volumes = []
+    for row in sorted(meta.volumes(), key=lambda r: r.id):
+        entries: list[tuple[int, int]] = []
+        for page_index, page_id in sorted(meta.roots(row.id).items()):
+            found = meta.page(page_id)
+            if found is None:
+                raise CorruptionError(f"volume {row.name}: mapping page {page_id} is missing (try 'pool repair')")
+            page = Page.from_blob(page_id, *found)
+            base = page_index * PAGE_ENTRIES
+            entries.extend((base + i, e) for i, e in enumerate(page.entries) if e)
+        volumes.append(_volume_dict(row, entries))
+    return {
+        "format": DUMP_FORMAT,
+        "version": DUMP_VERSION,
+        "pool": {k: sb.get(k) for k in _POOL_KEYS},
+        "volumes": volumes,
+    }
+
+
+def _volume_dict(row: VolumeRow, entries: list[tuple[int, int]]) -> dict[str, Any]:
+    return {**{k: getattr(row, k) for k in _VOLUME_KEYS}, "mappings": mapping_runs(entries)}
+
+
+def format_text(dump: dict[str, Any]) -> str:
+    out = [f"{DUMP_FORMAT} {dump['version']}"]
+    out.append("pool " + " ".join(f"{k}={json.dumps(v)}" for k, v in dump["pool"].items()))
+    for vol in dump["volumes"]:
+        out.append("volume " + " ".join(f"{k}={json.dumps(vol[k])}" for k in _VOLUME_KEYS))
+        for vblock, dblock, count, state, pinned in vol["mappings"]:
+            out.append(f"  map {vblock} {dblock} {count} {state}{' pinned' if pinned else ''}")
+    return "\n".join(out) + "\n"
+
+
+def parse_dump(text: str) -> dict[str, Any]:
+    """Either form back into the dict; ThinblockError with a line number when malformed."""
+    if text.lstrip().startswith("{"):
+        try:
+            loaded = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ThinblockError(f"dump is not valid JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ThinblockError("dump is not a thinblock dump")
+        _check_header(loaded.get("format"), loaded.get("version"))
+        return loaded
+    lines = text.splitlines()
+    dump: dict[str, Any] = {"format": DUMP_FORMAT, "pool": None, "volumes": []}
+    for number, line in enumerate(lines, 1):
+        words = line.split()
+        try:
+            if not words or words[0].startswith("#"):
+                continue
+            if words[0] == DUMP_FORMAT:
+                _check_header(DUMP_FORMAT, int(words[1]))
+                dump["version"] = int(words[1])
+            elif "version" not in dump:
+                raise ValueError(f"the first line must be '{DUMP_FORMAT} {DUMP_VERSION}'")
+            elif words[0] == "pool":
+                dump["pool"] = _pairs(line[4:])
+            elif words[0] == "volume":
+                dump["volumes"].append({**_pairs(line[6:]), "mappings": []})
+            elif words[0] == "map" and dump["volumes"]:
+                pinned = words[5:] == ["pinned"]
+                if len(words) not in (5, 6) or (len(words) == 6 and not pinned):
+                    raise ValueError("use: map VBLOCK DBLOCK COUNT data|zeroed [pinned]")
+                dump["volumes"][-1]["mappings"].append([int(words[1]), int(words[2]), int(words[3]), words[4], pinned])
+            else:
+                raise ValueError(f"unexpected {words[0]!r}")
+        except (ValueError, IndexError, json.JSONDecodeError) as exc:
+            raise ThinblockError(f"dump line {number}: {exc}") from None
+    if dump["pool"] is None:
+        raise ThinblockError("dump has no 'pool' line")
+    return dump
+
+
+def _check_header(fmt: object, version: object) -> None:
+    if fmt != DUMP_FORMAT:
+        raise ThinblockError(f"not a thinblock dump (format {fmt!r})")
+    if version != DUMP_VERSION:
+        raise ThinblockError(f"dump version {version!r} is not supported (this thinblock reads {DUMP_VERSION})")
+
+
+def _pairs(text: str) -> dict[str, Any]:
+    return {m.group(1): json.loads(m.group(2)) for m in _PAIR.finditer(text)}
+
+
+# ----- restore ---------------------------------------------------------------------
+
+
+def build_metadata(db_path: str, dump: dict[str, Any]) -> None:
+    """Write a fresh metadata database from a dump (validated first; nothing is
+    written when it is inconsistent). The pool is marked unclean so that its
+    next open punches every free block (the data file may hold stale bytes there)."""
+    try:
+        pool = dump["pool"]
+        block_size, size_bytes = int(pool["block_size"]), int(pool["size_bytes"])
+        n_blocks = size_bytes // block_size
+        rows, roots = _validated_volumes(dump["volumes"], block_size, n_blocks)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ThinblockError(f"dump is incomplete or malformed: {exc!r}") from None
+    txn = Transaction()
+    page_ids: dict[tuple[int, bytes], int] = {}
+    page_refs: Counter[int] = Counter()
+    blobs: dict[int, bytes] = {}
+    for row in rows:
+        for page_index, entries in sorted(roots[row.id].items()):
+            blob = entries.tobytes()
+            page_id = page_ids.setdefault((page_index, blob), len(page_ids) + 1)
+            blobs[page_id] = blob
+            page_refs[page_id] += 1
+            txn.roots[(row.id, page_index)] = page_id
+    refcounts = array("I", bytes(4 * n_blocks))
+    for blob in blobs.values():
+        for entry in Page.from_blob(0, 0, blob).entries:
+            if entry:
+                refcounts[entry >> DBLOCK_SHIFT] += 1
+    txn.pages = {pid: (page_refs[pid], blob) for pid, blob in blobs.items()}
+    for index in range(0, n_blocks, REFCOUNT_PAGE_ENTRIES):
+        chunk = refcounts[index : index + REFCOUNT_PAGE_ENTRIES]
+        if any(chunk):
+            txn.refcount_pages[index // REFCOUNT_PAGE_ENTRIES] = chunk.tobytes()
+    txn.volumes = rows
+    tmp = db_path + ".restore"
+    for leftover in (tmp, tmp + "-wal", tmp + "-shm"):
+        if os.path.exists(leftover):
+            os.unlink(leftover)
+    superblock = {k: pool.get(k) for k in _POOL_KEYS}
+    superblock.update(page_entries=PAGE_ENTRIES, used_blocks=sum(1 for c in refcounts if c), clean=False)
+    meta = MetadataStore.create(tmp, superblock)
+    try:
+        meta.commit(txn)
+        meta.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        meta.close()
+    for suffix in ("-wal", "-shm"):
+        if os.path.exists(db_path + suffix):
+            os.unlink(db_path + suffix)
+    os.replace(tmp, db_path)
+    dirfd = os.open(os.path.dirname(db_path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
+
+
+def _validated_volumes(
+    volumes: list[dict[str, Any]], block_size: int, n_blocks: int
+) -> tuple[list[VolumeRow], dict[int, dict[int, array[int]]]]:
+    rows: list[VolumeRow] = []
+    roots: dict[int, dict[int, array[int]]] = {}
+    ids = {int(v["id"]) for v in volumes}
+    names: set[str] = set()
+    for v in volumes:
+        row = VolumeRow(
+            id=int(v["id"]),
+            name=str(v["name"]),
+            size_bytes=int(v["size_bytes"]),
+            detect_zeroes=str(v["detect_zeroes"]),
+            created=float(v["created"]),
+            kind=str(v["kind"]),
+            origin_id=None if v["origin_id"] is None else int(v["origin_id"]),
+            reserve_bytes=int(v["reserve_bytes"]),
+            low_water=None if v["low_water"] is None else float(v["low_water"]),
+            on_low_water=v["on_low_water"],
+        )
+        where = f"volume {row.name!r}"
+        if row.id in roots or row.name in names:
+            raise ThinblockError(f"{where}: id or name appears twice in the dump")
+        if row.kind not in ("volume", "snapshot") or row.detect_zeroes not in ("off", "on", "unmap"):
+            raise ThinblockError(f"{where}: invalid kind or detect_zeroes")
+        if row.origin_id is not None and row.origin_id not in ids:
+            raise ThinblockError(f"{where}: origin id {row.origin_id} is not in the dump")
+        if row.size_bytes <= 0 or row.size_bytes % 512:
+            raise ThinblockError(f"{where}: invalid size {row.size_bytes}")
+        names.add(row.name)
+        pages: dict[int, array[int]] = {}
+        n_vblocks = -(-row.size_bytes // block_size)
+        for vblock, dblock, count, state, pinned in v["mappings"]:
+            vblock, dblock, count = int(vblock), int(dblock), int(count)
+            if state not in _STATES or count <= 0 or vblock < 0 or dblock < 0:
+                raise ThinblockError(f"{where}: invalid mapping {vblock} {dblock} {count} {state}")
+            if vblock + count > n_vblocks or dblock + count > n_blocks:
+                raise ThinblockError(
+                    f"{where}: mapping {vblock}+{count} -> {dblock} lies beyond the volume or the data store"
+                )
+            flags = int(_STATES[state]) | (PINNED if pinned else 0)
+            for i in range(count):
+                page_index, slot = divmod(vblock + i, PAGE_ENTRIES)
+                entries = pages.setdefault(page_index, array("Q", bytes(8 * PAGE_ENTRIES)))
+                if entries[slot]:
+                    raise ThinblockError(f"{where}: vblock {vblock + i} is mapped twice")
+                entries[slot] = ((dblock + i) << DBLOCK_SHIFT) | flags
+                if state == "data":
+                    row.data_blocks += 1
+                else:
+                    row.zeroed_blocks += 1
+                row.pinned_blocks += bool(pinned)
+        roots[row.id] = pages
+        rows.append(row)
+    return rows, roots
+
+
+def restore(path: str, dump: dict[str, Any]) -> dict[str, Any]:
+    """`pool restore`: replace the pool's metadata with the dump's (pool not in use)."""
+    from thinblock.pool import Pool, held_lock
+
+    with held_lock(path):
+        build_metadata(os.path.join(path, DB_NAME), dump)
+    with Pool.open(path, autocommit=False) as pool:  # recovers free space, then closes clean
+        status = pool.status()
+    return {"volumes": len(dump["volumes"]), "used_bytes": status["used_bytes"]}
+
+
+# ----- repair ----------------------------------------------------------------------
+
+
+def salvage(meta: MetadataStore) -> tuple[dict[str, Any], list[str]]:
+    """A dump of everything readable, and sentences on what was lost."""
+    lost: list[str] = []
+    sb = meta.superblock()
+    block_size = int(sb["block_size"])
+    n_blocks = int(sb["size_bytes"]) // block_size
+    rows = {row.id: row for row in meta.volumes()}
+    by_volume: dict[int, list[tuple[int, int]]] = {vid: [] for vid in rows}
+    pages: dict[int, Page | None] = {}
+    for volume_id, page_index, page_id in sorted(meta.all_roots()):
+        row = rows.get(volume_id)
+        if row is None:
+            lost.append(f"root table rows of missing volume id {volume_id} dropped")
+            continue
+        if page_id not in pages:
+            try:
+                found = meta.page(page_id)
+                pages[page_id] = None if found is None else Page.from_blob(page_id, *found)
+            except (CorruptionError, sqlite3.DatabaseError):
+                pages[page_id] = None
+        page = pages[page_id]
+        first = page_index * PAGE_ENTRIES
+        if page is None:
+            lost.append(
+                f"volume {row.name}: blocks {first}-{first + PAGE_ENTRIES - 1} lost"
+                f" (mapping page {page_id} unreadable); they now read zeros"
+            )
+            continue
+        n_vblocks = -(-row.size_bytes // block_size)
+        for slot, entry in enumerate(page.entries):
+            if not entry:
+                continue
+            vblock, state, dblock = first + slot, entry & STATE_MASK, entry >> DBLOCK_SHIFT
+            if state not in (BlockState.DATA, BlockState.ZEROED) or dblock >= n_blocks or vblock >= n_vblocks:
+                lost.append(f"volume {row.name}: block {vblock} had an invalid mapping {entry:#x}; it now reads zeros")
+                continue
+            by_volume[volume_id].append((vblock, entry))
+    for row in rows.values():
+        if row.origin_id is not None and row.origin_id not in rows:
+            row.origin_id = None
+    dump = {
+        "format": DUMP_FORMAT,
+        "version": DUMP_VERSION,
+        "pool": {k: sb.get(k) for k in _POOL_KEYS},
+        "volumes": [_volume_dict(rows[vid], sorted(entries)) for vid, entries in sorted(by_volume.items())],
+    }
+    return dump, lost
+
+
+def repair(path: str) -> dict[str, Any]:
+    """`pool repair`: rebuild refcounts, counters and free space from the readable
+    mappings (pool not in use). The old database is kept as metadata.sqlite.bad."""
+    from thinblock.pool import held_lock
+
+    db = os.path.join(path, DB_NAME)
+    with held_lock(path):
+        try:
+            meta = MetadataStore.open(db)
+            try:
+                dump, lost = salvage(meta)
+            finally:
+                meta.close()
+        except (sqlite3.DatabaseError, CorruptionError, KeyError, ValueError) as exc:
+            raise ThinblockError(f"cannot repair {path}: the metadata database cannot be read ({exc})") from None
+        backup = db + ".bad"
+        with sqlite3.connect(db) as src, sqlite3.connect(backup) as dst:
+            src.backup(dst)
+        build_metadata(db, dump)
+    return {"lost": lost, "volumes": len(dump["volumes"]), "backup": backup}

@@ -1,0 +1,76 @@
+"""Snapshots, clones and rollback: sharing root tables, never copying blocks.
+
+A snapshot copies its volume's root table and takes one more reference on
+every mapping page: O(pages), independent of how many blocks are mapped. The
+first write to a shared page copies the page (Volume._writable_page); the
+first write to a shared dblock copies the block, or only its untouched bytes
+for a partial write (Volume.write). Everything happens under the pool lock,
+so a snapshot of a live volume is the state between two requests; it is
+committed (data synced first) before the call returns.
+"""
+
+from __future__ import annotations
+
+from thinblock.errors import ThinblockError
+from thinblock.pool import Pool
+from thinblock.volume import Volume
+
+
+def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
+    """A read-only snapshot of a volume or of another snapshot."""
+    with pool.lock:
+        vol = pool.volume(source)
+        # The snapshot shares everything the volume owned: its set-aside grows to
+        # the whole reservation, which the pool must be able to hold.
+        if vol.row.reserve_bytes:
+            pool.check_reservable(vol, pool.reserve_target(vol), "snapshot")
+        snap = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, pool.share_root(vol), like=vol.row)
+        snap.row.kind = "snapshot"
+        snap.row.origin_id = vol.row.id
+        snap.readonly = True
+        vol.owned_blocks = 0
+        pool.commit()
+        return snap
+
+
+def clone(pool: Pool, snapshot: str, name: str) -> Volume:
+    """A writable volume sharing every block of a snapshot."""
+    with pool.lock:
+        snap = pool.volume(snapshot, kind="snapshot")
+        vol = pool.add_volume(name, snap.size_bytes, snap.row.detect_zeroes, pool.share_root(snap), like=snap.row)
+        vol.row.origin_id = snap.row.id
+        pool.commit()
+        return vol
+
+
+def rollback(pool: Pool, volume: str, snapshot: str) -> None:
+    """Make a volume's contents and size those of a snapshot (what it owned alone is freed)."""
+    with pool.lock:
+        vol = pool.volume(volume, kind="volume")
+        snap = pool.volume(snapshot, kind="snapshot")
+        if snap is vol:
+            raise ThinblockError("a volume cannot roll back to itself")
+        pool.refuse_if_busy(vol, "roll back")
+        if vol.row.reserve_bytes:
+            exclusive = vol.usage()[0]
+            vol.owned_blocks = exclusive
+            old_size = vol.row.size_bytes
+            vol.row.size_bytes = snap.size_bytes  # the reservation after rollback, if it is 'full'
+            target = pool.reserve_target(vol)
+            vol.row.size_bytes = old_size
+            pool.check_reservable(vol, target, "roll back", freed=exclusive)
+        root = pool.share_root(snap)
+        pool.release_root(vol)
+        vol.root.update(root)
+        for page_index in root:
+            pool.mark_root_dirty(vol, page_index)
+        row = vol.row
+        row.size_bytes = snap.size_bytes
+        row.data_blocks, row.zeroed_blocks, row.pinned_blocks = (
+            snap.row.data_blocks,
+            snap.row.zeroed_blocks,
+            snap.row.pinned_blocks,
+        )
+        pool.mark_volume_dirty(vol)
+        pool.recount_owned()
+        pool.commit()

@@ -1,0 +1,219 @@
+"""What the pool does as it runs out of space: the out-of-space policy.
+
+* when_full: `error` fails a request that needs space at once (ENOSPC);
+  `wait:SECONDS` holds it until the pool grows or space is freed, or the time
+  runs out (dm-thin's error_if_no_space / no_space_timeout).
+* low-water marks, for the pool (unreserved free space) and per volume (its
+  unmapped share): crossing one logs a warning and runs a command with the
+  figures in its environment, once; the mark re-arms when space is back above
+  it (qemu's write threshold fires only once).
+* autogrow STEP:MAX: grow the data store by STEP when the pool's mark is
+  crossed, or when a request would otherwise fail, up to MAX (LVM's
+  thin_pool_autoextend).
+
+Settings live in the superblock; the pool calls `check()` after allocating and
+after each commit, with its lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from thinblock.errors import ThinblockError
+from thinblock.sizes import format_size, parse_size
+
+if TYPE_CHECKING:
+    from thinblock.pool import Pool
+    from thinblock.volume import Volume
+
+log = logging.getLogger("thinblock.space")
+POOL_KEY = ""
+
+
+def parse_when_full(text: str) -> float | None:
+    """`error` -> None; `wait:SECONDS` -> seconds."""
+    if text == "error":
+        return None
+    kind, _, seconds = text.partition(":")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = -1.0
+    if kind != "wait" or not value > 0:
+        raise ThinblockError(f"invalid --when-full {text!r}: use error or wait:SECONDS (e.g. wait:60)")
+    return value
+
+
+def parse_autogrow(text: str) -> tuple[int, int]:
+    """`STEP:MAX` with sizes such as 1G:64G."""
+    step, sep, maximum = text.partition(":")
+    if not sep:
+        raise ThinblockError(f"invalid --autogrow {text!r}: use STEP:MAX, e.g. 1G:64G")
+    return parse_size(step), parse_size(maximum)
+
+
+def parse_percent(text: str) -> float:
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 100:
+        raise ThinblockError(f"invalid low-water mark {text!r}: a percentage between 0 and 100")
+    return value
+
+
+class SpacePolicy:
+    def __init__(self, pool: Pool, superblock: dict[str, Any]) -> None:
+        self.pool = pool
+        self.when_full: str = str(superblock.get("when_full") or "error")
+        self.low_water: float | None = superblock.get("low_water")
+        self.on_low_water: str | None = superblock.get("on_low_water")
+        autogrow = superblock.get("autogrow")
+        self.autogrow: tuple[int, int] | None = (int(autogrow[0]), int(autogrow[1])) if autogrow else None
+        self._fired: set[str] = set()  # marks crossed and not yet re-armed (POOL_KEY or a volume name)
+        self._checking = False
+        self.fired_count = 0
+
+    # ----- settings ---------------------------------------------------------------
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "when_full": self.when_full,
+            "low_water_percent": self.low_water,
+            "on_low_water": self.on_low_water,
+            "autogrow": None
+            if self.autogrow is None
+            else {"step_bytes": self.autogrow[0], "max_bytes": self.autogrow[1]},
+        }
+
+    def to_superblock(self) -> dict[str, object]:
+        return {
+            "when_full": self.when_full,
+            "low_water": self.low_water,
+            "on_low_water": self.on_low_water,
+            "autogrow": list(self.autogrow) if self.autogrow else None,
+        }
+
+    def update(self, changes: dict[str, Any]) -> None:
+        """Apply validated settings (keys as in to_superblock; autogrow as text or None)."""
+        if "when_full" in changes:
+            parse_when_full(changes["when_full"])
+        autogrow = self.autogrow
+        if "autogrow" in changes:
+            text = changes["autogrow"]
+            autogrow = None if text in (None, "none", "off") else parse_autogrow(text)
+            if autogrow is not None and (autogrow[0] % self.pool.block_size or autogrow[0] <= 0):
+                raise ThinblockError(
+                    f"autogrow step must be a positive multiple of the block size ({format_size(self.pool.block_size)})"
+                )
+        low_water = self.low_water
+        if "low_water" in changes:
+            value = changes["low_water"]
+            low_water = None if value in (None, "none", "off") else parse_percent(str(value))
+        # Validated everything: now apply.
+        self.when_full = changes.get("when_full", self.when_full)
+        self.autogrow = autogrow
+        self.low_water = low_water
+        if "on_low_water" in changes:
+            self.on_low_water = changes["on_low_water"] or None
+        self._fired.discard(POOL_KEY)
+
+    def full_deadline(self) -> float | None:
+        """When a request held by the wait policy gives up (None: the error policy)."""
+        seconds = parse_when_full(self.when_full)
+        return None if seconds is None else time.monotonic() + seconds
+
+    # ----- low water and autogrow -------------------------------------------------
+
+    def pool_figures(self) -> dict[str, int]:
+        pool = self.pool
+        bs = pool.block_size
+        free = pool.space.free_blocks * bs
+        reserved = pool.reserved_blocks() * bs
+        return {
+            "size_bytes": pool.size_bytes,
+            "free_bytes": free,
+            "reserved_bytes": reserved,
+            "available_bytes": max(0, free - reserved),
+        }
+
+    def rearm(self, vol: Volume) -> None:
+        self._fired.discard(vol.name)
+
+    def check(self, vol: Volume | None = None) -> None:
+        """Fire marks that were crossed, re-arm those that are clear again (pool lock held)."""
+        if self._checking:
+            return
+        self._checking = True
+        try:
+            if self.low_water is not None:
+                figures = self.pool_figures()
+                percent = 100.0 * figures["available_bytes"] / figures["size_bytes"]
+                self._crossing(POOL_KEY, percent, self.low_water, figures, self.on_low_water)
+            vols = [vol] if vol is not None else list(self.pool.volumes.values())
+            for v in vols:
+                row = v.row
+                if row.low_water is None or v.removed:
+                    continue
+                mapped = (row.data_blocks + row.zeroed_blocks) * self.pool.block_size
+                unmapped = max(0, row.size_bytes - mapped)
+                vfig = {"size_bytes": row.size_bytes, "mapped_bytes": mapped, "unmapped_bytes": unmapped}
+                percent = 100.0 * unmapped / row.size_bytes
+                self._crossing(v.name, percent, row.low_water, vfig, row.on_low_water or self.on_low_water)
+        finally:
+            self._checking = False
+
+    def _crossing(self, key: str, percent: float, mark: float, figures: dict[str, int], command: str | None) -> None:
+        if percent >= mark:
+            self._fired.discard(key)
+            return
+        if key in self._fired:
+            return
+        self._fired.add(key)
+        self.fired_count += 1
+        what = f"pool {self.pool.path}" if key == POOL_KEY else f"volume {key}"
+        log.warning("%s is below its low-water mark: %.1f%% free, mark %.1f%%", what, percent, mark)
+        if key == POOL_KEY and self.autogrow is not None:
+            self.autogrow_for(1)
+        if command:
+            env = {f"THINBLOCK_{k.upper()}": str(v) for k, v in figures.items()}
+            env.update(
+                THINBLOCK_EVENT="low-water",
+                THINBLOCK_POOL=os.path.abspath(self.pool.path),
+                THINBLOCK_VOLUME=key,
+                THINBLOCK_FREE_PERCENT=f"{percent:.2f}",
+                THINBLOCK_LOW_WATER_PERCENT=f"{mark:g}",
+            )
+            threading.Thread(target=_run_hook, args=(command, {**os.environ, **env}), daemon=True).start()
+
+    def autogrow_for(self, short_blocks: int) -> bool:
+        """Grow by STEP (or enough STEPs for short_blocks) up to MAX; whether it grew."""
+        if self.autogrow is None or short_blocks <= 0:
+            return False
+        step, maximum = self.autogrow
+        pool = self.pool
+        short_bytes = short_blocks * pool.block_size
+        new_size = min(maximum - maximum % pool.block_size, pool.size_bytes + -(-short_bytes // step) * step)
+        if new_size <= pool.size_bytes:
+            return False
+        try:
+            pool.grow(new_size)
+        except (OSError, ThinblockError) as exc:
+            log.error("autogrow of pool %s to %s failed: %s", pool.path, format_size(new_size), exc)
+            return False
+        log.warning("pool %s autogrown to %s (max %s)", pool.path, format_size(new_size), format_size(maximum))
+        return True
+
+
+def _run_hook(command: str, env: dict[str, str]) -> None:
+    try:
+        done = subprocess.run(command, shell=True, env=env, check=False, timeout=600)
+        if done.returncode:
+            log.error("low-water command %r exited with status %d", command, done.returncode)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.error("low-water command %r failed: %s", command, exc)
