@@ -8,13 +8,16 @@ import shutil
 import tempfile
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.model import Model, ModelError, ModelVolume
-from thinblock import BlockState, OpError, Pool
+from thinblock import BlockState, OpError, Pool, ReadOnlyError
 from thinblock.check import check_metadata
+from thinblock.delta import changed_ranges
 from thinblock.metadata import DB_NAME, MetadataStore
+from thinblock.snapshot import clone, create_snapshot, rollback
 
 BS = 4096
 POOL_BLOCKS = 12
@@ -48,8 +51,6 @@ def _mixed(kinds: list[str], seed: int, length: int) -> bytes:
 
 
 class PoolMachine(RuleBasedStateMachine):
-    names = Bundle("names")
-
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="tb-model-")
@@ -83,6 +84,10 @@ class PoolMachine(RuleBasedStateMachine):
             got = exc.errno
         assert got == expected, f"{name}: implementation errno {got}, model errno {expected}"
 
+    def _pick(self, data: st.DataObject, kind: str | None = None) -> str:
+        names = sorted(n for n, v in self.model.volumes.items() if kind is None or v.kind == kind)
+        return data.draw(st.sampled_from(names))
+
     def _range(self, data: st.DataObject, name: str) -> tuple[int, int]:
         # Block-aligned ranges are where whole-block rules apply; mix them with
         # sector-aligned and arbitrary ones.
@@ -94,79 +99,142 @@ class PoolMachine(RuleBasedStateMachine):
             length = size - offset if unit == 1 else min(size - offset, length)
         return offset, length
 
+    def _mutate(self, what: str, name: str, impl, model) -> None:
+        """A write-type verb: snapshots refuse it with EPERM and change nothing."""
+        if self.model.volumes[name].kind == "snapshot":
+            with pytest.raises(ReadOnlyError):
+                impl()
+            return
+        self._both(what, impl, model)
+
+    def _has(self, kind: str) -> bool:
+        return any(v.kind == kind for v in self.model.volumes.values())
+
+    def _new_name(self) -> str:
+        self.counter += 1
+        return f"v{self.counter}"
+
     # ----- rules ------------------------------------------------------------------
 
-    @initialize(target=names, size=sizes(), detect=st.sampled_from(["on", "on", "off", "unmap"]))
-    def first_volume(self, size: int, detect: str) -> str:
-        return self._new_volume(size, detect)
+    @initialize(size=sizes(), detect=st.sampled_from(["on", "on", "off", "unmap"]))
+    def first_volume(self, size: int, detect: str) -> None:
+        self._new_volume(size, detect)
 
-    @precondition(lambda self: len(self.model.volumes) < 3)
-    @rule(target=names, size=sizes(), detect=st.sampled_from(["on", "on", "off", "unmap"]))
-    def create_volume(self, size: int, detect: str) -> str:
-        return self._new_volume(size, detect)
+    @precondition(lambda self: len(self.model.volumes) < 5)
+    @rule(size=sizes(), detect=st.sampled_from(["on", "on", "off", "unmap"]))
+    def create_volume(self, size: int, detect: str) -> None:
+        self._new_volume(size, detect)
 
-    def _new_volume(self, size: int, detect: str) -> str:
-        self.counter += 1
-        name = f"v{self.counter}"
+    def _new_volume(self, size: int, detect: str) -> None:
+        name = self._new_name()
         self.pool.create_volume(name, size, detect_zeroes=detect)
         self.model.volumes[name] = ModelVolume(size, BS, detect)
-        return name
 
-    @rule(name=consumes(names))
-    def remove_volume(self, name: str) -> None:
+    @precondition(lambda self: len(self.model.volumes) >= 2)
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        name = self._pick(data)
         self.pool.remove_volume(name)
         del self.model.volumes[name]
 
-    @rule(name=names, data=st.data())
-    def write(self, name: str, data: st.DataObject) -> None:
+    @precondition(lambda self: self.model.volumes and len(self.model.volumes) < 6)
+    @rule(data=st.data())
+    def snapshot(self, data: st.DataObject) -> None:
+        source, name = self._pick(data), self._new_name()
+        self._both(
+            "snapshot",
+            lambda: create_snapshot(self.pool, source, name),
+            lambda: self.model.snapshot(source, name),
+        )
+
+    @precondition(lambda self: self._has("snapshot") and len(self.model.volumes) < 6)
+    @rule(data=st.data())
+    def clone(self, data: st.DataObject) -> None:
+        snap, name = self._pick(data, "snapshot"), self._new_name()
+        clone(self.pool, snap, name)
+        self.model.clone(snap, name)
+
+    @precondition(lambda self: self._has("snapshot") and self._has("volume"))
+    @rule(data=st.data())
+    def rollback(self, data: st.DataObject) -> None:
+        name, snap = self._pick(data, "volume"), self._pick(data, "snapshot")
+        self._both("rollback", lambda: rollback(self.pool, name, snap), lambda: self.model.rollback(name, snap))
+
+    @precondition(lambda self: self._has("volume"))
+    @rule(data=st.data(), reserve=st.sampled_from([0, -1, BS, 3 * BS, 2 * BS + 1]))
+    def set_reserve(self, data: st.DataObject, reserve: int) -> None:
+        name = self._pick(data, "volume")
+        self._both(
+            "set_reserve", lambda: self.pool.set_reserve(name, reserve), lambda: self.model.set_reserve(name, reserve)
+        )
+
+    @precondition(lambda self: self.model.volumes)
+    @rule(data=st.data())
+    def write(self, data: st.DataObject) -> None:
+        name = self._pick(data)
         offset, length = self._range(data, name)
         payload = data.draw(payloads(length))
         fua = data.draw(st.booleans())
         vol = self.pool.volume(name)
-        self._both(
-            "write", lambda: vol.write(offset, payload, fua=fua), lambda: self.model.write(name, offset, payload)
+        self._mutate(
+            "write", name, lambda: vol.write(offset, payload, fua=fua), lambda: self.model.write(name, offset, payload)
         )
 
     # Writes matter most: a second rule doubles their share of the steps.
-    @rule(name=names, data=st.data())
-    def write_more(self, name: str, data: st.DataObject) -> None:
-        self.write(name, data)
+    @precondition(lambda self: self.model.volumes)
+    @rule(data=st.data())
+    def write_more(self, data: st.DataObject) -> None:
+        self.write(data)
 
-    @rule(name=names, data=st.data(), no_hole=st.booleans(), fast=st.booleans())
-    def write_zeroes(self, name: str, data: st.DataObject, no_hole: bool, fast: bool) -> None:
+    @precondition(lambda self: self.model.volumes)
+    @rule(data=st.data(), no_hole=st.booleans(), fast=st.booleans())
+    def write_zeroes(self, data: st.DataObject, no_hole: bool, fast: bool) -> None:
+        name = self._pick(data)
         offset, length = self._range(data, name)
         vol = self.pool.volume(name)
-        self._both(
+        self._mutate(
             "write_zeroes",
+            name,
             lambda: vol.write_zeroes(offset, length, no_hole=no_hole, fast=fast),
             lambda: self.model.zero_or_trim(name, offset, length, no_hole, fast),
         )
 
-    @rule(name=names, data=st.data())
-    def trim(self, name: str, data: st.DataObject) -> None:
+    @precondition(lambda self: self.model.volumes)
+    @rule(data=st.data())
+    def trim(self, data: st.DataObject) -> None:
+        name = self._pick(data)
         offset, length = self._range(data, name)
         vol = self.pool.volume(name)
-        self._both(
+        self._mutate(
             "trim",
+            name,
             lambda: vol.trim(offset, length),
             lambda: self.model.zero_or_trim(name, offset, length, False, False),
         )
 
-    @rule(name=names, data=st.data())
-    def provision(self, name: str, data: st.DataObject) -> None:
+    @precondition(lambda self: self.model.volumes)
+    @rule(data=st.data())
+    def provision(self, data: st.DataObject) -> None:
+        name = self._pick(data)
         offset, length = self._range(data, name)
         vol = self.pool.volume(name)
-        self._both(
-            "provision", lambda: vol.provision(offset, length), lambda: self.model.provision(name, offset, length)
+        self._mutate(
+            "provision",
+            name,
+            lambda: vol.provision(offset, length),
+            lambda: self.model.provision(name, offset, length),
         )
 
-    @rule(name=names, size=sizes())
-    def resize(self, name: str, size: int) -> None:
-        self.pool.resize_volume(name, size)
-        self.model.resize(name, size)
+    @precondition(lambda self: self._has("volume"))
+    @rule(data=st.data(), size=sizes())
+    def resize(self, data: st.DataObject, size: int) -> None:
+        name = self._pick(data, "volume")
+        self._both("resize", lambda: self.pool.resize_volume(name, size), lambda: self.model.resize(name, size))
 
-    @rule(name=names, detect=st.sampled_from(["off", "on", "unmap"]))
-    def set_detect_zeroes(self, name: str, detect: str) -> None:
+    @precondition(lambda self: self._has("volume"))
+    @rule(data=st.data(), detect=st.sampled_from(["off", "on", "unmap"]))
+    def set_detect_zeroes(self, data: st.DataObject, detect: str) -> None:
+        name = self._pick(data, "volume")
         self.pool.set_detect_zeroes(name, detect)
         self.model.volumes[name].detect = detect
 
@@ -185,12 +253,32 @@ class PoolMachine(RuleBasedStateMachine):
         self.model.pool_blocks += extra
         self.pool.grow(self.model.pool_blocks * BS)
 
-    @rule(name=names, data=st.data())
-    def read_range(self, name: str, data: st.DataObject) -> None:
+    @precondition(lambda self: self.model.volumes)
+    @rule(data=st.data())
+    def read_range(self, data: st.DataObject) -> None:
+        name = self._pick(data)
         offset, length = self._range(data, name)
         assert self.pool.volume(name).read(offset, length) == bytes(
             self.model.volumes[name].data[offset : offset + length]
         )
+
+    @precondition(lambda self: len(self.model.volumes) >= 2)
+    @rule(data=st.data())
+    def delta_matches_bytes(self, data: st.DataObject) -> None:
+        # Metadata-only delta: every range whose bytes differ is reported (it may also
+        # report blocks rewritten with identical bytes, never miss a difference).
+        a, b = self._pick(data), self._pick(data)
+        ma, mb = self.model.volumes[a], self.model.volumes[b]
+        end = max(ma.size, mb.size)
+        da, db = bytes(ma.data).ljust(end, b"\0"), bytes(mb.data).ljust(end, b"\0")
+        covered = bytearray(end)
+        for off, n in changed_ranges(self.pool.volume(a), self.pool.volume(b)):
+            covered[off : off + n] = b"\1" * n
+        for i in range(0, end, 512):
+            if da[i : i + 512] != db[i : i + 512]:
+                assert covered[i], f"delta {a}->{b} misses a difference at {i}"
+        if a == b:
+            assert not any(covered)
 
     # ----- invariants -------------------------------------------------------------
 
@@ -209,14 +297,19 @@ class PoolMachine(RuleBasedStateMachine):
         assert status["size_bytes"] == self.model.pool_blocks * BS
         assert status["used_bytes"] == self.model.used() * BS
         assert status["free_bytes"] == self.model.free() * BS
+        assert status["reserved_bytes"] == self.model.reserved() * BS
         by_name = {v["name"]: v for v in status["volumes"]}
         assert set(by_name) == set(self.model.volumes)
         for name, mv in self.model.volumes.items():
             v = by_name[name]
+            assert v["kind"] == mv.kind
             assert v["mapped_bytes"] == mv.mapped() * BS
             assert v["data_bytes"] == mv.states.count(2) * BS
             assert v["zeroed_bytes"] == mv.states.count(1) * BS
             assert v["provisioned_bytes"] == sum(mv.pinned) * BS
+            assert v["exclusive_bytes"] == self.model.exclusive(name) * BS, f"{name}: exclusive"
+            assert v["shared_bytes"] == self.model.shared(name) * BS, f"{name}: shared"
+            assert v["reserved_bytes"] == self.model.set_aside(name) * BS, f"{name}: set aside"
 
 
 PoolMachine.TestCase.settings = settings(

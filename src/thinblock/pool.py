@@ -157,6 +157,7 @@ class Pool:
         for row in meta.volumes():
             self.volumes[row.name] = Volume(self, row, meta.roots(row.id))
         self.policy = SpacePolicy(self, sb)
+        self.owned_stale = False  # some volume may own more blocks alone than it counts
         # Writers held by the wait policy sleep on this; grow, frees and removals wake them.
         self.space_changed = threading.Condition(self.lock)
         # Changes of the open transaction.
@@ -406,14 +407,21 @@ class Pool:
         return sum(self.set_aside(v) for v in self.volumes.values() if v.row.reserve_bytes)
 
     def recount_owned(self) -> None:
-        """Exact exclusive-block counts of reserved volumes (the I/O path keeps a lower
-        bound: it cannot see a block it shared become another volume's alone)."""
+        """Exact exclusive-block counts of reserved volumes. The I/O path keeps a lower
+        bound (it cannot see a block it shared become another volume's alone), which
+        only over-reserves; decisions that could fail recount first when it is stale."""
         for vol in self.volumes.values():
             if vol.row.reserve_bytes:
                 vol.owned_blocks = vol.usage()[0]
+        self.owned_stale = False
+
+    def _fresh_owned(self) -> None:
+        if self.owned_stale:
+            self.recount_owned()
 
     def check_reservable(self, vol: Volume, new_set_aside: int, what: str, freed: int = 0) -> None:
         """Refuse (ENOSPC, nothing changed) when vol's set-aside cannot grow to new_set_aside."""
+        self._fresh_owned()
         extra = new_set_aside - self.set_aside(vol)
         available = self.space.free_blocks + freed - self.reserved_blocks()
         if extra > available:
@@ -469,6 +477,9 @@ class Pool:
         others = self.reserved_blocks() - (self.set_aside(vol) if vol is not None else 0)
         if n_blocks <= self.space.allocatable_blocks - others:
             return
+        if others and self.owned_stale:
+            self.recount_owned()
+            return self.reserve(n_blocks, vol)
         if n_blocks <= self.space.free_blocks - others:
             # Freed blocks become usable once committed, punched and synced: two commits.
             self.commit()
@@ -502,6 +513,7 @@ class Pool:
     def status(self) -> dict[str, Any]:
         """Live figures; volumes with exclusive/shared bytes (walks their pages)."""
         with self.lock:
+            self._fresh_owned()
             bs = self.block_size
             used = self.space.used_blocks * bs
             reserved = self.reserved_blocks() * bs

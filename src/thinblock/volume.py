@@ -184,8 +184,11 @@ class Volume:
         if not old or not new or (old ^ new) >> DBLOCK_SHIFT:  # the dblock changes (dblock 0 is a dblock too)
             space = self.pool.space
             if old:
-                if space.refcounts[old >> DBLOCK_SHIFT] == 1:
+                count = space.refcounts[old >> DBLOCK_SHIFT]
+                if count == 1:
                     self.owned_blocks -= 1
+                elif count == 2:
+                    self.pool.owned_stale = True  # the other holder may now own it alone
                 space.decref(old >> DBLOCK_SHIFT)
             if new:
                 self.owned_blocks += 1  # a fresh dblock, in a page this volume alone holds
@@ -515,7 +518,7 @@ class Volume:
         touched = (offset + length - 1) // bs - offset // bs + 1
         mapped = self.row.data_blocks + self.row.zeroed_blocks
         if touched - mapped > self.pool.space.free_blocks:
-            self.pool.reserve(touched - mapped)
+            self.pool.reserve(touched - mapped, self)
 
     def _allocate(self, count: int) -> Iterator[int]:
         """Reserve and take `count` fresh dblocks, or raise NoSpaceError having changed nothing."""
@@ -575,7 +578,10 @@ class Volume:
             covered = (
                 self.readonly
                 or not backed
-                or self.pool.set_aside(self) >= row.data_blocks + row.zeroed_blocks - self.owned_blocks
+                or (
+                    row.reserve_bytes != 0
+                    and self.pool.set_aside(self) >= row.data_blocks + row.zeroed_blocks - self.owned_blocks
+                )
             )
             for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
                 seg_off = vblock * bs + start

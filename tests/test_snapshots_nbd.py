@@ -1,0 +1,234 @@
+"""Snapshots through a live server: read-only snapshot exports, the
+thinblock:changed: meta context against `thinblock delta` and a model, the NBD
+ENOSPC rule after the pool is full, and live administration over the control
+socket (all with libnbd and the real command line)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbd
+import pytest
+
+from tests.nbd_server import Server, thinblock
+
+BS = 64 << 10
+MiB = 1 << 20
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Server]:
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "8M")  # 128 blocks
+    thinblock("volume", "create", pool, "disk", "--size", "16M")
+    thinblock("volume", "create", pool, "other", "--size", "64M")
+    server = Server(pool)
+    try:
+        yield server
+    finally:
+        server.stop()
+        assert "Traceback" not in server.log.read_text(), server.log.read_text()
+    thinblock("pool", "check", pool)
+
+
+def connect(server: Server, name: str, *contexts: str) -> nbd.NBD:
+    h = nbd.NBD()
+    for ctx in contexts or ("base:allocation",):
+        h.add_meta_context(ctx)
+    h.connect_uri(server.unix_uri(name))
+    return h
+
+
+def extents(h: nbd.NBD, context: str, length: int, offset: int = 0) -> list[tuple[int, int, int]]:
+    """(offset, length, flags) for one context, following the server until length is covered."""
+    out: list[tuple[int, int, int]] = []
+    pos = offset
+    while pos < offset + length:
+        got: list[tuple[int, int]] = []
+
+        def cb(metacontext: str, off: int, entries: list[int], err: int) -> int:
+            if metacontext == context:
+                got.extend(zip(entries[0::2], entries[1::2], strict=True))
+            return 0
+
+        h.block_status(offset + length - pos, pos, cb)
+        assert got
+        for n, flags in got:
+            out.append((pos, n, flags))
+            pos += n
+    return out
+
+
+def test_snapshot_export_is_read_only(served: Server) -> None:
+    h = connect(served, "disk")
+    h.pwrite(b"a" * BS, 0)
+    h.flush()
+    thinblock("snapshot", "create", served.pool, "disk", "snap")
+    s = connect(served, "snap")
+    assert s.is_read_only()
+    assert s.pread(BS, 0) == b"a" * BS
+    s.set_strict_mode(0)  # let the writes reach the server: it must refuse them itself
+    for attempt in (
+        lambda: s.pwrite(b"b" * 512, 0),
+        lambda: s.trim(BS, 0),
+        lambda: s.zero(BS, 0),
+    ):
+        with pytest.raises(nbd.Error) as exc:
+            attempt()
+        assert exc.value.errno == errno.EPERM
+    assert s.pread(BS, 0) == b"a" * BS
+    h.pwrite(b"c" * BS, 0)  # the volume stays writable, the snapshot unchanged
+    assert s.pread(BS, 0) == b"a" * BS
+
+
+def test_changed_context_matches_delta_and_model(served: Server) -> None:
+    rng = random.Random(7)
+    n_blocks = 16 * MiB // BS
+    h = connect(served, "disk")
+    model = bytearray(16 * MiB)
+    for vblock in rng.sample(range(n_blocks), 40):
+        data = rng.randbytes(BS)
+        h.pwrite(data, vblock * BS)
+        model[vblock * BS : (vblock + 1) * BS] = data
+    thinblock("snapshot", "create", served.pool, "disk", "base")
+    before = bytes(model)
+    # After the snapshot: whole-block writes, partial writes, zeroing, trims.
+    touched: set[int] = set()
+    for vblock in rng.sample(range(n_blocks), 25):
+        kind = rng.choice(["write", "partial", "zero", "trim"])
+        off = vblock * BS
+        if kind == "write":
+            data = rng.randbytes(BS)
+            h.pwrite(data, off)
+            model[off : off + BS] = data
+        elif kind == "partial":
+            data = rng.randbytes(100)
+            h.pwrite(data, off + 1000)
+            model[off + 1000 : off + 1100] = data
+        elif kind == "zero":
+            h.zero(BS, off)
+            model[off : off + BS] = bytes(BS)
+        else:
+            h.trim(BS, off)
+            model[off : off + BS] = bytes(BS)
+        touched.add(vblock)
+    h.flush()
+    ctx = "thinblock:changed:base"
+    b = connect(served, "disk", "base:allocation", ctx)
+    assert b.can_meta_context(ctx)
+    changed = {(o, n) for o, n, flags in extents(b, ctx, 16 * MiB) if flags & 1}
+    delta = json.loads(thinblock("delta", served.pool, "base", "disk", "--json").stdout)
+    assert changed == {(r["offset"], r["length"]) for r in delta["ranges"]}
+    changed_blocks = {o // BS + i for o, n in changed for i in range(n // BS)}
+    # The model: every block whose bytes differ is reported; nothing untouched is.
+    differ = {v for v in range(n_blocks) if before[v * BS : (v + 1) * BS] != model[v * BS : (v + 1) * BS]}
+    assert differ <= changed_blocks <= touched
+    # A backup client copies only the changed ranges onto the snapshot's bytes and gets the volume.
+    s = connect(served, "base")
+    rebuilt = bytearray(b"".join(s.pread(MiB, i * MiB) for i in range(16)))
+    for o, n in changed:
+        rebuilt[o : o + n] = b.pread(n, o)
+    assert bytes(rebuilt) == bytes(model)
+    # Unknown snapshots are not offered.
+    listing = nbd.NBD()
+    listing.set_opt_mode(True)
+    listing.connect_uri(served.unix_uri("disk"))
+    offered: list[str] = []
+    listing.opt_list_meta_context(lambda name: offered.append(name) or 0)
+    assert ctx in offered and "thinblock:changed:disk" not in offered
+    listing.opt_abort()
+
+
+def _fill(server: Server) -> None:
+    """Write distinct data into `other` until the pool is full."""
+    o = connect(server, "other")
+    off = 0
+    while True:
+        try:
+            o.pwrite(random.randbytes(BS), off)
+        except nbd.Error as exc:
+            assert exc.errno == errno.ENOSPC
+            break
+        off += BS
+    o.flush()
+
+
+def test_no_enospc_where_block_status_says_allocated(served: Server) -> None:
+    thinblock("volume", "create", served.pool, "resv", "--size", "4M")
+    h, r = connect(served, "disk"), connect(served, "resv")
+    for vblock in range(0, 40, 2):
+        h.pwrite(random.randbytes(BS), vblock * BS)
+    for vblock in range(20):
+        r.pwrite(random.randbytes(BS), vblock * BS)
+    h.zero(4 * BS, 60 * BS, nbd.CMD_FLAG_NO_HOLE)
+    h.flush()
+    thinblock("volume", "set", served.pool, "resv", "--reserve", "full")
+    thinblock("snapshot", "create", served.pool, "disk", "disk-snap")
+    thinblock("snapshot", "create", served.pool, "resv", "resv-snap")
+    # A later write of disk's own (exclusive after the snapshot).
+    h.pwrite(random.randbytes(BS), 50 * BS)
+    _fill(served)
+    for name, conn in (("disk", h), ("resv", r)):
+        fresh = connect(served, name)
+        size = fresh.get_size()
+        allocated = [(o, n) for o, n, flags in extents(fresh, "base:allocation", size) if not flags & nbd.STATE_HOLE]
+        assert allocated, name
+        for o, n in allocated:
+            for pos in range(o, o + n, BS):
+                conn.pwrite(random.randbytes(min(BS, o + n - pos)), pos)  # never ENOSPC
+        conn.flush()
+    # disk's shared blocks were reported as holes (it has no reservation), its own block not;
+    # resv's shared blocks are covered by its reservation.
+    d = connect(served, "disk")
+    flags_at = {o: f for o, _n, f in extents(d, "base:allocation", 16 * MiB)}
+    assert not flags_at.get(50 * BS, 0) & nbd.STATE_HOLE
+    listing = json.loads(thinblock("volume", "list", served.pool, "--json").stdout)
+    resv = next(v for v in listing if v["name"] == "resv")
+    assert resv["exclusive_bytes"] == 20 * BS  # every shared block was copied from the set-aside
+
+
+def test_live_administration(served: Server) -> None:
+    h = connect(served, "disk")
+    h.pwrite(b"A" * BS, 0)  # acknowledged before the snapshot
+    thinblock("snapshot", "create", served.pool, "disk", "s1")
+    h.pwrite(b"B" * BS, 0)
+    assert connect(served, "s1").pread(BS, 0) == b"A" * BS  # a point between two requests
+    # A new volume is an export at once; a resize is seen by new connections.
+    thinblock("volume", "create", served.pool, "late", "--size", "1M")
+    assert connect(served, "late").get_size() == MiB
+    thinblock("volume", "resize", served.pool, "late", "--size", "3M")
+    assert connect(served, "late").get_size() == 3 * MiB
+    # Clones are writable exports sharing the snapshot's blocks.
+    thinblock("volume", "clone", served.pool, "s1", "c1")
+    c = connect(served, "c1")
+    assert not c.is_read_only() and c.pread(BS, 0) == b"A" * BS
+    listing = {v["name"]: v for v in json.loads(thinblock("volume", "list", served.pool, "--json").stdout)}
+    assert listing["s1"]["kind"] == "snapshot" and listing["s1"]["origin"] == "disk"
+    assert listing["c1"]["origin"] == "s1" and listing["c1"]["shared_bytes"] == BS
+    assert listing["disk"]["open_clients"] >= 1
+    # An open volume is not removed or rolled back behind its clients.
+    busy = thinblock("volume", "remove", served.pool, "disk", check=False)
+    assert busy.returncode == 1 and "open by" in busy.stderr
+    busy = thinblock("volume", "rollback", served.pool, "disk", "s1", check=False)
+    assert busy.returncode == 1 and "open by" in busy.stderr
+    h.shutdown()
+    c.shutdown()
+    thinblock("volume", "rollback", served.pool, "disk", "s1")
+    assert connect(served, "disk").pread(BS, 0) == b"A" * BS
+    # Wrong kinds and names are clear errors that change nothing.
+    for args, words in (
+        (("snapshot", "remove", served.pool, "disk"), "is a volume"),
+        (("volume", "clone", served.pool, "disk", "x"), "is a volume"),
+        (("snapshot", "create", served.pool, "nope", "x"), "no volume"),
+        (("snapshot", "create", served.pool, "disk", "s1"), "already exists"),
+    ):
+        proc = thinblock(*args, check=False)
+        assert proc.returncode == 1 and words in proc.stderr, proc.stderr
+    status = json.loads(thinblock("pool", "status", served.pool, "--json").stdout)
+    assert {v["name"] for v in status["volumes"]} == {"disk", "other", "late", "s1", "c1"}
+    thinblock("snapshot", "remove", served.pool, "s1")
+    assert connect(served, "c1").pread(BS, 0) == b"A" * BS  # blocks live on in the clone
