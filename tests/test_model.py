@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.model import Model, ModelError, ModelVolume
-from thinblock import BlockState, OpError, Pool, ReadOnlyError
+from thinblock import BlockState, OpError, Pool, ReadOnlyError, ThinblockError
 from thinblock.check import check_metadata
 from thinblock.delta import changed_ranges
 from thinblock.metadata import DB_NAME, MetadataStore
@@ -146,6 +146,17 @@ class PoolMachine(RuleBasedStateMachine):
             lambda: create_snapshot(self.pool, source, name),
             lambda: self.model.snapshot(source, name),
         )
+
+    @precondition(lambda self: self.model.volumes)
+    @rule(data=st.data())
+    def duplicate_name_is_refused(self, data: st.DataObject) -> None:
+        # Refused before any page reference is taken (teardown's pool check would see a leak).
+        source, existing = self._pick(data), self._pick(data)
+        with pytest.raises(ThinblockError, match="already exists"):
+            create_snapshot(self.pool, source, existing)
+        if self.model.volumes[source].kind == "snapshot":
+            with pytest.raises(ThinblockError, match="already exists"):
+                clone(self.pool, source, existing)
 
     @precondition(lambda self: self._has("snapshot") and len(self.model.volumes) < 6)
     @rule(data=st.data())

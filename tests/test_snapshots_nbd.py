@@ -47,14 +47,15 @@ def extents(h: nbd.NBD, context: str, length: int, offset: int = 0) -> list[tupl
     """(offset, length, flags) for one context, following the server until length is covered."""
     out: list[tuple[int, int, int]] = []
     pos = offset
+    got: list[tuple[int, int]] = []
+
+    def cb(metacontext: str, off: int, entries: list[int], err: int) -> int:
+        if metacontext == context:
+            got.extend(zip(entries[0::2], entries[1::2], strict=True))
+        return 0
+
     while pos < offset + length:
-        got: list[tuple[int, int]] = []
-
-        def cb(metacontext: str, off: int, entries: list[int], err: int) -> int:
-            if metacontext == context:
-                got.extend(zip(entries[0::2], entries[1::2], strict=True))
-            return 0
-
+        got.clear()
         h.block_status(offset + length - pos, pos, cb)
         assert got
         for n, flags in got:
@@ -79,7 +80,7 @@ def test_snapshot_export_is_read_only(served: Server) -> None:
     ):
         with pytest.raises(nbd.Error) as exc:
             attempt()
-        assert exc.value.errno == errno.EPERM
+        assert exc.value.errnum == errno.EPERM
     assert s.pread(BS, 0) == b"a" * BS
     h.pwrite(b"c" * BS, 0)  # the volume stays writable, the snapshot unchanged
     assert s.pread(BS, 0) == b"a" * BS
@@ -151,7 +152,7 @@ def _fill(server: Server) -> None:
         try:
             o.pwrite(random.randbytes(BS), off)
         except nbd.Error as exc:
-            assert exc.errno == errno.ENOSPC
+            assert exc.errnum == errno.ENOSPC
             break
         off += BS
     o.flush()

@@ -288,9 +288,7 @@ class Pool:
     ) -> Volume:
         """A new volume row over a root table whose page references the caller has taken.
         With `like`, the counters (and kind/origin set by the caller) come from that row."""
-        validate_name(name)
-        if name in self.volumes:
-            raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
+        self.check_new_name(name)
         row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time())
         if like is not None:
             row.data_blocks, row.zeroed_blocks, row.pinned_blocks = (
@@ -305,6 +303,11 @@ class Pool:
             self.mark_root_dirty(vol, page_index)
         self.mark_volume_dirty(vol)
         return vol
+
+    def check_new_name(self, name: str) -> None:
+        validate_name(name)
+        if name in self.volumes:
+            raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
 
     def remove_volume(self, name: str, *, kind: str | None = None) -> None:
         """Remove a volume or snapshot (any order): pages and dblocks lose one

@@ -20,6 +20,7 @@ def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
     """A read-only snapshot of a volume or of another snapshot."""
     with pool.lock:
         vol = pool.volume(source)
+        pool.check_new_name(name)  # before share_root takes page references
         # The snapshot shares everything the volume owned: its set-aside grows to
         # the whole reservation, which the pool must be able to hold.
         if vol.row.reserve_bytes:
@@ -37,6 +38,7 @@ def clone(pool: Pool, snapshot: str, name: str) -> Volume:
     """A writable volume sharing every block of a snapshot."""
     with pool.lock:
         snap = pool.volume(snapshot, kind="snapshot")
+        pool.check_new_name(name)
         vol = pool.add_volume(name, snap.size_bytes, snap.row.detect_zeroes, pool.share_root(snap), like=snap.row)
         vol.row.origin_id = snap.row.id
         pool.commit()
