@@ -184,10 +184,7 @@ class Model:
         if fast and any(v.states[b] == DATA and not v.full(b, s, e) for b, s, e in segs):
             raise ModelError(errno.ENOTSUP)
         fresh = [
-            b
-            for b, s, e in segs
-            if (v.states[b] == DATA and not v.full(b, s, e)) or no_hole
-            if self._needs_token(v, b)
+            b for b, s, e in segs if (v.states[b] == DATA and not v.full(b, s, e)) or no_hole if self._needs_token(v, b)
         ]
         self._need(len(fresh), name)
         self._fresh(v, fresh)

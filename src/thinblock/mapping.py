@@ -73,6 +73,8 @@ class Page:
     @classmethod
     def from_blob(cls, page_id: int, refcount: int, blob: bytes) -> Page:
         entries = array("Q")
+        if len(blob) != 8 * PAGE_ENTRIES:
+            raise CorruptionError(f"mapping page {page_id} is {len(blob)} bytes, expected {8 * PAGE_ENTRIES}")
         entries.frombytes(blob)
         if len(entries) != PAGE_ENTRIES:
             raise CorruptionError(f"mapping page {page_id} has {len(entries)} entries, expected {PAGE_ENTRIES}")
