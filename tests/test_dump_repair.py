@@ -39,7 +39,7 @@ def build(pool: str) -> dict[str, bytes]:
 
 
 def listing(pool: str) -> list[dict[str, object]]:
-    return json.loads(thinblock("volume", "list", pool, "--json").stdout)  # type: ignore[no-any-return]
+    return json.loads(thinblock("volume", "list", pool, "--json").stdout)
 
 
 def contents(pool: str) -> dict[str, bytes]:

@@ -110,7 +110,7 @@ class PoolMachine(RuleBasedStateMachine):
     def _has(self, kind: str) -> bool:
         return any(v.kind == kind for v in self.model.volumes.values())
 
-    def _new_name(self) -> str:
+    def _fresh_name(self) -> str:
         self.counter += 1
         return f"v{self.counter}"
 
@@ -126,7 +126,7 @@ class PoolMachine(RuleBasedStateMachine):
         self._new_volume(size, detect)
 
     def _new_volume(self, size: int, detect: str) -> None:
-        name = self._new_name()
+        name = self._fresh_name()
         self.pool.create_volume(name, size, detect_zeroes=detect)
         self.model.volumes[name] = ModelVolume(size, BS, detect)
 
@@ -140,7 +140,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model.volumes and len(self.model.volumes) < 6)
     @rule(data=st.data())
     def snapshot(self, data: st.DataObject) -> None:
-        source, name = self._pick(data), self._new_name()
+        source, name = self._pick(data), self._fresh_name()
         self._both(
             "snapshot",
             lambda: create_snapshot(self.pool, source, name),
@@ -161,7 +161,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._has("snapshot") and len(self.model.volumes) < 6)
     @rule(data=st.data())
     def clone(self, data: st.DataObject) -> None:
-        snap, name = self._pick(data, "snapshot"), self._new_name()
+        snap, name = self._pick(data, "snapshot"), self._fresh_name()
         clone(self.pool, snap, name)
         self.model.clone(snap, name)
 

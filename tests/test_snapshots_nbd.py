@@ -139,7 +139,12 @@ def test_changed_context_matches_delta_and_model(served: Server) -> None:
     listing.set_opt_mode(True)
     listing.connect_uri(served.unix_uri("disk"))
     offered: list[str] = []
-    listing.opt_list_meta_context(lambda name: offered.append(name) or 0)
+
+    def offer(name: str) -> int:
+        offered.append(name)
+        return 0
+
+    listing.opt_list_meta_context(offer)
     assert ctx in offered and "thinblock:changed:disk" not in offered
     listing.opt_abort()
 

@@ -8,7 +8,7 @@ import errno
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import nbd
@@ -45,7 +45,7 @@ def block(i: int) -> bytes:
     return bytes([i % 251 + 1]) * BS
 
 
-def wait_for(predicate, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
