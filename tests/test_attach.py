@@ -218,3 +218,31 @@ def test_prezeroed_format_matches_a_sparse_file_at_the_same_granularity(env: Pat
     assert result["prezeroed_hint"] is True
     sparse = sparse_loop_usage(env, 200 * GiB, ["mke2fs", "-q", "-t", "ext4", "-F", "-E", "assume_storage_prezeroed=1"])
     assert result["volume_mapped_bytes"] <= sparse * 1.02, (result["volume_mapped_bytes"], sparse)
+
+
+def test_snapshot_of_an_attached_volume_attaches_read_only(env: Path) -> None:
+    pool = make_pool(env, ("vm", "1G"))
+    dev = thinblock("attach", pool, "vm").stdout.strip()
+    data = os.urandom(MiB)
+    with open(dev, "r+b", buffering=0) as f:
+        os.pwrite(f.fileno(), data, 0)
+        os.fsync(f.fileno())
+    # The FUSE daemon holds the pool: these commands go through its control socket.
+    thinblock("snapshot", "create", pool, "vm", "snap")
+    thinblock("volume", "create", pool, "late", "--size", "64M")
+    listing = {v["name"]: v for v in json.loads(thinblock("volume", "list", pool, "--json").stdout)}
+    assert listing["snap"]["kind"] == "snapshot" and listing["vm"]["open_clients"] >= 1
+    snap_dev = thinblock("attach", pool, "snap").stdout.strip()
+    assert sh("blockdev", "--getro", snap_dev).stdout.strip() == "1"
+    with open(snap_dev, "rb", buffering=0) as f:
+        assert f.read(MiB) == data
+    with open(dev, "r+b", buffering=0) as f:  # the volume moves on, the snapshot does not
+        os.pwrite(f.fileno(), bytes(MiB), 0)
+        os.fsync(f.fileno())
+    with open(snap_dev, "rb", buffering=0) as f:
+        assert f.read(MiB) == data
+    assert thinblock("attach", pool, "late").stdout.startswith("/dev/loop")
+    busy = thinblock("volume", "remove", pool, "vm", check=False)
+    assert busy.returncode == 1 and "open by" in busy.stderr
+    for d in (snap_dev, dev):
+        thinblock("detach", d)

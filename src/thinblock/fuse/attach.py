@@ -110,10 +110,10 @@ def attach(pool: str, volume: str) -> str:
     """The loop device for pool/volume, attaching it (and starting the daemon) if needed."""
     meta = _open_meta(pool, readonly=True)  # clear errors for a missing pool
     try:
-        names = {row.name for row in meta.volumes()}
+        kinds = {row.name: row.kind for row in meta.volumes()}
     finally:
         meta.close()
-    if volume not in names:
+    if volume not in kinds:
         raise ThinblockError(f"no volume {volume!r} in pool {pool}")
     pdir = _pool_dir(pool)
     info = _daemon_info(pdir)
@@ -129,8 +129,12 @@ def attach(pool: str, volume: str) -> str:
         if time.monotonic() > deadline:
             raise ThinblockError(f"volume {volume!r} does not appear in the FUSE daemon of {pool}")
         time.sleep(0.1)
+    read_only = ["--read-only"] if kinds[volume] == "snapshot" else []
     proc = subprocess.run(
-        ["losetup", "--find", "--show", "--direct-io=on", backing], capture_output=True, text=True, check=False
+        ["losetup", "--find", "--show", "--direct-io=on", *read_only, backing],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode != 0:
         raise ThinblockError(f"losetup failed: {proc.stderr.strip()}")
