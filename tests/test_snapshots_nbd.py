@@ -238,3 +238,30 @@ def test_live_administration(served: Server) -> None:
     assert {v["name"] for v in status["volumes"]} == {"disk", "other", "late", "s1", "c1"}
     thinblock("snapshot", "remove", served.pool, "s1")
     assert connect(served, "c1").pread(BS, 0) == b"A" * BS  # blocks live on in the clone
+
+
+def test_control_socket_survives_bad_requests(served: Server) -> None:
+    import socket
+
+    path = str(Path(served.pool) / "control.sock")
+    assert oct(Path(path).stat().st_mode & 0o777) == "0o600"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        f = sock.makefile("rwb")
+        for line in (
+            b"not json\n",
+            b"[1, 2]\n",
+            b'{"verb": "no_such_verb"}\n',
+            b'{"verb": "volume_create", "args": {"bogus": 1}}\n',
+            b'{"verb": "volume_create", "args": {"name": "x", "size_bytes": 7}}\n',
+            b'{"verb": "volume_resize", "args": {"name": "disk", "size_bytes": -1}}\n',
+            b"\xff\xfe\n",
+        ):
+            f.write(line)
+            f.flush()
+            reply = json.loads(f.readline())
+            assert "error" in reply and reply["error"], (line, reply)
+        f.write(b'{"verb": "volume_list"}\n')
+        f.flush()
+        assert {v["name"] for v in json.loads(f.readline())["ok"]} == {"disk", "other"}
+    assert connect(served, "disk").get_size() == 16 * MiB
