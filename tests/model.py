@@ -37,6 +37,7 @@ class ModelVolume:
     pinned: list[bool] = field(default_factory=list)
     tokens: list[int | None] = field(default_factory=list)
     kind: str = "volume"
+    origin: str | None = None
     reserve: int = 0  # bytes; -1 = the whole size
 
     def __post_init__(self) -> None:
@@ -126,13 +127,30 @@ class Model:
         if v.reserve:
             self._check_reservable(source, v.reserve_blocks())
         snap = copy.deepcopy(v)
-        snap.kind, snap.reserve = "snapshot", 0
+        snap.kind, snap.reserve, snap.origin = "snapshot", 0, source
         self.volumes[name] = snap
 
     def clone(self, snapshot: str, name: str) -> None:
         c = copy.deepcopy(self.volumes[snapshot])
-        c.kind = "volume"
+        c.kind, c.origin = "volume", snapshot
         self.volumes[name] = c
+
+    def remove(self, name: str) -> None:
+        del self.volumes[name]
+        for v in self.volumes.values():
+            if v.origin == name:
+                v.origin = None
+
+    def ancestors(self, name: str) -> set[str]:
+        seen = {name}
+        origin = self.volumes[name].origin
+        while origin is not None and origin not in seen:
+            seen.add(origin)
+            origin = self.volumes[origin].origin
+        return seen
+
+    def related(self, name: str, snapshot: str) -> bool:
+        return name in self.ancestors(snapshot) or snapshot in self.ancestors(name)
 
     def rollback(self, name: str, snapshot: str) -> None:
         v, s = self.volumes[name], self.volumes[snapshot]

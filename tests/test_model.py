@@ -135,7 +135,7 @@ class PoolMachine(RuleBasedStateMachine):
     def remove(self, data: st.DataObject) -> None:
         name = self._pick(data)
         self.pool.remove_volume(name)
-        del self.model.volumes[name]
+        self.model.remove(name)
 
     @precondition(lambda self: self.model.volumes and len(self.model.volumes) < 6)
     @rule(data=st.data())
@@ -169,6 +169,10 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
         name, snap = self._pick(data, "volume"), self._pick(data, "snapshot")
+        if not self.model.related(name, snap):
+            with pytest.raises(ThinblockError, match="not in the lineage"):
+                rollback(self.pool, name, snap)
+            return
         self._both("rollback", lambda: rollback(self.pool, name, snap), lambda: self.model.rollback(name, snap))
 
     @precondition(lambda self: self._has("volume"))
@@ -313,7 +317,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert set(by_name) == set(self.model.volumes)
         for name, mv in self.model.volumes.items():
             v = by_name[name]
-            assert v["kind"] == mv.kind
+            assert v["kind"] == mv.kind and v["origin"] == mv.origin
             assert v["mapped_bytes"] == mv.mapped() * BS
             assert v["data_bytes"] == mv.states.count(2) * BS
             assert v["zeroed_bytes"] == mv.states.count(1) * BS

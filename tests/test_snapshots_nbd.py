@@ -231,6 +231,7 @@ def test_live_administration(served: Server) -> None:
         (("volume", "clone", served.pool, "disk", "x"), "is a volume"),
         (("snapshot", "create", served.pool, "nope", "x"), "no volume"),
         (("snapshot", "create", served.pool, "disk", "s1"), "already exists"),
+        (("volume", "rollback", served.pool, "other", "s1"), "not in the lineage"),
     ):
         proc = thinblock(*args, check=False)
         assert proc.returncode == 1 and words in proc.stderr, proc.stderr

@@ -45,13 +45,26 @@ def clone(pool: Pool, snapshot: str, name: str) -> Volume:
         return vol
 
 
+def ancestors(pool: Pool, vol: Volume) -> set[int]:
+    """Ids of vol and of every volume up its origin chain (as long as they exist)."""
+    seen = {vol.row.id}
+    current = pool.volume_by_id(vol.row.origin_id)
+    while current is not None and current.row.id not in seen:
+        seen.add(current.row.id)
+        current = pool.volume_by_id(current.row.origin_id)
+    return seen
+
+
 def rollback(pool: Pool, volume: str, snapshot: str) -> None:
     """Make a volume's contents and size those of a snapshot (what it owned alone is freed)."""
     with pool.lock:
         vol = pool.volume(volume, kind="volume")
         snap = pool.volume(snapshot, kind="snapshot")
-        if snap is vol:
-            raise ThinblockError("a volume cannot roll back to itself")
+        if vol.row.id not in ancestors(pool, snap) and snap.row.id not in ancestors(pool, vol):
+            raise ThinblockError(
+                f"snapshot {snap.name} is not in the lineage of volume {vol.name}: roll back only to a snapshot"
+                " taken of it (or of one of its snapshots), or to the snapshot it was cloned from"
+            )
         pool.refuse_if_busy(vol, "roll back")
         if vol.row.reserve_bytes:
             exclusive = vol.usage()[0]
