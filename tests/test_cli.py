@@ -168,3 +168,19 @@ def test_quickstart_creates_default_once(tmp_path: Path) -> None:
     assert "created pool" in first.stdout and "disk0" in first.stdout
     second = json.loads(tb("quickstart", "--pool", path, "--json").stdout)
     assert [v["name"] for v in second["volumes"]] == ["disk0"]
+
+
+def test_format_1_pool_is_upgraded_on_first_write_open(pool_dir: str) -> None:
+
+    tb("volume", "create", pool_dir, "old", "--size", "1G")
+    db = sqlite3.connect(Path(pool_dir) / "metadata.sqlite")
+    with db:  # make it look like a pool written before snapshots existed
+        for column in ("kind", "origin_id", "reserve_bytes", "low_water", "on_low_water"):
+            db.execute(f"ALTER TABLE volumes DROP COLUMN {column}")
+        db.execute("UPDATE superblock SET value = '1' WHERE key = 'format_version'")
+    db.close()
+    proc = tb("pool", "check", pool_dir, ok=False)
+    assert "open the pool once for writing" in proc.stderr
+    listing = json.loads(tb("volume", "list", pool_dir, "--json").stdout)
+    assert [(v["name"], v["kind"], v["origin"], v["reserve"]) for v in listing] == [("old", "volume", None, 0)]
+    tb("pool", "check", pool_dir)
