@@ -242,7 +242,40 @@ def test_snapshot_of_an_attached_volume_attaches_read_only(env: Path) -> None:
     with open(snap_dev, "rb", buffering=0) as f:
         assert f.read(MiB) == data
     assert thinblock("attach", pool, "late").stdout.startswith("/dev/loop")
+    refused = thinblock("serve", pool, check=False)
+    assert refused.returncode == 1 and "detach its devices first" in refused.stderr
     busy = thinblock("volume", "remove", pool, "vm", check=False)
     assert busy.returncode == 1 and "open by" in busy.stderr
     for d in (snap_dev, dev):
         thinblock("detach", d)
+
+
+def test_attach_and_mkfs_on_a_served_pool(env: Path) -> None:
+    from tests.nbd_server import Server
+
+    pool = make_pool(env, ("vm", "1G"), ("fresh", "200G"))
+    server = Server(pool)
+    try:
+        dev = thinblock("attach", pool, "vm").stdout.strip()
+        data = os.urandom(MiB)
+        with open(dev, "r+b", buffering=0) as f:
+            os.pwrite(f.fileno(), data, 0)
+            os.fsync(f.fileno())
+        # The server hosts the FUSE mount: the NBD export and the loop device share the volume.
+        got = sh("qemu-io", "-f", "raw", "-r", "-c", "read -v 0 16", server.unix_uri("vm")).stdout
+        assert data[:16].hex()[:8] in got.replace(" ", "")
+        listing = json.loads(thinblock("attach", "--list", "--json").stdout)
+        assert [(a["volume"], a["daemon_pid"]) for a in listing] == [("vm", server.proc.pid)]
+        result = json.loads(thinblock("mkfs", pool, "fresh", "--json").stdout)
+        assert result["prezeroed_hint"] and result["pool_bytes_used"] < 200 * GiB * 0.0002
+        thinblock("detach", dev)
+        assert server.alive()  # detaching the last device unmounts, the server goes on
+        assert not any(
+            "thinblock" in line for line in Path("/proc/mounts").read_text().splitlines() if str(env) in line
+        )
+        assert thinblock("attach", pool, "vm").stdout.strip().startswith("/dev/loop")
+        thinblock("detach", thinblock("attach", pool, "vm").stdout.strip())
+    finally:
+        out = server.stop()
+    assert "stopped" in out and "Traceback" not in server.log.read_text()
+    sh("e2fsck", "-fn", thinblock("attach", pool, "fresh").stdout.strip())

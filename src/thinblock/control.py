@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from thinblock.admin import CONTROL_SOCKET, run_verb
@@ -41,8 +42,10 @@ _ERRORS: dict[int, type[OpError]] = {
 
 
 class ControlServer:
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, extra_verbs: dict[str, Callable[..., Any]] | None = None) -> None:
+        """extra_verbs: what only this process can do (a server hosting FUSE mounts)."""
         self.pool = pool
+        self.extra_verbs = extra_verbs or {}
         self.path = os.path.join(pool.path, CONTROL_SOCKET)
         # We hold the pool lock, so a socket file left here is a dead server's.
         if os.path.exists(self.path):
@@ -88,6 +91,9 @@ class ControlServer:
             if not isinstance(args, dict):
                 raise ThinblockError("control request args must be an object")
             log.info("control: %s %s", request["verb"], json.dumps(args)[:200])
+            extra = self.extra_verbs.get(request["verb"])
+            if extra is not None:
+                return {"ok": extra(**args)}
             return {"ok": run_verb(self.pool, request["verb"], args)}
         except OpError as exc:
             return {"error": exc.strerror or str(exc), "errno": exc.errno}

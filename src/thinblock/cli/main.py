@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from thinblock.admin import open_admin
 from thinblock.check import check_metadata
-from thinblock.errors import OpError, ThinblockError
+from thinblock.errors import OpError, PoolBusyError, ThinblockError
 from thinblock.pool import DEFAULT_BLOCK_SIZE, Pool, _open_meta
 from thinblock.sizes import format_size, parse_size
 
@@ -298,6 +298,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import threading
 
     from thinblock.control import ControlServer
+    from thinblock.fuse.host import MountHost
     from thinblock.nbd.server import NBDServer, TLSConfig, export_uris, parse_listen
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
@@ -312,7 +313,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with Pool.open(args.pool, purpose="thinblock serve") as pool:
+    try:
+        pool = Pool.open(args.pool, purpose="thinblock serve")
+    except PoolBusyError as exc:
+        if "fuse-daemon" in str(exc):
+            raise PoolBusyError(
+                f"{exc}: detach its devices first (serve, then attach: the server hosts the attached devices)"
+            ) from None
+        raise
+    with pool:
         try:
             server = NBDServer(pool, read_only=args.read_only, tls=tls)
         except (OSError, ValueError) as exc:
@@ -320,7 +329,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         try:
             server.listen_unix(socket_path)
             bound = (tcp[0], server.listen_tcp(*tcp)) if tcp else None
-            control = ControlServer(pool)
+            host = MountHost(pool)
+            control = ControlServer(pool, {"fuse_mount": host.mount})
         except OSError as exc:
             server.close()
             raise ThinblockError(f"cannot listen: {exc.strerror or exc}") from None
@@ -330,6 +340,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         stop.wait()
         print("stopping: finishing requests and committing", flush=True)
         control.close()
+        host.close()
         server.close()
     print("stopped", flush=True)
 

@@ -9,6 +9,7 @@ removes the loop device first, then the FUSE mount once nothing uses it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -19,8 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from thinblock.admin import CONTROL_SOCKET
 from thinblock.errors import ThinblockError
-from thinblock.pool import _open_meta
+from thinblock.pool import LOCK_FILE, _open_meta
 
 RUNTIME_DIR = Path(os.environ.get("THINBLOCK_RUNTIME_DIR", "/run/thinblock"))
 
@@ -45,7 +47,7 @@ def _mounts() -> list[tuple[str, str]]:
         return [(fields[0], fields[1]) for fields in (line.split() for line in f)]
 
 
-def _is_mounted(path: Path) -> bool:
+def is_mounted(path: Path | str) -> bool:
     target = os.path.realpath(path)
     return any(where == target for _source, where in _mounts())
 
@@ -81,9 +83,37 @@ def _daemon_info(pdir: Path) -> dict[str, object] | None:
         return None
 
 
+def _served_by(pool: str) -> str | None:
+    """The control socket of the server holding the pool, if a server holds it."""
+    sock = os.path.join(pool, CONTROL_SOCKET)
+    if not os.path.exists(sock):
+        return None
+    fd = os.open(os.path.join(pool, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return sock
+    finally:
+        os.close(fd)  # closing releases the probe's lock
+    return None
+
+
 def _start_daemon(pool: str, pdir: Path) -> None:
     mnt = pdir / "mnt"
     mnt.mkdir(parents=True, exist_ok=True)
+    sock = _served_by(pool)
+    if sock is not None:
+        # `thinblock serve` holds the pool: it mounts the volumes itself (fuse/host.py).
+        from thinblock.control import ControlClient
+
+        client = ControlClient(sock)
+        try:
+            pid = int(client.call("fuse_mount", mountpoint=str(mnt))["pid"])
+        finally:
+            client.close()
+        info = {"pid": pid, "pool": os.path.realpath(pool), "mnt": str(mnt), "hosted": True}
+        (pdir / "daemon.json").write_text(json.dumps(info))
+        return
     log = open(pdir / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [sys.executable, "-m", "thinblock", "fuse-daemon", os.path.realpath(pool), str(mnt)],
@@ -95,7 +125,7 @@ def _start_daemon(pool: str, pdir: Path) -> None:
     )
     log.close()
     deadline = time.monotonic() + 30
-    while not _is_mounted(mnt):
+    while not is_mounted(mnt):
         if proc.poll() is not None:
             tail = (pdir / "daemon.log").read_text(errors="replace").strip().splitlines()[-1:]
             raise ThinblockError(f"the FUSE daemon for {pool} exited: {tail[0] if tail else 'no output'}")
@@ -117,7 +147,7 @@ def attach(pool: str, volume: str) -> str:
         raise ThinblockError(f"no volume {volume!r} in pool {pool}")
     pdir = _pool_dir(pool)
     info = _daemon_info(pdir)
-    if info is None or not _alive(int(info["pid"])) or not _is_mounted(pdir / "mnt"):  # type: ignore[call-overload]
+    if info is None or not _alive(int(info["pid"])) or not is_mounted(pdir / "mnt"):  # type: ignore[call-overload]
         _cleanup_dead(pdir)
         _start_daemon(pool, pdir)
     backing = str(pdir / "mnt" / volume)
@@ -143,7 +173,7 @@ def attach(pool: str, volume: str) -> str:
 
 def _cleanup_dead(pdir: Path) -> None:
     mnt = pdir / "mnt"
-    if _is_mounted(mnt):
+    if is_mounted(mnt):
         subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
     with contextlib.suppress(FileNotFoundError):
         (pdir / "daemon.json").unlink()
@@ -195,7 +225,13 @@ def _stop_daemon(pdir: Path) -> None:
     info = _daemon_info(pdir)
     pid = int(info["pid"]) if info else 0  # type: ignore[call-overload]
     mnt = pdir / "mnt"
-    if pid and _alive(pid):
+    if info and info.get("hosted"):
+        # The server hosts the mount: unmount it, the server goes on.
+        subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, check=False)
+        deadline = time.monotonic() + 30
+        while is_mounted(mnt) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    elif pid and _alive(pid):
         # Unmounting ends the daemon's FUSE loop; it then commits and closes the pool.
         if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, check=False).returncode != 0:
             os.kill(pid, signal.SIGTERM)
