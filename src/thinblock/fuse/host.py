@@ -40,9 +40,7 @@ class MountHost:
                 return {"pid": os.getpid()}
             if not os.path.isdir(mountpoint):
                 raise ThinblockError(f"mount point {mountpoint} is not a directory")
-            thread = threading.Thread(
-                target=self._run, args=(mountpoint,), name="thinblock-fuse-hosted", daemon=True
-            )
+            thread = threading.Thread(target=self._run, args=(mountpoint,), name="thinblock-fuse-hosted", daemon=True)
             self.threads[mountpoint] = thread
             thread.start()
             deadline = time.monotonic() + 30
