@@ -283,8 +283,8 @@ def restore(path: str, dump: dict[str, Any]) -> dict[str, Any]:
     with held_lock(path):
         build_metadata(os.path.join(path, DB_NAME), dump)
     with Pool.open(path, autocommit=False) as pool:  # recovers free space, then closes clean
-        status = pool.status()
-    return {"volumes": len(dump["volumes"]), "used_bytes": status["used_bytes"]}
+        used_bytes = pool.space_figures()["used_bytes"]
+    return {"volumes": len(dump["volumes"]), "used_bytes": used_bytes}
 
 
 # ----- repair ----------------------------------------------------------------------

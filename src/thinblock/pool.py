@@ -513,20 +513,28 @@ class Pool:
             self._waits_cancelled.set()
             self.space_changed.notify_all()
 
-    def status(self) -> dict[str, Any]:
-        """Live figures; volumes with exclusive/shared bytes (walks their pages)."""
+    def space_figures(self) -> dict[str, int]:
+        """Pool space in bytes, cheap (no page walks): what statfs and low-water marks need.
+        Set-asides are as counted; status() recounts stale ones first."""
         with self.lock:
-            self._fresh_owned()
             bs = self.block_size
             used = self.space.used_blocks * bs
             reserved = self.reserved_blocks() * bs
             return {
                 "size_bytes": self.size_bytes,
-                "block_size": bs,
                 "used_bytes": used,
                 "free_bytes": self.size_bytes - used,
                 "reserved_bytes": reserved,
                 "available_bytes": max(0, self.size_bytes - used - reserved),
+            }
+
+    def status(self) -> dict[str, Any]:
+        """Live figures; volumes with exclusive/shared bytes (walks their pages)."""
+        with self.lock:
+            self._fresh_owned()
+            return {
+                **self.space_figures(),
+                "block_size": self.block_size,
                 "virtual_bytes": sum(v.size_bytes for v in self.volumes.values() if v.row.kind == "volume"),
                 **self.policy.settings(),
                 "volumes": [self.volume_info(v) for _, v in sorted(self.volumes.items())],

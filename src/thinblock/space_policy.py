@@ -130,18 +130,6 @@ class SpacePolicy:
 
     # ----- low water and autogrow -------------------------------------------------
 
-    def pool_figures(self) -> dict[str, int]:
-        pool = self.pool
-        bs = pool.block_size
-        free = pool.space.free_blocks * bs
-        reserved = pool.reserved_blocks() * bs
-        return {
-            "size_bytes": pool.size_bytes,
-            "free_bytes": free,
-            "reserved_bytes": reserved,
-            "available_bytes": max(0, free - reserved),
-        }
-
     def rearm(self, vol: Volume) -> None:
         self._fired.discard(vol.name)
 
@@ -152,7 +140,7 @@ class SpacePolicy:
         self._checking = True
         try:
             if self.low_water is not None:
-                figures = self.pool_figures()
+                figures = self.pool.space_figures()
                 percent = 100.0 * figures["available_bytes"] / figures["size_bytes"]
                 self._crossing(POOL_KEY, percent, self.low_water, figures, self.on_low_water)
             vols = [vol] if vol is not None else list(self.pool.volumes.values())

@@ -159,7 +159,7 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
         raise mfusepy.FuseOSError(errno.ENXIO)
 
     def statfs(self, path: str) -> dict[str, int]:
-        status = self.pool.status()
+        status = self.pool.space_figures()  # statfs is frequent: no page walks here
         frsize = 4096
         return {
             "f_bsize": min(self.pool.block_size, MAX_IO_BYTES),
@@ -167,7 +167,7 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
             "f_blocks": status["size_bytes"] // frsize,
             "f_bfree": status["free_bytes"] // frsize,
             "f_bavail": status["free_bytes"] // frsize,
-            "f_files": len(status["volumes"]),
+            "f_files": len(self.pool.volumes),
             "f_ffree": 0,
             "f_namemax": 255,
         }
