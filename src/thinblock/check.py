@@ -13,7 +13,7 @@ from collections import Counter
 
 from thinblock.errors import CorruptionError
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page, entry_valid
-from thinblock.metadata import RESERVE_FULL, MetadataStore, VolumeRow
+from thinblock.metadata import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
 from thinblock.spacemap import REFCOUNT_PAGE_ENTRIES
 
 
@@ -49,7 +49,6 @@ def _check_lineage_and_reservations(
     for vid, row in volumes.items():
         if not row.reserve_bytes:
             continue
-        target = row.size_bytes if row.reserve_bytes == RESERVE_FULL else row.reserve_bytes
         owned = 0
         for _pi, page_id in meta.roots(vid).items():
             page = pages.get(page_id)
@@ -58,7 +57,7 @@ def _check_lineage_and_reservations(
             owned += sum(
                 1 for e in page.entries if e and e >> DBLOCK_SHIFT < n_blocks and dblock_refs[e >> DBLOCK_SHIFT] == 1
             )
-        reserved += max(0, -(-target // block_size) - owned)
+        reserved += max(0, reserve_blocks(row.reserve_bytes, row.size_bytes, block_size) - owned)
     free = n_blocks - sum(1 for count in dblock_refs if count)
     if reserved > free:
         problems.append(f"reservations set aside {reserved} blocks but only {free} are free")

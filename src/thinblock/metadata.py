@@ -71,6 +71,14 @@ class VolumeRow:
 
 
 RESERVE_FULL = -1
+
+
+def reserve_blocks(reserve_bytes: int, size_bytes: int, block_size: int) -> int:
+    """The blocks a reservation stands for (RESERVE_FULL: the whole volume size)."""
+    target = size_bytes if reserve_bytes == RESERVE_FULL else reserve_bytes
+    return -(-target // block_size)
+
+
 _VOLUME_COLUMNS = (
     "id, name, size_bytes, detect_zeroes, created, data_blocks, zeroed_blocks, pinned_blocks,"
     " kind, origin_id, reserve_bytes, low_water, on_low_water"

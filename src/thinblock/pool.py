@@ -24,7 +24,7 @@ from typing import Any
 from thinblock.datastore import DataStore, FallbackStore, FileStore
 from thinblock.errors import NoSpaceError, PoolBusyError, ThinblockError
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState, Page
-from thinblock.metadata import DB_NAME, RESERVE_FULL, MetadataStore, Transaction, VolumeRow
+from thinblock.metadata import DB_NAME, RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.sizes import format_size
 from thinblock.space_policy import SpacePolicy
 from thinblock.spacemap import SpaceMap, to_runs
@@ -357,7 +357,7 @@ class Pool:
         with self.lock:
             vol = self.volume(name, kind="volume")
             if vol.row.reserve_bytes == RESERVE_FULL and size_bytes > vol.size_bytes:
-                extra = -(-size_bytes // self.block_size) - -(-vol.size_bytes // self.block_size)
+                extra = reserve_blocks(RESERVE_FULL, size_bytes, self.block_size) - self.reserve_target(vol)
                 self.check_reservable(vol, self.set_aside(vol) + extra, "grow")
             vol.resize(size_bytes)
             self.commit()
@@ -398,10 +398,7 @@ class Pool:
     # so it raises the set-aside to R and is refused when the pool cannot hold that.
 
     def reserve_target(self, vol: Volume) -> int:
-        r = vol.row.reserve_bytes
-        if r == RESERVE_FULL:
-            r = vol.size_bytes
-        return -(-r // self.block_size)
+        return reserve_blocks(vol.row.reserve_bytes, vol.size_bytes, self.block_size)
 
     def set_aside(self, vol: Volume) -> int:
         return max(0, self.reserve_target(vol) - vol.owned_blocks) if vol.row.reserve_bytes else 0
@@ -439,12 +436,9 @@ class Pool:
             raise ThinblockError(f"invalid reservation {reserve_bytes}")
         with self.lock:
             vol = self.volume(name, kind="volume")
-            old = vol.row.reserve_bytes
             vol.owned_blocks = vol.usage()[0]
-            vol.row.reserve_bytes = reserve_bytes
-            target = self.set_aside(vol)
-            vol.row.reserve_bytes = old
-            self.check_reservable(vol, target, "reserve space for")
+            target = max(0, reserve_blocks(reserve_bytes, vol.size_bytes, self.block_size) - vol.owned_blocks)
+            self.check_reservable(vol, target if reserve_bytes else 0, "reserve space for")
             vol.row.reserve_bytes = reserve_bytes
             self.mark_volume_dirty(vol)
             self.commit()

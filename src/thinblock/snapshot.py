@@ -12,6 +12,7 @@ committed (data synced first) before the call returns.
 from __future__ import annotations
 
 from thinblock.errors import ThinblockError
+from thinblock.metadata import reserve_blocks
 from thinblock.pool import Pool
 from thinblock.volume import Volume
 
@@ -69,10 +70,8 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
         if vol.row.reserve_bytes:
             exclusive = vol.usage()[0]
             vol.owned_blocks = exclusive
-            old_size = vol.row.size_bytes
-            vol.row.size_bytes = snap.size_bytes  # the reservation after rollback, if it is 'full'
-            target = pool.reserve_target(vol)
-            vol.row.size_bytes = old_size
+            # After rollback the volume owns nothing alone, at the snapshot's size.
+            target = reserve_blocks(vol.row.reserve_bytes, snap.size_bytes, pool.block_size)
             pool.check_reservable(vol, target, "roll back", freed=exclusive)
         root = pool.share_root(snap)
         pool.release_root(vol)
