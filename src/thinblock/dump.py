@@ -73,25 +73,14 @@ def mapping_runs(entries: list[tuple[int, int]]) -> list[list[Any]]:
 
 
 def dump_metadata(meta: MetadataStore) -> dict[str, Any]:
-    """The committed metadata as the neutral dict."""
-    sb = meta.superblock()
-    volumes = []
-    for row in sorted(meta.volumes(), key=lambda r: r.id):
-        entries: list[tuple[int, int]] = []
-        for page_index, page_id in sorted(meta.roots(row.id).items()):
-            found = meta.page(page_id)
-            if found is None:
-                raise CorruptionError(f"volume {row.name}: mapping page {page_id} is missing (try 'pool repair')")
-            page = Page.from_blob(page_id, *found)
-            base = page_index * PAGE_ENTRIES
-            entries.extend((base + i, e) for i, e in enumerate(page.entries) if e)
-        volumes.append(_volume_dict(row, entries))
-    return {
-        "format": DUMP_FORMAT,
-        "version": DUMP_VERSION,
-        "pool": {k: sb.get(k) for k in _POOL_KEYS},
-        "volumes": volumes,
-    }
+    """The committed metadata as the neutral dict (salvage's walk, refusing any loss)."""
+    dump, lost = salvage(meta)
+    if lost:
+        raise CorruptionError(
+            f"the metadata cannot be dumped whole ({len(lost)} problem(s)); 'thinblock pool repair' would do this:"
+            f" {lost[0]}"
+        )
+    return dump
 
 
 def _volume_dict(row: VolumeRow, entries: list[tuple[int, int]]) -> dict[str, Any]:
