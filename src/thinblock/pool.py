@@ -26,7 +26,7 @@ from thinblock.errors import NoSpaceError, PoolBusyError, ThinblockError
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState, Page
 from thinblock.metadata import DB_NAME, RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.sizes import format_size
-from thinblock.space_policy import SpacePolicy
+from thinblock.space_policy import SpacePolicy, parse_low_water
 from thinblock.spacemap import SpaceMap, to_runs
 from thinblock.volume import Volume
 
@@ -371,9 +371,9 @@ class Pool:
             self.mark_volume_dirty(vol)
             self.commit()
 
-    def set_low_water(self, name: str, percent: float | None, command: str | None) -> None:
-        if percent is not None and not 0 < percent < 100:
-            raise ThinblockError(f"invalid low-water mark {percent}: a percentage between 0 and 100")
+    def set_low_water(self, name: str, percent: float | str | None, command: str | None) -> None:
+        """A volume's low-water mark: a percentage of its size left unmapped, or none."""
+        percent = parse_low_water(percent)
         with self.lock:
             vol = self.volume(name, kind="volume")
             vol.row.low_water = percent

@@ -67,6 +67,11 @@ def parse_percent(text: str) -> float:
     return value
 
 
+def parse_low_water(value: object) -> float | None:
+    """A low-water setting: none/off (or None), else a percentage."""
+    return None if value in (None, "none", "off") else parse_percent(str(value))
+
+
 class SpacePolicy:
     def __init__(self, pool: Pool, superblock: dict[str, Any]) -> None:
         self.pool = pool
@@ -111,10 +116,7 @@ class SpacePolicy:
                 raise ThinblockError(
                     f"autogrow step must be a positive multiple of the block size ({format_size(self.pool.block_size)})"
                 )
-        low_water = self.low_water
-        if "low_water" in changes:
-            value = changes["low_water"]
-            low_water = None if value in (None, "none", "off") else parse_percent(str(value))
+        low_water = parse_low_water(changes["low_water"]) if "low_water" in changes else self.low_water
         # Validated everything: now apply.
         self.when_full = changes.get("when_full", self.when_full)
         self.autogrow = autogrow

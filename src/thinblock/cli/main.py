@@ -39,22 +39,21 @@ def _emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> N
     print(json.dumps(data, indent=2) if getattr(args, "json", False) else human(data))
 
 
+def _admin(pool: str, verb: str, **args: Any) -> Any:
+    """One administration verb on the pool, directly or through its server (admin.open_admin)."""
+    with open_admin(pool) as admin:
+        return admin.call(verb, **args)
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The options among names that were given on the command line (settings to change)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _reserve_arg(text: str) -> str | int:
     if text in ("full", "none"):
         return text
     return _size(text)
-
-
-def _percent_arg(text: str) -> float | None:
-    if text == "none":
-        return None
-    try:
-        value = float(text.rstrip("%"))
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 100:
-        raise argparse.ArgumentTypeError(f"invalid percentage {text!r}: between 0 and 100, or none")
-    return value
 
 
 def _human_status(status: dict[str, Any]) -> str:
@@ -110,28 +109,17 @@ def cmd_pool_create(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_status(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        _emit(args, admin.call("status"), _human_status)
+    _emit(args, _admin(args.pool, "status"), _human_status)
 
 
 def cmd_pool_grow(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        admin.call("pool_grow", size_bytes=args.size)
+    _admin(args.pool, "pool_grow", size_bytes=args.size)
     print(f"pool {args.pool} is now {format_size(args.size)}")
 
 
 def cmd_pool_set(args: argparse.Namespace) -> None:
-    changes: dict[str, Any] = {}
-    if args.when_full is not None:
-        changes["when_full"] = args.when_full
-    if args.low_water is not None:
-        changes["low_water"] = None if args.low_water == "none" else args.low_water
-    if args.on_low_water is not None:
-        changes["on_low_water"] = args.on_low_water
-    if args.autogrow is not None:
-        changes["autogrow"] = args.autogrow
-    with open_admin(args.pool) as admin:
-        settings = admin.call("pool_set", **changes)
+    changes = _given(args, "when_full", "low_water", "on_low_water", "autogrow")
+    settings = _admin(args.pool, "pool_set", **changes)
     _emit(args, settings, lambda s: "\n".join(f"{k}: {v}" for k, v in s.items()))
 
 
@@ -158,8 +146,7 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
 def cmd_pool_dump(args: argparse.Namespace) -> None:
     from thinblock.dump import format_text
 
-    with open_admin(args.pool) as admin:
-        dump = admin.call("pool_dump")
+    dump = _admin(args.pool, "pool_dump")
     text = json.dumps(dump, indent=1) + "\n" if args.json else format_text(dump)
     if args.output:
         with open(args.output, "w") as f:
@@ -197,77 +184,58 @@ def cmd_pool_repair(args: argparse.Namespace) -> int:
 
 
 def cmd_volume_create(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        admin.call("volume_create", name=args.name, size_bytes=args.size, detect_zeroes=args.detect_zeroes)
+    _admin(args.pool, "volume_create", name=args.name, size_bytes=args.size, detect_zeroes=args.detect_zeroes)
     print(f"created volume {args.name}: {format_size(args.size)}")
 
 
 def cmd_volume_list(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        _emit(args, admin.call("volume_list"), _human_volumes)
+    _emit(args, _admin(args.pool, "volume_list"), _human_volumes)
 
 
 def cmd_volume_remove(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        admin.call("volume_remove", name=args.name, kind="volume")
+    _admin(args.pool, "volume_remove", name=args.name, kind="volume")
     print(f"removed volume {args.name}")
 
 
 def cmd_volume_resize(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        admin.call("volume_resize", name=args.name, size_bytes=args.size)
+    _admin(args.pool, "volume_resize", name=args.name, size_bytes=args.size)
     print(f"volume {args.name} is now {format_size(args.size)}")
 
 
 def cmd_volume_set(args: argparse.Namespace) -> None:
-    changes: dict[str, Any] = {}
-    if args.detect_zeroes:
-        changes["detect_zeroes"] = args.detect_zeroes
-    if args.reserve is not None:
-        changes["reserve"] = args.reserve
-    if args.low_water is not None:
-        changes["low_water"] = None if args.low_water == "none" else _percent_arg(args.low_water)
-    if args.on_low_water is not None:
-        changes["on_low_water"] = args.on_low_water
+    changes = _given(args, "detect_zeroes", "reserve", "low_water", "on_low_water")
     if not changes:
         raise ThinblockError("nothing to change: give --detect-zeroes, --reserve, --low-water or --on-low-water")
-    with open_admin(args.pool) as admin:
-        info = admin.call("volume_set", name=args.name, **changes)
+    info = _admin(args.pool, "volume_set", name=args.name, **changes)
     _emit(args, info, lambda i: f"volume {i['name']} updated")
 
 
 def cmd_volume_clone(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        admin.call("volume_clone", snapshot=args.snapshot, name=args.name)
+    _admin(args.pool, "volume_clone", snapshot=args.snapshot, name=args.name)
     print(f"cloned snapshot {args.snapshot} as volume {args.name}")
 
 
 def cmd_volume_rollback(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        admin.call("volume_rollback", name=args.name, snapshot=args.snapshot)
+    _admin(args.pool, "volume_rollback", name=args.name, snapshot=args.snapshot)
     print(f"volume {args.name} rolled back to snapshot {args.snapshot}")
 
 
 def cmd_snapshot_create(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        info = admin.call("snapshot_create", volume=args.volume, name=args.name)
+    info = _admin(args.pool, "snapshot_create", volume=args.volume, name=args.name)
     _emit(args, info, lambda i: f"created snapshot {i['name']} of {args.volume}")
 
 
 def cmd_snapshot_list(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        _emit(args, admin.call("volume_list", kind="snapshot"), _human_volumes)
+    _emit(args, _admin(args.pool, "volume_list", kind="snapshot"), _human_volumes)
 
 
 def cmd_snapshot_remove(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        admin.call("volume_remove", name=args.name, kind="snapshot")
+    _admin(args.pool, "volume_remove", name=args.name, kind="snapshot")
     print(f"removed snapshot {args.name}")
 
 
 def cmd_delta(args: argparse.Namespace) -> None:
-    with open_admin(args.pool) as admin:
-        delta = admin.call("delta", source=args.source, target=args.target)
+    delta = _admin(args.pool, "delta", source=args.source, target=args.target)
 
     def human(d: dict[str, Any]) -> str:
         lines = [f"{r['offset']} {r['length']}" for r in d["ranges"]]
