@@ -7,11 +7,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import nbd
 
 from tests.cli import ROOT, thinblock
 
-__all__ = ["Server", "thinblock"]
+__all__ = ["Server", "connect", "served_pool", "thinblock"]
 
 
 class Server:
@@ -61,3 +65,37 @@ class Server:
                 self.proc.wait()
         out = self.proc.stdout.read() if self.proc.stdout else ""
         return out
+
+
+@contextmanager
+def served_pool(
+    root: Path, size: str, volumes: dict[str, str], *serve_args: str, check: bool = True
+) -> Iterator[Server]:
+    """A new pool at root/pool with these volumes (name -> size), served until the block
+    ends; the server must stop cleanly without a traceback, and with check the pool
+    must pass `pool check` afterwards."""
+    pool = str(root / "pool")
+    thinblock("pool", "create", pool, "--size", size)
+    for name, volume_size in volumes.items():
+        thinblock("volume", "create", pool, name, "--size", volume_size)
+    server = Server(pool, *serve_args)
+    try:
+        yield server
+    finally:
+        server.stop()
+        assert "Traceback" not in server.log.read_text(), server.log.read_text()
+        if check:
+            thinblock("pool", "check", pool)
+
+
+def connect(
+    server: Server, name: str = "disk", contexts: tuple[str, ...] = ("base:allocation",), *, strict: bool = True
+) -> nbd.NBD:
+    """A libnbd handle on one export, with these metadata contexts requested."""
+    h = nbd.NBD()
+    for ctx in contexts:
+        h.add_meta_context(ctx)
+    if not strict:
+        h.set_strict_mode(0)  # let bad requests reach the server
+    h.connect_uri(server.unix_uri(name))
+    return h

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.nbd_server import Server, thinblock
+from tests.nbd_server import Server, served_pool, thinblock
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -35,17 +35,8 @@ def volume_status(pool: str, name: str) -> dict[str, Any]:
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Server]:
-    pool = str(tmp_path / "pool")
-    thinblock("pool", "create", pool, "--size", "20G")
-    thinblock("volume", "create", pool, "disk", "--size", "1G")
-    thinblock("volume", "create", pool, "big", "--size", "16G")
-    server = Server(pool, "--listen", "0")
-    try:
+    with served_pool(tmp_path, "20G", {"disk": "1G", "big": "16G"}, "--listen", "0") as server:
         yield server
-    finally:
-        server.stop()
-        assert "Traceback" not in server.log.read_text(), server.log.read_text()
-        thinblock("pool", "check", pool)
 
 
 def test_nbdinfo_list_and_json(served: Server) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbd
 import pytest
 
-from tests.nbd_server import Server, thinblock
+from tests.nbd_server import Server, connect, served_pool, thinblock
 from thinblock import BlockState, Pool
 
 MiB = 1 << 20
@@ -20,25 +20,9 @@ BS = 64 << 10
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Server]:
-    pool = str(tmp_path / "pool")
-    thinblock("pool", "create", pool, "--size", "8M")  # 128 blocks: easy to fill
-    thinblock("volume", "create", pool, "disk", "--size", "64M")
-    thinblock("volume", "create", pool, "other", "--size", "64M")
-    server = Server(pool)
-    try:
+    # 8M = 128 blocks: easy to fill
+    with served_pool(tmp_path, "8M", {"disk": "64M", "other": "64M"}, check=False) as server:
         yield server
-    finally:
-        server.stop()
-        assert "Traceback" not in server.log.read_text(), server.log.read_text()
-
-
-def connect(server: Server, name: str = "disk", *, strict: bool = True) -> nbd.NBD:
-    h = nbd.NBD()
-    h.add_meta_context("base:allocation")
-    if not strict:
-        h.set_strict_mode(0)  # let bad requests reach the server
-    h.connect_uri(server.unix_uri(name))
-    return h
 
 
 def extents(h: nbd.NBD, length: int, offset: int, flags: int = 0) -> list[tuple[int, int]]:

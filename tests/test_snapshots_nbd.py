@@ -14,7 +14,7 @@ from pathlib import Path
 import nbd
 import pytest
 
-from tests.nbd_server import Server, thinblock
+from tests.nbd_server import Server, connect, served_pool, thinblock
 
 BS = 64 << 10
 MiB = 1 << 20
@@ -22,25 +22,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Server]:
-    pool = str(tmp_path / "pool")
-    thinblock("pool", "create", pool, "--size", "8M")  # 128 blocks
-    thinblock("volume", "create", pool, "disk", "--size", "16M")
-    thinblock("volume", "create", pool, "other", "--size", "64M")
-    server = Server(pool)
-    try:
+    with served_pool(tmp_path, "8M", {"disk": "16M", "other": "64M"}) as server:  # 128 blocks
         yield server
-    finally:
-        server.stop()
-        assert "Traceback" not in server.log.read_text(), server.log.read_text()
-    thinblock("pool", "check", pool)
-
-
-def connect(server: Server, name: str, *contexts: str) -> nbd.NBD:
-    h = nbd.NBD()
-    for ctx in contexts or ("base:allocation",):
-        h.add_meta_context(ctx)
-    h.connect_uri(server.unix_uri(name))
-    return h
 
 
 def extents(h: nbd.NBD, context: str, length: int, offset: int = 0) -> list[tuple[int, int, int]]:
@@ -119,7 +102,7 @@ def test_changed_context_matches_delta_and_model(served: Server) -> None:
         touched.add(vblock)
     h.flush()
     ctx = "thinblock:changed:base"
-    b = connect(served, "disk", "base:allocation", ctx)
+    b = connect(served, "disk", ("base:allocation", ctx))
     assert b.can_meta_context(ctx)
     changed = {(o, n) for o, n, flags in extents(b, ctx, 16 * MiB) if flags & 1}
     delta = json.loads(thinblock("delta", served.pool, "base", "disk", "--json").stdout)

@@ -14,7 +14,7 @@ from pathlib import Path
 import nbd
 import pytest
 
-from tests.nbd_server import Server, thinblock
+from tests.nbd_server import Server, connect, served_pool, thinblock
 
 BS = 64 << 10
 MiB = 1 << 20
@@ -22,23 +22,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Server]:
-    pool = str(tmp_path / "pool")
-    thinblock("pool", "create", pool, "--size", "4M")  # 64 blocks
-    thinblock("volume", "create", pool, "disk", "--size", "16M")
-    thinblock("volume", "create", pool, "other", "--size", "16M")
-    server = Server(pool)
-    try:
+    with served_pool(tmp_path, "4M", {"disk": "16M", "other": "16M"}) as server:  # 64 blocks
         yield server
-    finally:
-        server.stop()
-        assert "Traceback" not in server.log.read_text(), server.log.read_text()
-    thinblock("pool", "check", pool)
-
-
-def connect(server: Server, name: str) -> nbd.NBD:
-    h = nbd.NBD()
-    h.connect_uri(server.unix_uri(name))
-    return h
 
 
 def block(i: int) -> bytes:
