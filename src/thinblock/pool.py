@@ -279,35 +279,38 @@ class Pool:
         if detect_zeroes not in DETECT_ZEROES:
             raise ThinblockError(f"invalid detect_zeroes {detect_zeroes!r}: use one of {', '.join(DETECT_ZEROES)}")
         with self.lock:
-            vol = self.add_volume(name, size_bytes, detect_zeroes, {})
+            vol = self.add_volume(name, size_bytes, detect_zeroes)
             self.commit()
             return vol
 
-    def add_volume(
-        self, name: str, size_bytes: int, detect_zeroes: str, root: dict[int, int], *, like: VolumeRow | None = None
-    ) -> Volume:
-        """A new volume row over a root table whose page references the caller has taken.
-        With `like`, the counters (and kind/origin set by the caller) come from that row."""
-        self.check_new_name(name)
-        row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time())
-        if like is not None:
-            row.data_blocks, row.zeroed_blocks, row.pinned_blocks = (
-                like.data_blocks,
-                like.zeroed_blocks,
-                like.pinned_blocks,
-            )
-        self._next_volume_id += 1
-        vol = Volume(self, row, root)
-        self.volumes[name] = vol
-        for page_index in root:
-            self.mark_root_dirty(vol, page_index)
-        self.mark_volume_dirty(vol)
-        return vol
-
-    def check_new_name(self, name: str) -> None:
+    def add_volume(self, name: str, size_bytes: int, detect_zeroes: str, *, sharing: Volume | None = None) -> Volume:
+        """A new, empty volume row; with `sharing`, holding that volume's contents (see share_contents).
+        The name is checked before any page reference is taken."""
         validate_name(name)
         if name in self.volumes:
             raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
+        row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time())
+        self._next_volume_id += 1
+        vol = Volume(self, row, {})
+        self.volumes[name] = vol
+        self.mark_volume_dirty(vol)
+        if sharing is not None:
+            self.share_contents(vol, sharing)
+        return vol
+
+    def share_contents(self, vol: Volume, source: Volume) -> None:
+        """vol (with an empty root table) takes source's size and contents by sharing
+        every mapping page: O(pages), no block is copied."""
+        for page_id in source.root.values():
+            self.page(page_id).refcount += 1
+            self._dirty_page_refs.add(page_id)
+        vol.root.update(source.root)
+        for page_index in vol.root:
+            self.mark_root_dirty(vol, page_index)
+        row, src = vol.row, source.row
+        row.size_bytes = src.size_bytes
+        row.data_blocks, row.zeroed_blocks, row.pinned_blocks = src.data_blocks, src.zeroed_blocks, src.pinned_blocks
+        self.mark_volume_dirty(vol)
 
     def remove_volume(self, name: str, *, kind: str | None = None) -> None:
         """Remove a volume or snapshot (any order): pages and dblocks lose one
@@ -342,15 +345,6 @@ class Pool:
         for page_index in list(vol.root):
             self.release_page(vol.root.pop(page_index))
             self.mark_root_dirty(vol, page_index)
-
-    def share_root(self, vol: Volume) -> dict[int, int]:
-        """A copy of vol's root table holding its own reference to every page: O(pages)."""
-        root = dict(vol.root)
-        for page_id in root.values():
-            self.page(page_id).refcount += 1
-            self._dirty_page_refs.add(page_id)
-        self.dirty = True
-        return root
 
     def resize_volume(self, name: str, size_bytes: int) -> None:
         validate_volume_size(size_bytes)

@@ -21,12 +21,11 @@ def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
     """A read-only snapshot of a volume or of another snapshot."""
     with pool.lock:
         vol = pool.volume(source)
-        pool.check_new_name(name)  # before share_root takes page references
         # The snapshot shares everything the volume owned: its set-aside grows to
         # the whole reservation, which the pool must be able to hold.
         if vol.row.reserve_bytes:
             pool.check_reservable(vol, pool.reserve_target(vol), "snapshot")
-        snap = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, pool.share_root(vol), like=vol.row)
+        snap = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, sharing=vol)
         snap.row.kind = "snapshot"
         snap.row.origin_id = vol.row.id
         snap.readonly = True
@@ -39,8 +38,7 @@ def clone(pool: Pool, snapshot: str, name: str) -> Volume:
     """A writable volume sharing every block of a snapshot."""
     with pool.lock:
         snap = pool.volume(snapshot, kind="snapshot")
-        pool.check_new_name(name)
-        vol = pool.add_volume(name, snap.size_bytes, snap.row.detect_zeroes, pool.share_root(snap), like=snap.row)
+        vol = pool.add_volume(name, snap.size_bytes, snap.row.detect_zeroes, sharing=snap)
         vol.row.origin_id = snap.row.id
         pool.commit()
         return vol
@@ -73,18 +71,8 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
             # After rollback the volume owns nothing alone, at the snapshot's size.
             target = reserve_blocks(vol.row.reserve_bytes, snap.size_bytes, pool.block_size)
             pool.check_reservable(vol, target, "roll back", freed=exclusive)
-        root = pool.share_root(snap)
+        # Releasing first is safe: the snapshot holds its own reference to every page it uses.
         pool.release_root(vol)
-        vol.root.update(root)
-        for page_index in root:
-            pool.mark_root_dirty(vol, page_index)
-        row = vol.row
-        row.size_bytes = snap.size_bytes
-        row.data_blocks, row.zeroed_blocks, row.pinned_blocks = (
-            snap.row.data_blocks,
-            snap.row.zeroed_blocks,
-            snap.row.pinned_blocks,
-        )
-        pool.mark_volume_dirty(vol)
+        pool.share_contents(vol, snap)
         pool.recount_owned()
         pool.commit()
