@@ -383,7 +383,7 @@ class Pool:
             self.dirty = True
             self.commit()
             self.policy.check()
-            self.space_changed.notify_all()
+            self.wake_space_waiters()
 
     # ----- reservations -------------------------------------------------------------
     # A volume with a reservation of R blocks may own R blocks exclusively without
@@ -436,8 +436,7 @@ class Pool:
             vol.row.reserve_bytes = reserve_bytes
             self.mark_volume_dirty(vol)
             self.commit()
-            with self.space_changed:
-                self.space_changed.notify_all()
+            self.wake_space_waiters()
 
     # ----- space ------------------------------------------------------------------
 
@@ -458,8 +457,7 @@ class Pool:
             self.dirty = True
             self.commit()
             log.info("pool %s grown to %s", self.path, format_size(size_bytes))
-            with self.space_changed:
-                self.space_changed.notify_all()
+            self.wake_space_waiters()
 
     def reserve(self, n_blocks: int, vol: Volume | None = None) -> None:
         """Ensure n_blocks can be allocated now for vol, or raise NoSpaceError (nothing changed).
@@ -495,11 +493,16 @@ class Pool:
             self.space_changed.wait(min(remaining, COMMIT_INTERVAL_S))
             return not self._waits_cancelled.is_set()
 
+    def wake_space_waiters(self) -> None:
+        """Space may have appeared (growth, frees, smaller set-asides, shutdown): requests
+        held by the wait policy re-plan."""
+        with self.space_changed:
+            self.space_changed.notify_all()
+
     def cancel_waits(self) -> None:
         """Shutting down: requests held by the wait policy get ENOSPC now."""
-        with self.space_changed:
-            self._waits_cancelled.set()
-            self.space_changed.notify_all()
+        self._waits_cancelled.set()
+        self.wake_space_waiters()  # under the condition's lock: no waiter misses it
 
     def space_figures(self) -> dict[str, int]:
         """Pool space in bytes, cheap (no page walks): what statfs and low-water marks need.
@@ -651,7 +654,7 @@ class Pool:
             for start, count in self.space.take_pending():
                 self.store.punch(start * self.block_size, count * self.block_size)
             if sync_data and punched_before:
-                self.space_changed.notify_all()
+                self.wake_space_waiters()
             self.policy.check()
 
     def _recover_free_space(self) -> None:
@@ -714,7 +717,7 @@ class Pool:
             self.meta.commit(Transaction(superblock={"clean": True}))
             self._closed.set()
             self._waits_cancelled.set()
-            self.space_changed.notify_all()
+            self.wake_space_waiters()
             self.store.close()
             self.meta.close()
             os.close(self._lock_fd)

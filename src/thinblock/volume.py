@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from thinblock.pool import Pool
 
 _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
+_BACKED = 1 << 2  # in _status_runs' keys, beside the state: a write there finds space
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -353,7 +354,7 @@ class Volume:
     def trim(self, offset: int, length: int, *, fua: bool = False) -> None:
         """Discard: whole blocks become UNMAPPED (space back to the pool and the layer
         below, after the next commit); partial DATA blocks are zeroed in place."""
-        self._zero_or_trim(offset, length, no_hole=False, fast=False, fua=fua)
+        self._waiting_for_space(self._zero_or_trim, offset, length, False, False, fua)
 
     def write_zeroes(
         self, offset: int, length: int, *, no_hole: bool = False, fast: bool = False, fua: bool = False
@@ -364,12 +365,9 @@ class Volume:
         fast: if any zero bytes would have to be written, fail with ENOTSUP and
         change nothing.
         """
-        self._zero_or_trim(offset, length, no_hole=no_hole, fast=fast, fua=fua)
+        self._waiting_for_space(self._zero_or_trim, offset, length, no_hole, fast, fua)
 
-    def _zero_or_trim(self, offset: int, length: int, *, no_hole: bool, fast: bool, fua: bool) -> None:
-        self._waiting_for_space(self._zero_or_trim_once, offset, length, no_hole, fast, fua)
-
-    def _zero_or_trim_once(self, offset: int, length: int, no_hole: bool, fast: bool, fua: bool) -> None:
+    def _zero_or_trim(self, offset: int, length: int, no_hole: bool, fast: bool, fua: bool) -> None:
         self._check(offset, length, write=True)
         pool = self.pool
         bs = pool.block_size
@@ -557,7 +555,7 @@ class Volume:
         block it shares. UNMAPPED blocks are never backed.
         """
         runs = self._status_runs(offset, length, backed=True)
-        return [(n, BlockState(key & STATE_MASK), bool(key & 4)) for n, key in runs]
+        return [(n, BlockState(key & STATE_MASK), bool(key & _BACKED)) for n, key in runs]
 
     def _status_runs(self, offset: int, length: int, *, backed: bool) -> list[tuple[int, int]]:
         self._check(offset, length, write=False)
@@ -593,7 +591,7 @@ class Volume:
                     and entry
                     and (covered or (refcounts[entry >> DBLOCK_SHIFT] == 1 and not self._shares_page(vblock)))
                 ):
-                    key |= 4
+                    key |= _BACKED
                 add(end - start, key)
                 pos = seg_off + end - start
         if pos < offset + length:
