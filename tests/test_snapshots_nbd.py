@@ -239,12 +239,14 @@ def test_control_socket_survives_bad_requests(served: Server) -> None:
             b'{"verb": "volume_create", "args": {"bogus": 1}}\n',
             b'{"verb": "volume_create", "args": {"name": "x", "size_bytes": 7}}\n',
             b'{"verb": "volume_resize", "args": {"name": "disk", "size_bytes": -1}}\n',
+            b'{"verb": "volume_set", "args": {"name": "disk", "reserve": "lots"}}\n',
             b"\xff\xfe\n",
         ):
             f.write(line)
             f.flush()
             reply = json.loads(f.readline())
             assert reply.get("error"), (line, reply)
+            assert not reply["error"].startswith("internal error"), (line, reply)
         f.write(b'{"verb": "volume_list"}\n')
         f.flush()
         assert {v["name"] for v in json.loads(f.readline())["ok"]} == {"disk", "other"}

@@ -25,13 +25,23 @@ from thinblock.snapshot import clone, create_snapshot, rollback
 CONTROL_SOCKET = "control.sock"
 
 
+def _reserve_bytes(value: object) -> int:
+    """A reservation as the control protocol carries it: "full", "none" or bytes."""
+    if value == "full":
+        return RESERVE_FULL
+    if value == "none":
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ThinblockError(f"invalid reservation {value!r}: a size in bytes, full or none")
+
+
 def _volume_set(pool: Pool, name: str, **changes: Any) -> dict[str, Any]:
     vol = pool.volume(name, kind="volume")
     if changes.get("detect_zeroes") is not None:
         pool.set_detect_zeroes(name, changes["detect_zeroes"])
     if changes.get("reserve") is not None:
-        reserve = changes["reserve"]
-        pool.set_reserve(name, RESERVE_FULL if reserve == "full" else 0 if reserve == "none" else int(reserve))
+        pool.set_reserve(name, _reserve_bytes(changes["reserve"]))
     if "low_water" in changes:
         pool.set_low_water(name, changes["low_water"], changes.get("on_low_water") or vol.row.on_low_water)
     elif changes.get("on_low_water") is not None:
