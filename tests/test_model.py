@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import shutil
@@ -12,10 +13,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.faults import KINDS, STORE_VERBS, Fault, FaultyMeta, FaultyStore
 from tests.model import Model, ModelError, ModelVolume
 from thinblock import BlockState, OpError, Pool, ReadOnlyError, ThinblockError
 from thinblock.check import check_metadata
 from thinblock.delta import changed_ranges
+from thinblock.errors import CommitError
 from thinblock.metadata import DB_NAME, MetadataStore
 from thinblock.snapshot import clone, create_snapshot, rollback
 
@@ -56,8 +59,18 @@ class PoolMachine(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="tb-model-")
         self.path = os.path.join(self.dir, "pool")
         self.pool = Pool.create(self.path, POOL_BLOCKS * BS, block_size=BS)
+        self._wrap()
         self.model = Model(POOL_BLOCKS, BS)
         self.counter = 0
+        self._fault: Fault | None = None  # armed for the next _both only
+        self.faults_fired = 0
+
+    def _wrap(self) -> None:
+        """Put fault injection under the pool: its data store and its metadata store."""
+        self.store = FaultyStore(self.pool.store)
+        self.meta = FaultyMeta(self.pool.meta)
+        self.pool.store = self.store
+        self.pool.meta = self.meta  # type: ignore[assignment]
 
     def teardown(self) -> None:
         self.pool.close()
@@ -70,19 +83,61 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ----- helpers ----------------------------------------------------------------
 
-    def _both(self, name: str, impl, model) -> None:
-        """Run an operation on both; they must agree on success or on the errno."""
+    def _both(self, name: str, impl, model, touched: tuple[str, int, int] | None = None) -> None:
+        """Run an operation on both; they must agree on success or on the errno.
+
+        With a fault armed (rule `with_fault`), the layer below may fail during the
+        operation. Then: a failed commit (CommitError) leaves the change in memory,
+        pending, so the model keeps it; any other failure changed nothing, so the
+        model goes back to before. Only bytes overwritten in place in blocks that
+        were DATA may hold the old or the new value (a disk write that failed half
+        way). The next commit must succeed and `pool check` must pass."""
+        fault, self._fault = self._fault, None
+        before = copy.deepcopy(self.model) if fault else None
         try:
             model()
             expected = None
         except ModelError as exc:
             expected = exc.code
+        target = self.meta if fault is not None and fault.verbs == ("commit",) else self.store
+        target.arm(fault)
         try:
             impl()
-            got = None
-        except OpError as exc:
-            got = exc.errno
+            got, error = None, None
+        except OSError as exc:  # OpError, CommitError, or a raw error of the layer below
+            got, error = exc.errno, exc
+        finally:
+            self.store.arm(None)
+            self.meta.arm(None)
+        if fault is not None and fault.fired and error is not None:
+            assert before is not None
+            self._after_fault(name, error, before, touched)
+            return
+        assert error is None or isinstance(error, OpError), f"{name}: {error!r}"
         assert got == expected, f"{name}: implementation errno {got}, model errno {expected}"
+
+    def _after_fault(self, name: str, error: OSError, before: Model, touched: tuple[str, int, int] | None) -> None:
+        self.faults_fired += 1
+        if not isinstance(error, CommitError):
+            after, self.model = self.model, before
+            if touched is not None:
+                vname, offset, length = touched
+                was, now = before.volumes[vname], after.volumes[vname]
+                got = self.pool.volume(vname).read(offset, length)
+                for i in range(length):
+                    pos = offset + i
+                    if got[i] == was.data[pos]:
+                        continue
+                    in_place = was.states[pos // BS] == BlockState.DATA
+                    assert in_place and got[i] == now.data[pos], f"{name} failed ({error}) but changed byte {pos}"
+                    was.data[pos] = got[i]
+        self.pool.commit()  # the next commit succeeds and writes whatever was pending
+        assert self.pool.commit_failure is None
+        meta = MetadataStore.open(os.path.join(self.path, DB_NAME), readonly=True)
+        try:
+            assert check_metadata(meta) == [], f"pool check after a fault in {name}"
+        finally:
+            meta.close()
 
     def _pick(self, data: st.DataObject, kind: str | None = None) -> str:
         names = sorted(n for n, v in self.model.volumes.items() if kind is None or v.kind == kind)
@@ -99,13 +154,21 @@ class PoolMachine(RuleBasedStateMachine):
             length = size - offset if unit == 1 else min(size - offset, length)
         return offset, length
 
-    def _mutate(self, what: str, name: str, impl, model) -> None:
+    def _mutate(self, what: str, name: str, impl, model, touched: tuple[str, int, int] | None = None) -> None:
         """A write-type verb: snapshots refuse it with EPERM and change nothing."""
         if self.model.volumes[name].kind == "snapshot":
+            self._fault = None
             with pytest.raises(ReadOnlyError):
                 impl()
             return
-        self._both(what, impl, model)
+        self._both(what, impl, model, touched)
+
+    def _maybe_fault(self, data: st.DataObject) -> None:
+        """A third of the data operations run with the layer below failing at one of its calls."""
+        if self._fault is None and data.draw(st.integers(0, 2), label="fault?") == 0:
+            where = data.draw(st.sampled_from(["pwritev", "pwritev", "allocate", "zero", "pread", "flush", "commit"]))
+            after = data.draw(st.integers(0, 2))
+            self._fault = Fault((where,), after, data.draw(st.sampled_from(KINDS)))
 
     def _has(self, kind: str) -> bool:
         return any(v.kind == kind for v in self.model.volumes.values())
@@ -127,15 +190,17 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _new_volume(self, size: int, detect: str) -> None:
         name = self._fresh_name()
-        self.pool.create_volume(name, size, detect_zeroes=detect)
-        self.model.volumes[name] = ModelVolume(size, BS, detect)
+
+        def model() -> None:
+            self.model.volumes[name] = ModelVolume(size, BS, detect)
+
+        self._both("create_volume", lambda: self.pool.create_volume(name, size, detect_zeroes=detect), model)
 
     @precondition(lambda self: len(self.model.volumes) >= 2)
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
         name = self._pick(data)
-        self.pool.remove_volume(name)
-        self.model.remove(name)
+        self._both("remove", lambda: self.pool.remove_volume(name), lambda: self.model.remove(name))
 
     @precondition(lambda self: self.model.volumes and len(self.model.volumes) < 6)
     @rule(data=st.data())
@@ -162,8 +227,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def clone(self, data: st.DataObject) -> None:
         snap, name = self._pick(data, "snapshot"), self._fresh_name()
-        clone(self.pool, snap, name)
-        self.model.clone(snap, name)
+        self._both("clone", lambda: clone(self.pool, snap, name), lambda: self.model.clone(snap, name))
 
     @precondition(lambda self: self._has("snapshot") and self._has("volume"))
     @rule(data=st.data())
@@ -189,10 +253,15 @@ class PoolMachine(RuleBasedStateMachine):
         name = self._pick(data)
         offset, length = self._range(data, name)
         payload = data.draw(payloads(length))
+        self._maybe_fault(data)
         fua = data.draw(st.booleans())
         vol = self.pool.volume(name)
         self._mutate(
-            "write", name, lambda: vol.write(offset, payload, fua=fua), lambda: self.model.write(name, offset, payload)
+            "write",
+            name,
+            lambda: vol.write(offset, payload, fua=fua),
+            lambda: self.model.write(name, offset, payload),
+            (name, offset, length),
         )
 
     # Writes matter most: a second rule doubles their share of the steps.
@@ -206,12 +275,14 @@ class PoolMachine(RuleBasedStateMachine):
     def write_zeroes(self, data: st.DataObject, no_hole: bool, fast: bool) -> None:
         name = self._pick(data)
         offset, length = self._range(data, name)
+        self._maybe_fault(data)
         vol = self.pool.volume(name)
         self._mutate(
             "write_zeroes",
             name,
             lambda: vol.write_zeroes(offset, length, no_hole=no_hole, fast=fast),
             lambda: self.model.zero_or_trim(name, offset, length, no_hole, fast),
+            (name, offset, length),
         )
 
     @precondition(lambda self: self.model.volumes)
@@ -219,12 +290,14 @@ class PoolMachine(RuleBasedStateMachine):
     def trim(self, data: st.DataObject) -> None:
         name = self._pick(data)
         offset, length = self._range(data, name)
+        self._maybe_fault(data)
         vol = self.pool.volume(name)
         self._mutate(
             "trim",
             name,
             lambda: vol.trim(offset, length),
             lambda: self.model.zero_or_trim(name, offset, length, False, False),
+            (name, offset, length),
         )
 
     @precondition(lambda self: self.model.volumes)
@@ -232,12 +305,14 @@ class PoolMachine(RuleBasedStateMachine):
     def provision(self, data: st.DataObject) -> None:
         name = self._pick(data)
         offset, length = self._range(data, name)
+        self._maybe_fault(data)
         vol = self.pool.volume(name)
         self._mutate(
             "provision",
             name,
             lambda: vol.provision(offset, length),
             lambda: self.model.provision(name, offset, length),
+            (name, offset, length),
         )
 
     @precondition(lambda self: self._has("volume"))
@@ -255,12 +330,38 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule()
     def flush(self) -> None:
-        self.pool.flush()
+        self._both("flush", self.pool.flush, lambda: None)
 
     @rule()
     def reopen(self) -> None:
         self.pool.close()
         self.pool = Pool.open(self.path)
+        self._wrap()
+
+    @precondition(lambda self: self.model.volumes)
+    @rule(
+        data=st.data(),
+        where=st.sampled_from([*STORE_VERBS, "commit"]),
+        after=st.integers(0, 3),
+        kind=st.sampled_from(KINDS),
+        op=st.sampled_from(
+            ["write", "write", "write_zeroes", "trim", "provision", "flush", "snapshot", "remove", "create_volume"]
+        ),
+    )
+    def with_fault(self, data: st.DataObject, where: str, after: int, kind: str, op: str) -> None:
+        """One operation with the layer below failing at one of its calls."""
+        if op == "remove" and len(self.model.volumes) < 2:
+            op = "write"
+        self._fault = Fault((where,), after, kind)
+        if op == "create_volume":
+            self._new_volume(data.draw(sizes()), "on")
+        elif op == "flush":
+            self.flush()
+        elif op == "write_zeroes":
+            self.write_zeroes(data, data.draw(st.booleans()), data.draw(st.booleans()))
+        else:
+            getattr(self, op)(data)
+        self._fault = None
 
     @precondition(lambda self: self.model.pool_blocks < 2 * POOL_BLOCKS)
     @rule(extra=st.integers(1, 8))

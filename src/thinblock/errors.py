@@ -55,3 +55,15 @@ class ReadOnlyError(OpError):
     """A write-type request to something opened or created read-only."""
 
     code = errno.EPERM
+
+
+class CommitError(OpError):
+    """A commit could not be written; nothing in memory changed and it is retried.
+
+    ENOSPC when the layer below is full, EIO for anything else."""
+
+    def __init__(self, pool_path: str, cause: BaseException) -> None:
+        super().__init__(f"commit of pool {pool_path} failed ({cause}); what it would have written stays pending")
+        self.errno = (
+            errno.ENOSPC if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
+        )

@@ -14,11 +14,15 @@ Tables
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import json
+import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from thinblock.errors import CorruptionError, ThinblockError
 
@@ -106,8 +110,29 @@ class Transaction:
     page_refcounts: dict[int, int] = field(default_factory=dict)  # refcount-only changes (snapshots)
 
 
-def _connect(path: str, readonly: bool) -> sqlite3.Connection:
-    uri = f"file:{path}?mode={'ro' if readonly else 'rw'}"
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _reads(method: Callable[_P, _T]) -> Callable[_P, _T]:
+    """A read of the database: SQLite's complaints about a damaged or foreign file
+    become one CorruptionError sentence (never a traceback)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return method(*args, **kwargs)
+        except sqlite3.DatabaseError as exc:
+            raise CorruptionError(
+                f"the pool's metadata database is damaged or not a thinblock pool's ({exc});"
+                " see 'thinblock pool check' and 'thinblock pool restore'"
+            ) from None
+
+    return wrapper
+
+
+def _connect(path: str, readonly: bool, *, immutable: bool = False) -> sqlite3.Connection:
+    uri = f"file:{path}?mode={'ro' if readonly else 'rw'}" + ("&immutable=1" if immutable else "")
     conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None, timeout=30)
     conn.execute("PRAGMA synchronous=FULL")
     return conn
@@ -135,8 +160,14 @@ class MetadataStore:
 
     @classmethod
     def open(cls, path: str, *, readonly: bool = False) -> MetadataStore:
+        writable_dir = os.access(os.path.dirname(path) or ".", os.W_OK) and os.access(path, os.W_OK)
+        if not readonly and not writable_dir:
+            raise ThinblockError(
+                f"pool directory {os.path.dirname(path) or '.'} is read-only: cannot open the pool for writing"
+            )
         try:
-            conn = _connect(path, readonly)
+            # On a read-only filesystem SQLite cannot make the WAL index: read the file as immutable.
+            conn = _connect(path, readonly, immutable=readonly and not writable_dir)
             store = cls(conn)
             version = store.superblock().get("format_version")
             if version == 1 and not readonly:
@@ -164,13 +195,16 @@ class MetadataStore:
             raise
         c.execute("COMMIT")
 
+    @_reads
     def superblock(self) -> dict[str, Any]:
         return {k: json.loads(v) for k, v in self.conn.execute("SELECT key, value FROM superblock")}
 
+    @_reads
     def volumes(self) -> list[VolumeRow]:
         rows = self.conn.execute(f"SELECT {_VOLUME_COLUMNS} FROM volumes ORDER BY name")
         return [VolumeRow(*row) for row in rows]
 
+    @_reads
     def roots(self, volume_id: int) -> dict[int, int]:
         rows = self.conn.execute("SELECT page_index, page_id FROM roots WHERE volume_id = ?", (volume_id,))
         return dict(rows)
@@ -178,6 +212,7 @@ class MetadataStore:
     def all_roots(self) -> Iterator[tuple[int, int, int]]:
         yield from self.conn.execute("SELECT volume_id, page_index, page_id FROM roots")
 
+    @_reads
     def page(self, page_id: int) -> tuple[int, bytes] | None:
         row = self.conn.execute("SELECT refcount, entries FROM pages WHERE id = ?", (page_id,)).fetchone()
         return None if row is None else (row[0], row[1])
@@ -185,25 +220,38 @@ class MetadataStore:
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
         yield from self.conn.execute("SELECT id, refcount, entries FROM pages")
 
+    @_reads
     def max_page_id(self) -> int:
         return int(self.conn.execute("SELECT COALESCE(MAX(id), 0) FROM pages").fetchone()[0])
 
+    @_reads
     def max_volume_id(self) -> int:
         return int(self.conn.execute("SELECT COALESCE(MAX(id), 0) FROM volumes").fetchone()[0])
 
+    @_reads
     def refcount_pages(self) -> dict[int, bytes]:
         return dict(self.conn.execute("SELECT idx, counts FROM refcount_pages"))
 
     def commit(self, txn: Transaction) -> None:
-        """Apply the whole transaction atomically, or nothing of it."""
+        """Apply the whole transaction atomically, or nothing of it.
+
+        A failure is an OSError: ENOSPC when the filesystem under the database is
+        full (SQLITE_FULL), EIO otherwise; the database is then as before."""
         c = self.conn
-        c.execute("BEGIN IMMEDIATE")
         try:
-            _apply(c, txn)
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
-        c.execute("COMMIT")
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                _apply(c, txn)
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            c.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                if c.in_transaction:
+                    c.execute("ROLLBACK")
+            full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
+            raise OSError(errno.ENOSPC if full else errno.EIO, f"metadata commit failed: {exc}") from exc
 
     def close(self) -> None:
         self.conn.close()

@@ -10,10 +10,13 @@ only after the commit that freed them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import fcntl
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -22,7 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from thinblock.datastore import DataStore, FallbackStore, FileStore
-from thinblock.errors import NoSpaceError, PoolBusyError, ThinblockError
+from thinblock.errors import CommitError, CorruptionError, NoSpaceError, PoolBusyError, ThinblockError
+from thinblock.hostspace import SLACK_FILE, HostSpace, default_slack_bytes, is_no_space
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState, Page
 from thinblock.metadata import DB_NAME, RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.sizes import format_size
@@ -38,8 +42,7 @@ SECTOR_BYTES = 512
 # multiple of the largest block size below that.
 MAX_VOLUME_BYTES = (1 << 63) - MAX_BLOCK_SIZE
 COMMIT_INTERVAL_S = 1.0
-# Data is synced on flush/FUA and at least this often (the kernel's own dirty-expire time).
-DATA_SYNC_INTERVAL_S = 30.0
+COMMIT_RETRY_MAX_S = 5.0  # longest wait between retries of a failing commit
 DETECT_ZEROES = ("off", "on", "unmap")
 log = logging.getLogger("thinblock.pool")
 DATA_FILE = "data"
@@ -110,9 +113,23 @@ def _open_meta(path: str, *, readonly: bool) -> MetadataStore:
     return MetadataStore.open(db, readonly=readonly)
 
 
+def check_data_size(store: DataStore, size_bytes: int, data_path: str) -> None:
+    """A data store shorter than the pool would serve its missing tail as zeros: refuse."""
+    have = store.size_bytes
+    if have < size_bytes:
+        raise CorruptionError(
+            f"data store {data_path} holds {format_size(have)} but the pool is {format_size(size_bytes)}:"
+            " it was truncated or replaced. Refusing to serve what it lost as zeros; put the right file back,"
+            " or run 'thinblock pool repair' to extend it and drop the mappings it lost"
+        )
+
+
 def _lock(path: str, purpose: str) -> int:
     """Take the pool's exclusive lock (a flock on POOL/lock naming its holder)."""
-    lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ThinblockError(f"cannot open pool {path} for writing: {exc.strerror}") from None
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -136,8 +153,21 @@ def held_lock(path: str) -> Iterator[None]:
         os.close(fd)
 
 
+@dataclasses.dataclass
+class _Built:
+    """A transaction being written, with the dirty sets it took (put back if it fails)."""
+
+    txn: Transaction
+    pages: set[int]
+    page_refs: set[int]
+    roots: set[tuple[int, int]]
+    volumes: set[Volume]
+    deleted_volumes: list[int]
+
+
 class Pool:
-    """An open pool. Use `Pool.create` / `Pool.open`; all methods are thread-safe."""
+    """An open pool. Use `Pool.create` / `Pool.open`. Volumes' verbs, commit() and
+    the administration methods may be called from any thread."""
 
     def __init__(self, path: str, meta: MetadataStore, store: DataStore, lock_fd: int, *, autocommit: bool) -> None:
         self.path = path
@@ -145,6 +175,7 @@ class Pool:
         self.store = store
         self._lock_fd = lock_fd
         self.lock = threading.RLock()
+        self.meta_lock = threading.Lock()  # the metadata store's connection: commits and page loads
         sb = meta.superblock()
         self.block_size = int(sb["block_size"])
         self.size_bytes = int(sb["size_bytes"])
@@ -158,6 +189,9 @@ class Pool:
             self.volumes[row.name] = Volume(self, row, meta.roots(row.id))
         self.policy = SpacePolicy(self, sb)
         self.owned_stale = False  # some volume may own more blocks alone than it counts
+        # dblocks of ZEROED blocks that a failed write may have reached: they may not
+        # read zero below, so the next write into one writes the whole block.
+        self.unclean_zeroed: set[int] = set()
         # Writers held by the wait policy sleep on this; grow, frees and removals wake them.
         self.space_changed = threading.Condition(self.lock)
         # Changes of the open transaction.
@@ -168,14 +202,26 @@ class Pool:
         self._dirty_volumes: set[Volume] = set()
         self._deleted_volumes: list[int] = []
         self.dirty = False
-        self.last_commit = self.last_data_sync = time.monotonic()
+        self.last_commit = time.monotonic()
+        self._committing = False
+        self._commit_idle = threading.Condition(self.lock)
+        self._kick = threading.Event()
+        self.commit_failure: str | None = None  # why commits fail, while they do
+        self.host = HostSpace(
+            path,
+            int(sb.get("metadata_slack_bytes") or default_slack_bytes(self.size_bytes)),
+            data_on_device=bool(sb.get("data_path")),
+        )
+        self.host.take_slack()
+        self.data_path = str(sb.get("data_path") or os.path.join(path, DATA_FILE))
+        self.warnings: list[str] = []  # for the person who opened it (pool create, grow)
         self._closed = threading.Event()
         self._waits_cancelled = threading.Event()
         self._committer: threading.Thread | None = None
         if not sb.get("clean", True):
             self._recover_free_space()
         self.recount_owned()
-        self.meta.commit(Transaction(superblock={"clean": False}))
+        self._write_metadata(Transaction(superblock={"clean": False}))
         if autocommit:
             self._committer = threading.Thread(target=self._commit_loop, name="thinblock-commit", daemon=True)
             self._committer.start()
@@ -211,32 +257,64 @@ class Pool:
             raise ThinblockError(
                 f"invalid pool size {size_bytes}: must be a positive multiple of the block size ({format_size(block_size)})"
             )
-        os.makedirs(path, exist_ok=True)
-        if data_path is None:
-            with open(os.path.join(path, DATA_FILE), "xb") as f:
-                f.truncate(size_bytes)
-        else:
-            # Allocatable blocks must read zero (see spacemap): clear the device once.
-            device = FallbackStore(FileStore(data_path))
-            try:
-                device.punch(0, size_bytes)
-                device.flush()
-            finally:
-                device.close()
-        meta = MetadataStore.create(
-            os.path.join(path, DB_NAME),
-            {
-                "block_size": block_size,
-                "size_bytes": size_bytes,
-                "page_entries": PAGE_ENTRIES,
-                "data_path": data_path,
-                "used_blocks": 0,
-                "created": time.time(),
-                "clean": True,
-            },
-        )
-        meta.close()
-        return cls.open(path)
+        # All or nothing: whatever this creates is removed again if any step fails.
+        made_dir = not os.path.exists(path)
+        made: list[str] = []
+        try:
+            os.makedirs(path, exist_ok=True)
+            if data_path is None:
+                data_file = os.path.join(path, DATA_FILE)
+                with open(data_file, "xb") as f:
+                    made.append(data_file)
+                    try:
+                        f.truncate(size_bytes)
+                    except OSError as exc:
+                        if exc.errno == errno.EFBIG:
+                            raise ThinblockError(
+                                f"pool size {format_size(size_bytes)} is beyond the largest file the filesystem"
+                                f" under {path} can hold"
+                            ) from None
+                        raise
+            else:
+                # Allocatable blocks must read zero (see spacemap): clear the device once.
+                device = FallbackStore(FileStore(data_path))
+                try:
+                    device.punch(0, size_bytes)
+                    device.flush()
+                finally:
+                    device.close()
+            made += [os.path.join(path, DB_NAME + suffix) for suffix in ("", "-wal", "-shm")]
+            meta = MetadataStore.create(
+                os.path.join(path, DB_NAME),
+                {
+                    "block_size": block_size,
+                    "size_bytes": size_bytes,
+                    "page_entries": PAGE_ENTRIES,
+                    "data_path": data_path,
+                    "used_blocks": 0,
+                    "created": time.time(),
+                    "clean": True,
+                    "metadata_slack_bytes": default_slack_bytes(size_bytes),
+                },
+            )
+            meta.close()
+            made += [os.path.join(path, name) for name in (SLACK_FILE, LOCK_FILE)]
+            pool = cls.open(path)
+        except BaseException as exc:
+            if made_dir:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                for name in made:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name)
+            if isinstance(exc, OSError) and not isinstance(exc, ThinblockError):
+                raise ThinblockError(f"cannot create pool {path}: {exc.strerror or exc}") from exc
+            raise
+        warning = pool.host.capacity_warning(size_bytes, pool.data_path)
+        if warning:
+            log.warning("%s", warning)
+            pool.warnings.append(warning)
+        return pool
 
     @classmethod
     def open(cls, path: str, *, autocommit: bool = True, purpose: str = "") -> Pool:
@@ -249,10 +327,20 @@ class Pool:
         except PoolBusyError:
             meta.close()
             raise
-        sb = meta.superblock()
-        data_path = sb.get("data_path") or os.path.join(path, DATA_FILE)
-        store = FallbackStore(FileStore(str(data_path)))
-        return cls(path, meta, store, lock_fd, autocommit=autocommit)
+        try:
+            sb = meta.superblock()
+            data_path = str(sb.get("data_path") or os.path.join(path, DATA_FILE))
+            store = FallbackStore(FileStore(data_path))
+            try:
+                check_data_size(store, int(sb["size_bytes"]), data_path)
+                return cls(path, meta, store, lock_fd, autocommit=autocommit)
+            except BaseException:
+                store.close()
+                raise
+        except BaseException:
+            meta.close()
+            os.close(lock_fd)
+            raise
 
     def __enter__(self) -> Pool:
         return self
@@ -451,7 +539,19 @@ class Pool:
                 )
             if size_bytes == self.size_bytes:
                 return
-            self.store.grow(size_bytes)
+            try:
+                self.store.grow(size_bytes)
+            except OSError as exc:
+                if exc.errno == errno.EFBIG:
+                    raise ThinblockError(
+                        f"pool size {format_size(size_bytes)} is beyond the largest file the filesystem under"
+                        f" {self.path} can hold"
+                    ) from None
+                raise ThinblockError(f"cannot grow the data store of pool {self.path}: {exc.strerror}") from None
+            warning = self.host.capacity_warning(size_bytes, self.data_path)
+            if warning:
+                log.warning("%s", warning)
+                self.warnings.append(warning)
             self.space.grow(size_bytes // self.block_size)
             self.size_bytes = size_bytes
             self.dirty = True
@@ -462,7 +562,16 @@ class Pool:
     def reserve(self, n_blocks: int, vol: Volume | None = None) -> None:
         """Ensure n_blocks can be allocated now for vol, or raise NoSpaceError (nothing changed).
 
-        vol may use its own set-aside; everyone else's stays untouched."""
+        vol may use its own set-aside; everyone else's stays untouched. While commits
+        fail, or while the host is full (the metadata slack is out), nothing new is
+        allocated: the open transaction must not grow beyond what one commit can write."""
+        if self.commit_failure is not None:
+            raise NoSpaceError(f"pool {self.path} takes no new space while its commits fail: {self.commit_failure}")
+        if self.host.slack_released:
+            self.kick_commit()
+            raise NoSpaceError(
+                f"the host filesystem under pool {self.path} is full: new space is refused until freed space returns"
+            )
         others = self.reserved_blocks() - (self.set_aside(vol) if vol is not None else 0)
         if n_blocks <= self.space.allocatable_blocks - others:
             return
@@ -471,8 +580,11 @@ class Pool:
             return self.reserve(n_blocks, vol)
         if n_blocks <= self.space.free_blocks - others:
             # Freed blocks become usable once committed, punched and synced: two commits.
-            self.commit()
-            self.commit()
+            try:
+                self.commit()
+                self.commit()
+            except CommitError as exc:
+                raise NoSpaceError(f"pool {self.path} cannot reuse freed space: {exc.strerror}") from exc
             if n_blocks <= self.space.allocatable_blocks - others:
                 return
         if self.policy.autogrow_for(n_blocks + others - self.space.free_blocks):
@@ -482,6 +594,12 @@ class Pool:
             f" {max(0, self.space.free_blocks - others)} free"
             + (f" ({others} reserved by other volumes)" if others else "")
         )
+
+    def return_fresh(self, blocks: list[int]) -> None:
+        """Fresh dblocks a failed operation took go back (see SpaceMap.unallocate)."""
+        if blocks:
+            self.space.unallocate(blocks)
+            self.dirty = True
 
     def wait_for_space(self, deadline: float) -> bool:
         """Under the wait policy, sleep (pool lock released) until space may have
@@ -519,12 +637,21 @@ class Pool:
                 "available_bytes": max(0, self.size_bytes - used - reserved),
             }
 
+    def host_figures(self) -> dict[str, Any]:
+        """The layer below: what it can still take, and whether commits are healthy."""
+        return {
+            "host_free_bytes": self.host.host_free_bytes(),
+            "metadata_slack_bytes": 0 if self.host.slack_released else self.host.slack_bytes,
+            "commit_failure": self.commit_failure,
+        }
+
     def status(self) -> dict[str, Any]:
         """Live figures; volumes with exclusive/shared bytes (walks their pages)."""
         with self.lock:
             self._fresh_owned()
             return {
                 **self.space_figures(),
+                **self.host_figures(),
                 "block_size": self.block_size,
                 "virtual_bytes": sum(v.size_bytes for v in self.volumes.values() if v.row.kind == "volume"),
                 **self.policy.settings(),
@@ -547,7 +674,8 @@ class Pool:
     def page(self, page_id: int) -> Page:
         page = self.pages.get(page_id)
         if page is None:
-            found = self.meta.page(page_id)
+            with self.meta_lock:
+                found = self.meta.page(page_id)
             if found is None:
                 raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
             page = Page.from_blob(page_id, *found)
@@ -591,71 +719,140 @@ class Pool:
         self.dirty = True
 
     # ----- transactions -----------------------------------------------------------
+    # One commit at a time (`_committing`), in three steps: build the transaction
+    # under the pool lock (a copy of every dirty page, the dirty sets taken), write
+    # it outside the lock (data sync first, then the metadata: rule 3), and settle
+    # under the lock. A failed write puts everything it took back (rule 2), so the
+    # next commit retries exactly what this one would have written.
 
-    def commit(self, *, sync_data: bool = True) -> None:
-        """Commit the open transaction atomically.
-
-        With sync_data (flush, FUA, pool and volume commands), every completed
-        write is made durable first, so the commit covers data and metadata
-        (DESIGN.md's flush). Without it (the once-a-second background commit),
-        only metadata is written: unflushed data may still be lost on power
-        failure, but never replaced by another volume's bytes, because blocks
-        are reused only once their punch is durable (see spacemap).
-        """
-        if sync_data and (self.dirty or self.space.unsynced_free) and not self._closed.is_set():
-            # Most dirty data is synced here without holding the pool lock, so requests
-            # keep running; the sync under the lock below then has little left to do.
-            self.store.flush()
+    def commit(self) -> None:
+        """Make everything completed so far durable: data first, then the metadata
+        that points at it, atomically (DESIGN.md's flush). Raises CommitError (ENOSPC
+        when the layer below is full, else EIO) and changes nothing in memory if it
+        fails; what it would have written stays pending."""
         with self.lock:
-            if sync_data:
-                punched_before = len(self.space.unsynced_free)
-                self.store.flush()
-                self.last_data_sync = time.monotonic()
-                self.space.release_synced(punched_before)
-            if not self.dirty:
-                self.last_commit = time.monotonic()
+            while self._committing:
+                self._commit_idle.wait()
+            if self._closed.is_set():
                 return
+            self._committing = True
+        try:
+            self._commit_once()
+        finally:
+            with self.lock:
+                self._committing = False
+                self._commit_idle.notify_all()
+
+    def _commit_once(self) -> None:
+        with self.lock:
             self._drop_empty_pages()
-            self.transaction_id += 1
-            txn = Transaction(
-                superblock={
-                    "transaction_id": self.transaction_id,
-                    "used_blocks": self.space.used_blocks,
-                    "size_bytes": self.size_bytes,
-                    **self.policy.to_superblock(),
-                },
-                volumes=[v.row for v in self._dirty_volumes],
-                deleted_volumes=list(self._deleted_volumes),
-                refcount_pages=self.space.take_dirty_pages(),
-                page_refcounts={pid: self.pages[pid].refcount for pid in self._dirty_page_refs - self._dirty_pages},
-            )
-            roots_by_id = {v.row.id: v.root for v in self.volumes.values()}
-            for vid, page_index in self._dirty_roots:
-                if vid in roots_by_id:
-                    txn.roots[(vid, page_index)] = roots_by_id[vid].get(page_index)
-            for page_id in self._dirty_pages:
-                page = self.pages[page_id]
-                if page.refcount == 0:
-                    txn.pages[page_id] = None
-                    del self.pages[page_id]
-                else:
-                    txn.pages[page_id] = (page.refcount, page.to_blob())
-            self.meta.commit(txn)
-            self._dirty_pages.clear()
-            self._dirty_page_refs.clear()
-            self._dirty_roots.clear()
-            self._touched.clear()
-            self._dirty_volumes.clear()
-            self._deleted_volumes.clear()
-            self.dirty = False
+            built = self._build_transaction() if self.dirty else None
+            synced_frees = len(self.space.unsynced_free)  # punched before this sync: free after it
+            new_frees = len(self.space.pending_free)  # freed in this transaction: punched after it
+        try:
+            self.store.flush()
+            if built is not None:
+                self._write_metadata(built.txn)
+        except Exception as exc:
+            with self.lock:
+                if built is not None:
+                    self._put_back(built)
+            raise self._commit_failed(exc) from exc
+        with self.lock:
+            self.space.release_synced(synced_frees)
+            if built is not None:
+                self._settle(built)
+            punch = self.space.take_pending(new_frees if built is not None else 0)
             self.last_commit = time.monotonic()
-            # Only now may freed blocks go back to the layer below; they become
-            # allocatable after the next data sync has made the punch durable.
-            for start, count in self.space.take_pending():
+        # Only now may freed blocks go back to the layer below; they become allocatable
+        # after the next data sync has made the punch durable (spacemap's rule 2).
+        punched = []
+        try:
+            for start, count in punch:
                 self.store.punch(start * self.block_size, count * self.block_size)
-            if sync_data and punched_before:
+                punched.append((start, count))
+        except OSError as exc:
+            log.error("pool %s: punching freed blocks failed (%s); retried after the next commit", self.path, exc)
+        with self.lock:
+            self.space.punched(punch, punched)
+            if self.commit_failure is not None:
+                log.warning("pool %s: commits succeed again; nothing acknowledged was lost", self.path)
+                self.commit_failure = None
+            self.host.after_commit()
+            if synced_frees or punched:
                 self.wake_space_waiters()
             self.policy.check()
+
+    def _build_transaction(self) -> _Built:
+        self.transaction_id += 1
+        txn = Transaction(
+            superblock={
+                "transaction_id": self.transaction_id,
+                "used_blocks": self.space.used_blocks,
+                "size_bytes": self.size_bytes,
+                **self.policy.to_superblock(),
+            },
+            volumes=[dataclasses.replace(v.row) for v in self._dirty_volumes],
+            deleted_volumes=list(self._deleted_volumes),
+            refcount_pages=self.space.take_dirty_pages(),
+            page_refcounts={pid: self.pages[pid].refcount for pid in self._dirty_page_refs - self._dirty_pages},
+        )
+        roots_by_id = {v.row.id: v.root for v in self.volumes.values()}
+        for vid, page_index in self._dirty_roots:
+            if vid in roots_by_id:
+                txn.roots[(vid, page_index)] = roots_by_id[vid].get(page_index)
+        for page_id in self._dirty_pages:
+            page = self.pages[page_id]
+            txn.pages[page_id] = None if page.refcount == 0 else (page.refcount, page.to_blob())
+        built = _Built(
+            txn,
+            self._dirty_pages,
+            self._dirty_page_refs,
+            self._dirty_roots,
+            self._dirty_volumes,
+            self._deleted_volumes,
+        )
+        self._dirty_pages, self._dirty_page_refs, self._dirty_roots = set(), set(), set()
+        self._dirty_volumes, self._deleted_volumes = set(), []
+        self._touched.clear()
+        self.dirty = False
+        return built
+
+    def _put_back(self, built: _Built) -> None:
+        """A failed commit: everything it took is dirty again, merged with what came since."""
+        self.transaction_id -= 1
+        self._dirty_pages |= built.pages
+        self._dirty_page_refs |= built.page_refs
+        self._dirty_roots |= built.roots
+        self._dirty_volumes |= {v for v in built.volumes if not v.removed}
+        self._deleted_volumes = built.deleted_volumes + self._deleted_volumes
+        self.space.dirty_pages.update(built.txn.refcount_pages)
+        self.dirty = True
+
+    def _settle(self, built: _Built) -> None:
+        """A commit succeeded: pages it deleted leave the cache (ids are never reused)."""
+        for page_id, blob in built.txn.pages.items():
+            if blob is None and page_id not in self._dirty_pages:
+                self.pages.pop(page_id, None)
+
+    def _write_metadata(self, txn: Transaction) -> None:
+        """One atomic metadata commit; when the host is full, the metadata slack is
+        given up once and the commit retried (see hostspace)."""
+        try:
+            with self.meta_lock:
+                self.meta.commit(txn)
+        except Exception as exc:
+            if not (is_no_space(exc) and self.host.release_slack()):
+                raise
+            with self.meta_lock:
+                self.meta.commit(txn)
+
+    def _commit_failed(self, exc: Exception) -> CommitError:
+        error = CommitError(self.path, exc)
+        if self.commit_failure is None:
+            log.error("%s", error.strerror)
+        self.commit_failure = error.strerror
+        return error
 
     def _recover_free_space(self) -> None:
         """After an unclean shutdown, restore the two zero rules: free blocks and
@@ -698,28 +895,56 @@ class Pool:
     def flush(self) -> None:
         self.commit()
 
+    def kick_commit(self) -> None:
+        """Commit soon rather than within the interval (freed space the host needs)."""
+        self._kick.set()
+
     def _commit_loop(self) -> None:
-        while not self._closed.wait(COMMIT_INTERVAL_S / 4):
-            now = time.monotonic()
-            sync = now - self.last_data_sync >= DATA_SYNC_INTERVAL_S
-            if (self.dirty and now - self.last_commit >= COMMIT_INTERVAL_S) or (sync and self.space.unsynced_free):
-                with self.lock:
-                    if self._closed.is_set():
-                        return
-                    self.commit(sync_data=sync)
+        """Commit at least once a second. It never dies: a failure is logged once (by
+        commit), retried with a growing delay, and its end is logged too."""
+        delay = COMMIT_INTERVAL_S / 4
+        while not self._closed.is_set():
+            kicked = self._kick.wait(delay)
+            self._kick.clear()
+            if self._closed.is_set():
+                return
+            space = self.space
+            pending = self.dirty or space.pending_free or space.unsynced_free or self.host.slack_released
+            if not pending or (not kicked and time.monotonic() - self.last_commit < COMMIT_INTERVAL_S):
+                continue
+            try:
+                self.commit()
+            except Exception:
+                delay = min(max(delay * 2, 0.5), COMMIT_RETRY_MAX_S)
+            else:
+                delay = COMMIT_INTERVAL_S / 4
 
     def close(self) -> None:
-        """Commit and release everything; the pool object is unusable afterwards."""
+        """Commit and release everything; the pool object is unusable afterwards.
+
+        If the last commit fails, the pool is left marked unclean (the next open
+        recovers it like after a crash) and the failure is raised after cleanup."""
+        failure: Exception | None = None
         with self.lock:
             if self._closed.is_set():
                 return
-            self.commit()
-            self.meta.commit(Transaction(superblock={"clean": True}))
+            try:
+                self.commit()
+                # ZEROED dblocks a failed write reached are re-zeroed by the next open's
+                # recovery: leave the pool marked unclean for that.
+                if not self.unclean_zeroed:
+                    self._write_metadata(Transaction(superblock={"clean": True}))
+            except Exception as exc:
+                failure = exc
+                log.error("pool %s closed without a final commit: %s", self.path, exc)
             self._closed.set()
             self._waits_cancelled.set()
             self.wake_space_waiters()
             self.store.close()
             self.meta.close()
             os.close(self._lock_fd)
+        self._kick.set()
         if self._committer is not None and self._committer is not threading.current_thread():
             self._committer.join()
+        if failure is not None:
+            raise failure

@@ -10,7 +10,9 @@
    zeroing: no stale bytes of its previous owner can ever show.
 
 A freed block therefore moves: referenced -> pending (open transaction) ->
-unsynced (punched, not yet durable) -> free.
+punching -> unsynced (punched, not yet durable) -> free. A punch that fails
+sends it back to pending. Fresh blocks a failed operation took go back the
+same way (`unallocate`): the failed write may have reached them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class SpaceMap:
         self.used_blocks = sum(self.busy)
         self.pending_free: list[int] = []
         self.unsynced_free: list[int] = []
+        self.punching: list[int] = []  # between take_pending and punched
         self.dirty_pages: set[int] = set()
         self._cursor = 0
 
@@ -57,7 +60,7 @@ class SpaceMap:
     @property
     def allocatable_blocks(self) -> int:
         """Blocks that can be handed out right now (pending and unsynced frees excluded)."""
-        return self.n_blocks - self.used_blocks - len(self.pending_free) - len(self.unsynced_free)
+        return self.n_blocks - self.used_blocks - len(self.pending_free) - len(self.unsynced_free) - len(self.punching)
 
     def grow(self, n_blocks: int) -> None:
         extra = n_blocks - self.n_blocks
@@ -108,6 +111,17 @@ class SpaceMap:
             self.used_blocks -= 1
             self.pending_free.append(dblock)
 
+    def unallocate(self, blocks: list[int]) -> None:
+        """Give back fresh blocks a failed operation took (refcount 1, in no page).
+
+        The failed I/O may have written into them, so they take the freed-block path
+        (punched after the next commit, free after the next data sync) rather than
+        becoming allocatable at once: allocatable blocks must read zero."""
+        for dblock in blocks:
+            if self.refcounts[dblock] != 1:
+                raise CorruptionError(f"dblock {dblock} given back with {self.refcounts[dblock]} references")
+            self.decref(dblock)
+
     def is_shared(self, dblock: int) -> bool:
         return self.refcounts[dblock] > 1
 
@@ -120,12 +134,22 @@ class SpaceMap:
         self.dirty_pages.clear()
         return out
 
-    def take_pending(self) -> list[tuple[int, int]]:
-        """After a commit: pending frees become unsynced; returns them as (start, count) runs to punch."""
-        blocks = sorted(self.pending_free)
-        self.pending_free.clear()
-        self.unsynced_free.extend(blocks)
+    def take_pending(self, count: int) -> list[tuple[int, int]]:
+        """After the commit that freed them: the first `count` pending frees, as
+        (start, count) runs to punch; they stay busy until `punched`."""
+        blocks = sorted(self.pending_free[:count])
+        del self.pending_free[:count]
+        self.punching.extend(blocks)
         return to_runs(blocks)
+
+    def punched(self, taken: list[tuple[int, int]], done: list[tuple[int, int]]) -> None:
+        """The punches of `taken` that succeeded (`done`, a prefix) become unsynced (free
+        after the next data sync); the others are pending again, punched after the next commit."""
+        self.punching.clear()
+        for start, count in done:
+            self.unsynced_free.extend(range(start, start + count))
+        for start, count in taken[len(done) :]:
+            self.pending_free[:0] = range(start, start + count)
 
     def release_synced(self, count: int) -> None:
         """After a data sync: the first `count` unsynced frees (punched before it) are free."""

@@ -15,12 +15,14 @@ Two rules keep stale bytes out of reads:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 from array import array
 from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from thinblock.errors import NoSpaceError, NotSupportedError, RangeError, ReadOnlyError
+from thinblock.errors import NoSpaceError, NotSupportedError, OpError, RangeError, ReadOnlyError
 from thinblock.iovec import IOV_MAX
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
 from thinblock.metadata import VolumeRow
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
 
 _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
 _BACKED = 1 << 2  # in _status_runs' keys, beside the state: a write there finds space
+# The layer below is full: the request gets ENOSPC like a full pool (and may wait for space).
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -81,12 +85,38 @@ class _Runs:
         self._add_range(self.zeros, offset, length)
 
     def run(self, store: DataStore) -> None:
+        # Space first: a block entering DATA on a fresh dblock is allocated whole, so a
+        # full layer below fails here, before any byte is written, and later in-place
+        # overwrites of that block never need space below (an emulated allocate writes
+        # zeros, which the payload then overwrites).
+        for offset, length in self.allocs:
+            store.allocate(offset, length)
         for offset, length in self.zeros:
             store.zero(offset, length)
         for offset, bufs, _ in self.writes:
             store.pwritev(offset, bufs)
-        for offset, length in self.allocs:
-            store.allocate(offset, length)
+
+
+class _Change:
+    """What one request will do, collected before any of it is published: the data
+    store I/O (runs), the fresh dblocks it took, and the entries it will set."""
+
+    def __init__(self, fresh: list[int], block_size: int) -> None:
+        self.fresh = fresh
+        self.block_size = block_size
+        self.runs = _Runs()
+        self.entries: list[tuple[int, int]] = []
+        self.runs_of_fresh: list[tuple[int, list[int]]] = []  # (first vblock, fresh dblocks) of an empty page
+        self.in_place_zeroed: list[int] = []  # dblocks of ZEROED blocks written in place
+
+    def set(self, vblock: int, entry: int) -> None:
+        self.entries.append((vblock, entry))
+
+    def reserve_run(self, first: int, dblocks: list[int]) -> None:
+        """UNMAPPED vblocks from `first`, in one page, become ZEROED|PINNED on these dblocks."""
+        self.runs_of_fresh.append((first, dblocks))
+        for dblock in dblocks:
+            self.runs.allocate(dblock * self.block_size, self.block_size)
 
 
 class Volume:
@@ -292,9 +322,11 @@ class Volume:
         """Write data. With detect_zeroes on/unmap, all-zero payloads are not written:
         over UNMAPPED/ZEROED nothing changes; a whole DATA block becomes ZEROED (on)
         or, unless provisioned, UNMAPPED (unmap)."""
-        self._waiting_for_space(self._write, offset, data, fua)
+        self._waiting_for_space(self._write, offset, data)
+        if fua:
+            self.pool.commit()
 
-    def _write(self, offset: int, data: bytes | bytearray | memoryview, fua: bool) -> None:
+    def _write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         buf = memoryview(data).cast("B")
         self._check(offset, len(buf), write=True)
         pool = self.pool
@@ -316,45 +348,54 @@ class Volume:
                     new = self._needs_new_dblock(vblock, entry)
                 needed += new
                 plan.append((vblock, start, end, entry, piece, zero and whole, new))
-            fresh = self._allocate(needed)
-            runs = _Runs()
-            for vblock, start, end, entry, piece, zero_whole, new in plan:
-                state = entry & STATE_MASK
-                pinned = entry & PINNED
-                dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
-                if zero_whole:
-                    if detect == "unmap" and not pinned:
-                        self._set_entry(vblock, 0)
-                    else:
-                        # A ZEROED block's dblock reads zero in the layer below too.
-                        if new:
-                            runs.allocate(dblock * bs, bs)
+            with self._change(needed) as change:
+                fresh, runs = iter(change.fresh), change.runs
+                for vblock, start, end, entry, piece, zero_whole, new in plan:
+                    state = entry & STATE_MASK
+                    pinned = entry & PINNED
+                    dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
+                    if zero_whole:
+                        if detect == "unmap" and not pinned:
+                            change.set(vblock, 0)
                         else:
-                            runs.zero(dblock * bs, bs)
-                        self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | pinned | _ZEROED)
-                    continue
-                if state == _DATA and not new:
-                    runs.write(dblock * bs + start, piece)  # in place
-                    continue
-                # The block enters DATA or moves to a fresh dblock. A fresh dblock and a
-                # ZEROED block's dblock read zero (spacemap's rule), so only the payload is
-                # written; a copy-on-write copy takes the old block's other bytes.
-                if state == _DATA and (start or end != bs):
-                    old = pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs)
-                    runs.write(dblock * bs, old[:start])
-                    runs.write(dblock * bs + start, piece)
-                    runs.write(dblock * bs + end, old[end:])
-                else:
-                    runs.write(dblock * bs + start, piece)
-                self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | pinned | _DATA)
-            runs.run(pool.store)
-            if fua:
-                pool.commit()
+                            # A ZEROED block's dblock reads zero in the layer below too.
+                            if new:
+                                runs.allocate(dblock * bs, bs)
+                            else:
+                                runs.zero(dblock * bs, bs)
+                            change.set(vblock, (dblock << DBLOCK_SHIFT) | pinned | _ZEROED)
+                        continue
+                    if state == _DATA and not new:
+                        runs.write(dblock * bs + start, piece)  # in place
+                        continue
+                    # The block enters DATA or moves to a fresh dblock. A fresh dblock and a
+                    # ZEROED block's dblock read zero (spacemap's rule), so only the payload is
+                    # written; a copy-on-write copy takes the old block's other bytes.
+                    if new:
+                        runs.allocate(dblock * bs, bs)
+                    if state == _DATA and (start or end != bs):
+                        old = pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs)
+                        runs.write(dblock * bs, old[:start])
+                        runs.write(dblock * bs + start, piece)
+                        runs.write(dblock * bs + end, old[end:])
+                    elif not new and dblock in pool.unclean_zeroed:
+                        # A failed write reached this ZEROED block's dblock: write it whole.
+                        runs.write(dblock * bs, zero_bytes(start))
+                        runs.write(dblock * bs + start, piece)
+                        runs.write(dblock * bs + end, zero_bytes(bs - end))
+                        change.in_place_zeroed.append(dblock)
+                    else:
+                        runs.write(dblock * bs + start, piece)
+                        if not new:
+                            change.in_place_zeroed.append(dblock)
+                    change.set(vblock, (dblock << DBLOCK_SHIFT) | pinned | _DATA)
 
     def trim(self, offset: int, length: int, *, fua: bool = False) -> None:
         """Discard: whole blocks become UNMAPPED (space back to the pool and the layer
         below, after the next commit); partial DATA blocks are zeroed in place."""
-        self._waiting_for_space(self._zero_or_trim, offset, length, False, False, fua)
+        self._waiting_for_space(self._zero_or_trim, offset, length, False, False)
+        if fua:
+            self.pool.commit()
 
     def write_zeroes(
         self, offset: int, length: int, *, no_hole: bool = False, fast: bool = False, fua: bool = False
@@ -365,9 +406,11 @@ class Volume:
         fast: if any zero bytes would have to be written, fail with ENOTSUP and
         change nothing.
         """
-        self._waiting_for_space(self._zero_or_trim, offset, length, no_hole, fast, fua)
+        self._waiting_for_space(self._zero_or_trim, offset, length, no_hole, fast)
+        if fua:
+            self.pool.commit()
 
-    def _zero_or_trim(self, offset: int, length: int, no_hole: bool, fast: bool, fua: bool) -> None:
+    def _zero_or_trim(self, offset: int, length: int, no_hole: bool, fast: bool) -> None:
         self._check(offset, length, write=True)
         pool = self.pool
         bs = pool.block_size
@@ -395,41 +438,41 @@ class Volume:
                 new = action != "unmap" and self._needs_new_dblock(vblock, entry)
                 needed += new
                 plan.append((vblock, start, end, entry, action, new))
-            fresh = self._allocate(needed)
-            runs = _Runs()
-            for vblock, start, end, entry, action, new in plan:
-                if action == "reserve_run":
-                    self._reserve_unmapped_run(vblock, end, fresh, runs)
-                elif action == "unmap":
-                    self._set_entry(vblock, 0)
-                elif action == "zero_part":
-                    if not new:
-                        runs.write((entry >> DBLOCK_SHIFT) * bs + start, zero_bytes(end - start))
-                        continue
-                    dblock = next(fresh)
-                    block = bytearray(pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
-                    block[start:end] = zero_bytes(end - start)
-                    runs.write(dblock * bs, bytes(block))
-                    self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | (entry & PINNED) | _DATA)
-                else:
-                    dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
-                    if new:
+            with self._change(needed) as change:
+                fresh, runs = iter(change.fresh), change.runs
+                for vblock, start, end, entry, action, new in plan:
+                    if action == "reserve_run":
+                        change.reserve_run(vblock, list(islice(fresh, end - vblock + 1)))
+                    elif action == "unmap":
+                        change.set(vblock, 0)
+                    elif action == "zero_part":
+                        if not new:
+                            runs.write((entry >> DBLOCK_SHIFT) * bs + start, zero_bytes(end - start))
+                            continue
+                        dblock = next(fresh)
+                        block = bytearray(pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
+                        block[start:end] = zero_bytes(end - start)
                         runs.allocate(dblock * bs, bs)
-                    elif entry & STATE_MASK == _DATA:
-                        runs.zero(dblock * bs, bs)  # ZEROED dblocks read zero below too
-                    self._set_entry(vblock, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
-            runs.run(pool.store)
-            if fua:
-                pool.commit()
+                        runs.write(dblock * bs, bytes(block))
+                        change.set(vblock, (dblock << DBLOCK_SHIFT) | (entry & PINNED) | _DATA)
+                    else:
+                        dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
+                        if new:
+                            runs.allocate(dblock * bs, bs)
+                        elif entry & STATE_MASK == _DATA:
+                            runs.zero(dblock * bs, bs)  # ZEROED dblocks read zero below too
+                        change.set(vblock, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
 
     def provision(self, offset: int, length: int, *, fua: bool = False) -> None:
         """Reserve real space for every block touched, in the pool and the layer below.
 
         All or nothing: ENOSPC and no change when the pool cannot hold it all.
         """
-        self._waiting_for_space(self._provision, offset, length, fua)
+        self._waiting_for_space(self._provision, offset, length)
+        if fua:
+            self.pool.commit()
 
-    def _provision(self, offset: int, length: int, fua: bool) -> None:
+    def _provision(self, offset: int, length: int) -> None:
         self._check(offset, length, write=True)
         pool = self.pool
         bs = pool.block_size
@@ -446,25 +489,54 @@ class Volume:
                 if new or not entry & PINNED:
                     needed += new
                     plan.append((vblock, vblock, entry, new))
-            fresh = self._allocate(needed)
-            runs = _Runs()
-            for lo, hi, entry, new in plan:
-                if not new:
-                    self._set_entry(lo, entry | PINNED)
-                elif not entry:
-                    self._reserve_unmapped_run(lo, hi, fresh, runs)
-                elif entry & STATE_MASK == _DATA:
-                    # A shared DATA block: copy it now so later writes need no space.
-                    dblock = next(fresh)
-                    runs.write(dblock * bs, pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
-                    self._set_entry(lo, (dblock << DBLOCK_SHIFT) | PINNED | _DATA)
-                else:
-                    dblock = next(fresh)
-                    runs.allocate(dblock * bs, bs)
-                    self._set_entry(lo, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
-            runs.run(pool.store)
-            if fua:
-                pool.commit()
+            with self._change(needed) as change:
+                fresh, runs = iter(change.fresh), change.runs
+                for lo, hi, entry, new in plan:
+                    if not new:
+                        change.set(lo, entry | PINNED)
+                    elif not entry:
+                        change.reserve_run(lo, list(islice(fresh, hi - lo + 1)))
+                    elif entry & STATE_MASK == _DATA:
+                        # A shared DATA block: copy it now so later writes need no space.
+                        dblock = next(fresh)
+                        runs.allocate(dblock * bs, bs)
+                        runs.write(dblock * bs, pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
+                        change.set(lo, (dblock << DBLOCK_SHIFT) | PINNED | _DATA)
+                    else:
+                        dblock = next(fresh)
+                        runs.allocate(dblock * bs, bs)
+                        change.set(lo, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
+
+    @contextlib.contextmanager
+    def _change(self, needed: int) -> Iterator[_Change]:
+        """Take `needed` fresh dblocks, let the caller fill in a _Change, then act on it
+        in the one order that keeps rule 1 of DESIGN.md ("an operation that fails
+        changes nothing"): data I/O first; only once it all succeeded are the new
+        entries published. If anything fails before that (a pread for a copy, the
+        data store's write, zero-range or fallocate), the fresh dblocks go back and
+        no entry has changed; ENOSPC from the layer below is an ordinary NoSpaceError.
+        (FUA commits after the verb, outside the pool lock: a failed commit leaves the
+        change in memory, pending for the next commit, and fails the request.)"""
+        fresh = self._allocate(needed)
+        change = _Change(fresh, self.pool.block_size)
+        try:
+            yield change
+            change.runs.run(self.pool.store)
+        except BaseException as exc:
+            self.pool.return_fresh(fresh)
+            # A ZEROED block's dblock must read zero (the rule writes into it rely on);
+            # the failed write may have reached it, so the next write there is whole.
+            self.pool.unclean_zeroed.update(change.in_place_zeroed)
+            if isinstance(exc, OSError) and not isinstance(exc, OpError) and exc.errno in _NO_SPACE_ERRNOS:
+                raise NoSpaceError(f"the data store below pool {self.pool.path} is full: {exc.strerror}") from exc
+            raise
+        self.pool.unclean_zeroed.difference_update(change.in_place_zeroed)
+        for vblock, entry in change.entries:
+            self._set_entry(vblock, entry)
+        for first, dblocks in change.runs_of_fresh:
+            self._set_unmapped_run(first, [(d << DBLOCK_SHIFT) | PINNED | _ZEROED for d in dblocks])
+        if self.pool.host.slack_released and self.pool.space.pending_free:
+            self.pool.kick_commit()  # the host is full: give freed space back now, not within a second
 
     def _segments_or_empty_pages(
         self, offset: int, length: int, bulk: bool
@@ -486,14 +558,6 @@ class Volume:
             else:
                 yield pos // bs, 0, (stop - 1) // bs, -1, False
             pos = stop
-
-    def _reserve_unmapped_run(self, first: int, last: int, fresh: Iterator[int], runs: _Runs) -> None:
-        """UNMAPPED vblocks [first, last] of one page become ZEROED|PINNED on fresh dblocks."""
-        bs = self.pool.block_size
-        dblocks = list(islice(fresh, last - first + 1))
-        self._set_unmapped_run(first, [(d << DBLOCK_SHIFT) | PINNED | _ZEROED for d in dblocks])
-        for dblock in dblocks:
-            runs.allocate(dblock * bs, bs)
 
     def _set_unmapped_run(self, first: int, new_entries: list[int]) -> None:
         """_set_entry in bulk for a run of UNMAPPED vblocks in one page becoming
@@ -518,14 +582,14 @@ class Volume:
         if touched - mapped > self.pool.space.free_blocks:
             self.pool.reserve(touched - mapped, self)
 
-    def _allocate(self, count: int) -> Iterator[int]:
+    def _allocate(self, count: int) -> list[int]:
         """Reserve and take `count` fresh dblocks, or raise NoSpaceError having changed nothing."""
         if not count:
-            return iter(())
+            return []
         self.pool.reserve(count, self)
         blocks = self.pool.space.allocate(count)
         self.pool.policy.check(self)
-        return iter(blocks)
+        return blocks
 
     def _waiting_for_space(self, verb: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """Run a mutating verb; under the pool's wait policy, ENOSPC holds it (pool lock

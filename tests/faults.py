@@ -1,0 +1,133 @@
+"""Fault injection: a data store and a metadata store that fail at the Nth call.
+
+`FaultyStore` is a filter over any DataStore (nbdkit's error filter, in
+spirit); `FaultyMeta` wraps the pool's metadata store and fails commits. A
+fault is armed for one call index among the chosen verbs and fires once:
+
+- "eio": the call raises EIO and does nothing;
+- "enospc": the call raises ENOSPC and does nothing (a full host);
+- "short": a pwritev writes only part of its bytes, then raises ENOSPC
+  (what a filling disk does); other verbs raise ENOSPC.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from thinblock.datastore import DataStore, Support
+from thinblock.metadata import Transaction
+
+STORE_VERBS = ("pread", "pwritev", "punch", "zero", "allocate", "flush")
+KINDS = ("eio", "enospc", "short")
+
+
+@dataclass
+class Fault:
+    verbs: tuple[str, ...]
+    after: int  # calls of those verbs that still succeed first
+    kind: str
+    fired: bool = False
+
+
+def _error(kind: str, what: str) -> OSError:
+    code = errno.EIO if kind == "eio" else errno.ENOSPC
+    return OSError(code, f"injected {os.strerror(code)} in {what}")
+
+
+class _Armed:
+    def __init__(self) -> None:
+        self.fault: Fault | None = None
+
+    def arm(self, fault: Fault | None) -> None:
+        self.fault = fault
+
+    @property
+    def fired(self) -> bool:
+        return self.fault is not None and self.fault.fired
+
+    def _hit(self, verb: str) -> Fault | None:
+        fault = self.fault
+        if fault is None or fault.fired or verb not in fault.verbs:
+            return None
+        if fault.after > 0:
+            fault.after -= 1
+            return None
+        fault.fired = True
+        return fault
+
+
+class FaultyStore(_Armed, DataStore):
+    """A DataStore filter that fails one chosen call."""
+
+    def __init__(self, inner: DataStore) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def _check(self, verb: str) -> None:
+        fault = self._hit(verb)
+        if fault is not None:
+            raise _error(fault.kind, verb)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.inner.size_bytes
+
+    def pread(self, offset: int, length: int) -> bytes:
+        self._check("pread")
+        return self.inner.pread(offset, length)
+
+    def pwritev(self, offset: int, buffers: Sequence[bytes | memoryview]) -> None:
+        fault = self._hit("pwritev")
+        if fault is not None:
+            if fault.kind == "short":
+                data = b"".join(bytes(b) for b in buffers)
+                if len(data) > 1:
+                    self.inner.pwritev(offset, [data[: len(data) // 2]])
+            raise _error(fault.kind, "pwritev")
+        self.inner.pwritev(offset, buffers)
+
+    def punch(self, offset: int, length: int) -> None:
+        self._check("punch")
+        self.inner.punch(offset, length)
+
+    def zero(self, offset: int, length: int) -> None:
+        self._check("zero")
+        self.inner.zero(offset, length)
+
+    def allocate(self, offset: int, length: int) -> None:
+        self._check("allocate")
+        self.inner.allocate(offset, length)
+
+    def flush(self) -> None:
+        self._check("flush")
+        self.inner.flush()
+
+    def grow(self, new_size_bytes: int) -> None:
+        self.inner.grow(new_size_bytes)
+
+    def support(self) -> dict[str, Support]:
+        return self.inner.support()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FaultyMeta(_Armed):
+    """The pool's metadata store with commits that fail on command (everything else passes through)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def commit(self, txn: Transaction) -> None:
+        fault = self._hit("commit")
+        if fault is not None:
+            raise _error(fault.kind, "metadata commit")
+        self.inner.commit(txn)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
