@@ -61,7 +61,7 @@ def _dump(pool: Pool) -> dict[str, Any]:
 
 VERBS: dict[str, Callable[..., Any]] = {
     "status": lambda pool: pool.status(),
-    "pool_grow": lambda pool, size_bytes: pool.grow(size_bytes),
+    "pool_grow": lambda pool, size_bytes: {"warnings": pool.grow(size_bytes)},
     "pool_set": lambda pool, **changes: (pool.set_policy(changes), pool.policy.settings())[1],
     "pool_dump": _dump,
     "volume_list": lambda pool, kind=None: _listing(pool, kind),

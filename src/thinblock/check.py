@@ -11,9 +11,11 @@ import sqlite3
 from array import array
 from collections import Counter
 
-from thinblock.errors import CorruptionError
+from thinblock.datastore import FileStore
+from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page, entry_valid
 from thinblock.metadata import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
+from thinblock.pool import data_store_path
 from thinblock.spacemap import REFCOUNT_PAGE_ENTRIES
 
 
@@ -23,6 +25,37 @@ def check_metadata(meta: MetadataStore) -> list[str]:
         return _check(meta)
     except (sqlite3.DatabaseError, CorruptionError, ValueError, KeyError, TypeError) as exc:
         return [f"metadata cannot be read: {exc}"]
+
+
+def check_data_store(pool_path: str, meta: MetadataStore) -> list[str]:
+    """What the superblock promises about the data store, checked against it: it
+    exists and holds at least the pool's size (a shorter one would serve its
+    missing tail as zeros)."""
+    try:
+        sb = meta.superblock()
+        size_bytes, block_size = int(sb["size_bytes"]), int(sb["block_size"])
+    except (CorruptionError, KeyError, ValueError, TypeError) as exc:
+        return [f"superblock cannot be read: {exc}"]
+    problems = []
+    if size_bytes <= 0 or size_bytes % block_size:
+        problems.append(f"superblock pool size {size_bytes} is not a positive multiple of the block size {block_size}")
+    if not 0 <= int(sb.get("used_blocks") or 0) <= size_bytes // max(1, block_size):
+        problems.append(f"superblock records {sb.get('used_blocks')} used blocks in a pool of {size_bytes} bytes")
+    data_path = data_store_path(pool_path, sb)
+    try:
+        store = FileStore(data_path, readonly=True)
+    except ThinblockError as exc:
+        return [*problems, str(exc)]
+    try:
+        have = store.size_bytes
+    finally:
+        store.close()
+    if have < size_bytes:
+        problems.append(
+            f"data store {data_path} holds {have} bytes, less than the pool's {size_bytes}:"
+            " it was truncated ('thinblock pool repair' extends it and drops the mappings it lost)"
+        )
+    return problems
 
 
 def _check_lineage_and_reservations(

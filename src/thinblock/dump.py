@@ -26,6 +26,7 @@ from array import array
 from collections import Counter
 from typing import Any
 
+from thinblock.datastore import FileStore
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
 from thinblock.metadata import DB_NAME, MetadataStore, Transaction, VolumeRow
@@ -279,12 +280,15 @@ def restore(path: str, dump: dict[str, Any]) -> dict[str, Any]:
 # ----- repair ----------------------------------------------------------------------
 
 
-def salvage(meta: MetadataStore) -> tuple[dict[str, Any], list[str]]:
-    """A dump of everything readable, and sentences on what was lost."""
+def salvage(meta: MetadataStore, data_bytes: int | None = None) -> tuple[dict[str, Any], list[str]]:
+    """A dump of everything readable, and sentences on what was lost. With
+    data_bytes (a data store shorter than the pool), mappings into the missing
+    tail are lost too: their bytes are gone."""
     lost: list[str] = []
     sb = meta.superblock()
     block_size = int(sb["block_size"])
     n_blocks = int(sb["size_bytes"]) // block_size
+    present = n_blocks if data_bytes is None else min(n_blocks, data_bytes // block_size)
     rows = {row.id: row for row in meta.volumes()}
     by_volume: dict[int, list[tuple[int, int]]] = {vid: [] for vid in rows}
     pages: dict[int, Page | None] = {}
@@ -315,6 +319,12 @@ def salvage(meta: MetadataStore) -> tuple[dict[str, Any], list[str]]:
             if state not in (BlockState.DATA, BlockState.ZEROED) or dblock >= n_blocks or vblock >= n_vblocks:
                 lost.append(f"volume {row.name}: block {vblock} had an invalid mapping {entry:#x}; it now reads zeros")
                 continue
+            if dblock >= present and state == BlockState.DATA:
+                lost.append(
+                    f"volume {row.name}: block {vblock} was in the lost tail of the data store (dblock {dblock});"
+                    " it now reads zeros"
+                )
+                continue
             by_volume[volume_id].append((vblock, entry))
     for row in rows.values():
         if row.origin_id is not None and row.origin_id not in rows:
@@ -338,13 +348,38 @@ def repair(path: str) -> dict[str, Any]:
         try:
             meta = MetadataStore.open(db)
             try:
-                dump, lost = salvage(meta)
+                sb = meta.superblock()
+                store = _open_data_store(path, sb)
+                size_bytes = int(sb["size_bytes"])
+                data_bytes = store.size_bytes
+                if data_bytes < size_bytes and store.is_block_device:
+                    store.close()
+                    raise ThinblockError(
+                        f"cannot repair {path}: data device {store.path} holds {data_bytes} bytes, less than the"
+                        f" pool's {size_bytes}; a device cannot be extended"
+                    )
+                dump, lost = salvage(meta, data_bytes)
             finally:
                 meta.close()
         except (sqlite3.DatabaseError, CorruptionError, KeyError, ValueError) as exc:
             raise ThinblockError(f"cannot repair {path}: the metadata database cannot be read ({exc})") from None
-        backup = db + ".bad"
-        with sqlite3.connect(db) as src, sqlite3.connect(backup) as dst:
-            src.backup(dst)
-        build_metadata(db, dump)
+        try:
+            backup = db + ".bad"
+            with sqlite3.connect(db) as src, sqlite3.connect(backup) as dst:
+                src.backup(dst)
+            build_metadata(db, dump)
+            if data_bytes < size_bytes:
+                store.grow(size_bytes)  # the lost tail reads zeros again; nothing maps its data
+                store.flush()
+                lost.append(f"data store {store.path} was extended from {data_bytes} to {size_bytes} bytes")
+        except OSError as exc:
+            raise ThinblockError(f"cannot repair {path}: {exc.strerror or exc}") from None
+        finally:
+            store.close()
     return {"lost": lost, "volumes": len(dump["volumes"]), "backup": backup}
+
+
+def _open_data_store(path: str, sb: dict[str, Any]) -> FileStore:
+    from thinblock.pool import data_store_path
+
+    return FileStore(data_store_path(path, sb))

@@ -138,6 +138,6 @@ class HostSpace:
         if size_bytes <= room:
             return None
         return (
-            f"pool {self.pool_dir} is {format_size(size_bytes)} but the host filesystem under it can hold"
-            f" only {format_size(room)} of data: writes will fail with ENOSPC before the pool is full"
+            f"pool {self.pool_dir} ({format_size(size_bytes)}) is larger than the host filesystem under it"
+            f" can hold ({format_size(room)} of data): writes will fail with ENOSPC before the pool is full"
         )

@@ -174,7 +174,10 @@ class MetadataStore:
                 store._migrate_from_1()
                 version = FORMAT_VERSION
         except sqlite3.DatabaseError as exc:
-            raise CorruptionError(f"metadata database {path} is unreadable: {exc}") from exc
+            raise CorruptionError(
+                f"metadata database {path} is damaged or not a thinblock pool's ({exc});"
+                " restore it from a dump with 'thinblock pool restore'"
+            ) from None
         if version == 1:
             raise ThinblockError(
                 f"metadata format 1 in {path}: open the pool once for writing (any pool command) to upgrade it"

@@ -113,6 +113,11 @@ def _open_meta(path: str, *, readonly: bool) -> MetadataStore:
     return MetadataStore.open(db, readonly=readonly)
 
 
+def data_store_path(path: str, superblock: dict[str, Any]) -> str:
+    """Where a pool's data lives: its raw device, or the sparse file in its directory."""
+    return str(superblock.get("data_path") or os.path.join(path, DATA_FILE))
+
+
 def check_data_size(store: DataStore, size_bytes: int, data_path: str) -> None:
     """A data store shorter than the pool would serve its missing tail as zeros: refuse."""
     have = store.size_bytes
@@ -213,7 +218,7 @@ class Pool:
             data_on_device=bool(sb.get("data_path")),
         )
         self.host.take_slack()
-        self.data_path = str(sb.get("data_path") or os.path.join(path, DATA_FILE))
+        self.data_path = data_store_path(path, sb)
         self.warnings: list[str] = []  # for the person who opened it (pool create, grow)
         self._closed = threading.Event()
         self._waits_cancelled = threading.Event()
@@ -312,7 +317,6 @@ class Pool:
             raise
         warning = pool.host.capacity_warning(size_bytes, pool.data_path)
         if warning:
-            log.warning("%s", warning)
             pool.warnings.append(warning)
         return pool
 
@@ -329,7 +333,7 @@ class Pool:
             raise
         try:
             sb = meta.superblock()
-            data_path = str(sb.get("data_path") or os.path.join(path, DATA_FILE))
+            data_path = data_store_path(path, sb)
             store = FallbackStore(FileStore(data_path))
             try:
                 check_data_size(store, int(sb["size_bytes"]), data_path)
@@ -528,8 +532,9 @@ class Pool:
 
     # ----- space ------------------------------------------------------------------
 
-    def grow(self, size_bytes: int) -> None:
-        """Grow the pool online; shrinking is refused."""
+    def grow(self, size_bytes: int) -> list[str]:
+        """Grow the pool online; shrinking is refused. Returns warnings for a person
+        (a pool larger than the host can hold)."""
         with self.lock:
             if size_bytes % self.block_size:
                 raise ThinblockError(f"pool size must be a multiple of the block size ({format_size(self.block_size)})")
@@ -538,7 +543,7 @@ class Pool:
                     f"shrinking a pool is not supported ({format_size(self.size_bytes)} -> {format_size(size_bytes)})"
                 )
             if size_bytes == self.size_bytes:
-                return
+                return []
             try:
                 self.store.grow(size_bytes)
             except OSError as exc:
@@ -549,15 +554,15 @@ class Pool:
                     ) from None
                 raise ThinblockError(f"cannot grow the data store of pool {self.path}: {exc.strerror}") from None
             warning = self.host.capacity_warning(size_bytes, self.data_path)
-            if warning:
-                log.warning("%s", warning)
-                self.warnings.append(warning)
             self.space.grow(size_bytes // self.block_size)
             self.size_bytes = size_bytes
             self.dirty = True
             self.commit()
             log.info("pool %s grown to %s", self.path, format_size(size_bytes))
+            if warning:
+                log.warning("%s", warning)
             self.wake_space_waiters()
+            return [warning] if warning else []
 
     def reserve(self, n_blocks: int, vol: Volume | None = None) -> None:
         """Ensure n_blocks can be allocated now for vol, or raise NoSpaceError (nothing changed).

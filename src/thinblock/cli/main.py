@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from thinblock.admin import open_admin
-from thinblock.check import check_metadata
+from thinblock.check import check_data_store, check_metadata
 from thinblock.errors import OpError, PoolBusyError, ThinblockError
 from thinblock.pool import DEFAULT_BLOCK_SIZE, Pool, _open_meta
 from thinblock.sizes import format_size, parse_size
@@ -100,9 +100,15 @@ def _human_volumes(volumes: list[dict[str, Any]]) -> str:
 # ----- commands ------------------------------------------------------------------------
 
 
+def _warn(warnings: list[str]) -> None:
+    for warning in warnings:
+        print(f"thinblock: warning: {warning}", file=sys.stderr)
+
+
 def cmd_pool_create(args: argparse.Namespace) -> None:
     with Pool.create(args.pool, args.size, block_size=args.block_size, data_path=args.data) as pool:
         status = pool.status()
+        _warn(pool.warnings)
     print(
         f"created pool {args.pool}: {format_size(status['size_bytes'])}, block size {format_size(status['block_size'])}"
     )
@@ -113,7 +119,7 @@ def cmd_pool_status(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_grow(args: argparse.Namespace) -> None:
-    _admin(args.pool, "pool_grow", size_bytes=args.size)
+    _warn(_admin(args.pool, "pool_grow", size_bytes=args.size)["warnings"])
     print(f"pool {args.pool} is now {format_size(args.size)}")
 
 
@@ -126,7 +132,7 @@ def cmd_pool_set(args: argparse.Namespace) -> None:
 def cmd_pool_check(args: argparse.Namespace) -> int:
     meta = _open_meta(args.pool, readonly=True)
     try:
-        problems = check_metadata(meta)
+        problems = check_metadata(meta) + check_data_store(args.pool, meta)
     finally:
         meta.close()
     if args.json:
