@@ -58,7 +58,7 @@ def test_nbdinfo_list_and_json(served: Server) -> None:
         assert disk[flag] is True, flag
     assert disk["is_read_only"] is False
     assert "base:allocation" in disk["contexts"]
-    assert disk["block_size_maximum"] == 32 * MiB
+    assert disk["block_size_maximum"] == 64 * MiB
     one = json.loads(run("nbdinfo", "--json", served.tcp_uri("disk")))
     assert one["exports"][0]["export-size"] == GiB
 

@@ -11,6 +11,7 @@ from thinblock.nbd.protocol import (
     NEED_DATA,
     Closed,
     ExportInfo,
+    PayloadPending,
     RemoteProtocolError,
     Request,
     ServerConnection,
@@ -110,6 +111,34 @@ def test_export_name_then_requests_and_validation() -> None:
     assert conn.simple_reply(7, c.EPERM) == struct.pack(">IIQ", c.SIMPLE_REPLY_MAGIC, c.EPERM, 7)
     conn.receive_data(struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_DISC, 8, 0, 0))
     assert isinstance(conn.next_event(), Closed)
+
+
+def test_write_payload_is_announced_then_handed_over_whole() -> None:
+    """A write's header alone gives PayloadPending once (the shell reserves memory
+    before reading on), wanted() counts the missing bytes, and the payload that
+    ends the buffer is handed over without a copy; 64 MiB is accepted, more is not."""
+    conn = started(c.FLAG_C_FIXED_NEWSTYLE | c.FLAG_C_NO_ZEROES)
+    conn.receive_data(opt(c.OPT_EXPORT_NAME, b"a"))
+    assert isinstance(conn.next_event(), Transmission)
+    conn.data_to_send()
+    header = struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_WRITE, 9, 0, 10)
+    conn.receive_data(header + b"abcd")
+    assert conn.next_event() == PayloadPending(10)
+    assert conn.wanted() == 6
+    assert conn.next_event() is NEED_DATA  # announced once only
+    conn.receive_data(b"efghij")
+    assert conn.wanted() == 0
+    req = conn.next_event()
+    assert isinstance(req, Request) and req.payload == b"abcdefghij" and isinstance(req.payload, bytearray)
+    conn.receive_data(struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_WRITE, 10, 0, c.MAX_PAYLOAD_BYTES))
+    assert conn.next_event() == PayloadPending(64 << 20)
+    assert conn.wanted() == 64 << 20
+    big = ServerConnection(Catalog())
+    big.receive_data(struct.pack(">I", c.FLAG_C_FIXED_NEWSTYLE) + opt(c.OPT_EXPORT_NAME, b"a"))
+    assert isinstance(big.next_event(), Transmission)
+    big.receive_data(struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_WRITE, 11, 0, c.MAX_PAYLOAD_BYTES + 1))
+    with pytest.raises(RemoteProtocolError):
+        big.next_event()
 
 
 def test_structured_read_reply_sends_holes_not_zeros() -> None:

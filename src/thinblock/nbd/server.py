@@ -33,6 +33,7 @@ from thinblock.nbd.protocol import (
     Closed,
     ExportInfo,
     NeedData,
+    PayloadPending,
     RemoteProtocolError,
     Request,
     ServerConnection,
@@ -45,9 +46,20 @@ from thinblock.volume import Volume
 log = logging.getLogger("thinblock.nbd")
 
 MAX_IN_FLIGHT = 64
-READ_CHUNK_BYTES = 1 << 20
+READ_CHUNK_BYTES = 256 << 10
 WORKERS = 4
 QUICK_REQUEST_BYTES = 128 << 10
+LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+# Bytes in flight (write payloads being received or run, read replies being built or
+# sent), bounded three ways. A connection holds at most CONNECTION_BUDGET_BYTES (one
+# request of the largest size always fits); all connections together hold at most
+# SERVER_BUDGET_BYTES, of which requests over LARGE_REQUEST_BYTES may take only
+# LARGE_BUDGET_BYTES, so small requests of well-behaved clients always find room.
+# A connection over budget is simply not read from until its replies drain.
+CONNECTION_BUDGET_BYTES = c.MAX_PAYLOAD_BYTES
+SERVER_BUDGET_BYTES = 256 << 20
+LARGE_BUDGET_BYTES = 192 << 20
+LARGE_REQUEST_BYTES = 1 << 20
 
 _STATE_FLAGS = {
     BlockState.UNMAPPED: c.STATE_HOLE | c.STATE_ZERO,
@@ -203,6 +215,40 @@ class TLSConfig:
         return ctx
 
 
+class ByteBudget:
+    """A count of bytes in flight with a ceiling; acquire blocks while it is reached.
+
+    A request larger than the whole budget still runs when nothing else holds any
+    (it can never fit otherwise)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.used_bytes = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n_bytes: int, stopping: threading.Event) -> bool:
+        """Take n_bytes; False if the server stops while waiting."""
+        with self._cond:
+            while self.used_bytes and self.used_bytes + n_bytes > self.limit_bytes:
+                if stopping.is_set():
+                    return False
+                self._cond.wait(0.5)
+            self.used_bytes += n_bytes
+            return True
+
+    def release(self, n_bytes: int) -> None:
+        with self._cond:
+            self.used_bytes -= n_bytes
+            self._cond.notify_all()
+
+
+def request_cost(req: Request) -> int:
+    """The bytes a request holds while in flight: its payload or its reply's data."""
+    if req.command in (c.CMD_READ, c.CMD_WRITE):
+        return req.length
+    return 0
+
+
 class NBDServer:
     """Serves every volume of an open pool over NBD."""
 
@@ -218,6 +264,8 @@ class NBDServer:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self._next_id = 0
+        self.budget = ByteBudget(SERVER_BUDGET_BYTES)
+        self.large_budget = ByteBudget(LARGE_BUDGET_BYTES)
 
     def listen_unix(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -236,7 +284,7 @@ class NBDServer:
         return int(sock.getsockname()[1])
 
     def _listen(self, sock: socket.socket) -> None:
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
         self.listeners.append(sock)
         thread = threading.Thread(target=self._accept_loop, args=(sock,), name="thinblock-nbd-accept", daemon=True)
         self.threads.append(thread)
@@ -300,7 +348,9 @@ class Session:
         )
         self.volume: Volume | None = None
         self.slots = threading.Semaphore(MAX_IN_FLIGHT)
-        self.replies: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self.budget = ByteBudget(CONNECTION_BUDGET_BYTES)
+        self.reserved = 0  # bytes taken for a write payload announced and not yet a Request
+        self.replies: queue.SimpleQueue[tuple[list[bytes], int] | None] = queue.SimpleQueue()
         self.reader = threading.Thread(target=self._run, name=f"thinblock-nbd-{sid}", daemon=True)
         self.writer: threading.Thread | None = None
         self.pending = 0
@@ -334,6 +384,9 @@ class Session:
             if self.writer is not None:
                 self.replies.put(None)
                 self.writer.join()
+            if self.reserved:  # the client left in the middle of a write payload
+                self._give_budget(self.reserved)
+                self.reserved = 0
             with contextlib.suppress(OSError):
                 self.sock.close()
             with self.server.lock:
@@ -353,16 +406,29 @@ class Session:
             if out:
                 self._send([out])
             if isinstance(event, NeedData):
-                n = self.sock.recv_into(view)
+                wanted = conn.wanted()  # read a write payload alone, so it is not copied
+                n = self.sock.recv_into(view[: min(len(view), wanted)] if wanted else view)
                 conn.receive_data(view[:n])
+            elif isinstance(event, PayloadPending):
+                # Reserve memory for the payload before reading it: over budget, this
+                # connection is not read from (its client waits), others go on.
+                if not self._take_budget(event.length):
+                    return "server shutting down"
+                self.reserved = event.length
             elif isinstance(event, Request):
+                cost = request_cost(event)
+                if self.reserved:
+                    assert cost == self.reserved
+                    self.reserved = 0
+                elif not self._take_budget(cost):
+                    return "server shutting down"
                 self.slots.acquire()
                 with self.pending_lock:
                     self.pending += 1
                 if _quick(event):
-                    self._work(event)  # no thread handoff for small requests: the common case
+                    self._work(event, cost)  # no thread handoff for small requests: the common case
                 else:
-                    self.server.executor.submit(self._work, event)
+                    self.server.executor.submit(self._work, event, cost)
             elif isinstance(event, StartTLS):
                 assert self.server.ssl_context is not None
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
@@ -385,9 +451,35 @@ class Session:
             elif isinstance(event, Closed):
                 return event.reason
 
-    def _work(self, req: Request) -> None:
+    def _take_budget(self, cost: int) -> bool:
+        """The connection's share, then the server's (and its large-request share)."""
+        stopping = self.server.stopping
+        if not self.budget.acquire(cost, stopping):
+            return False
+        if cost > LARGE_REQUEST_BYTES and not self.server.large_budget.acquire(cost, stopping):
+            self.budget.release(cost)
+            return False
+        if not self.server.budget.acquire(cost, stopping):
+            self._give_budget(cost, server=False)
+            return False
+        return True
+
+    def _give_budget(self, cost: int, *, server: bool = True) -> None:
+        if server:
+            self.server.budget.release(cost)
+        if cost > LARGE_REQUEST_BYTES:
+            self.server.large_budget.release(cost)
+        self.budget.release(cost)
+
+    def _work(self, req: Request, cost: int) -> None:
         try:
-            self.replies.put(self._reply(req))
+            reply = self._reply(req)
+            req.payload = None  # the write's bytes are done with; the reply holds the read's
+            self.replies.put((reply, cost))
+        except BaseException:
+            self._give_budget(cost)
+            self.slots.release()
+            raise
         finally:
             with self.pending_lock:
                 self.pending -= 1
@@ -395,13 +487,16 @@ class Session:
 
     def _write_loop(self) -> None:
         broken = False
-        while (bufs := self.replies.get()) is not None:
+        while (item := self.replies.get()) is not None:
+            bufs, cost = item
             if not broken:
                 try:
                     self._send(bufs)
                 except OSError:
                     broken = True  # keep draining so the reader is never stuck on its slots
                     self.hang_up()
+            del bufs, item
+            self._give_budget(cost)
             self.slots.release()
 
     def _send(self, bufs: list[bytes]) -> None:

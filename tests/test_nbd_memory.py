@@ -1,0 +1,119 @@
+"""Bounded memory against real hostile clients (DESIGN.md: bytes in flight have a
+budget; a client that does not read its replies is not read from)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+from tests.nbd_server import Server, connect, served_pool
+from thinblock.nbd import constants as c
+
+MiB = 1 << 20
+FLAGS = struct.pack(">I", c.FLAG_C_FIXED_NEWSTYLE | c.FLAG_C_NO_ZEROES)
+
+
+def _go(name: bytes) -> bytes:
+    data = struct.pack(">I", len(name)) + name + struct.pack(">H", 0)
+    return struct.pack(">QII", c.IHAVEOPT, c.OPT_GO, len(data)) + data
+
+
+def _req(cmd: int, offset: int, length: int, cookie: int = 1) -> bytes:
+    return struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, cmd, cookie, offset, length)
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _raw(server: Server) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(server.socket)
+    s.settimeout(5)
+    return s
+
+
+def test_hostile_clients_stay_within_the_memory_budget(tmp_path: Path) -> None:
+    """Two clients that never read 64 x 32 MiB READs, eight half-sent 32 MiB WRITEs and a
+    burst of 200 connections: server RSS stays under 512 MiB, no connection is refused,
+    and another client's 4 KiB read takes under a second."""
+    with served_pool(tmp_path, "1G", {"disk": "512M"}) as server:
+        pid = server.proc.pid
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss_bytes(pid))
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        hostile: list[socket.socket] = []
+        burst: list[socket.socket] = []
+        try:
+            # Plain (not structured) replies: each READ's reply carries all 32 MiB.
+            for _ in range(2):
+                s = _raw(server)
+                s.sendall(FLAGS + _go(b"disk") + b"".join(_req(c.CMD_READ, 0, 32 * MiB, i) for i in range(64)))
+                hostile.append(s)
+            for i in range(8):
+                s = _raw(server)
+                # A timeout means the server stopped reading it: that is the budget at work.
+                with contextlib.suppress(TimeoutError):
+                    s.sendall(FLAGS + _go(b"disk") + _req(c.CMD_WRITE, i * 32 * MiB, 32 * MiB) + os.urandom(MiB))
+                hostile.append(s)
+            for _ in range(200):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(10)
+                s.connect(server.socket)
+                burst.append(s)
+            greeted = sum(1 for s in burst if len(s.recv(18, socket.MSG_WAITALL)) == 18)
+            assert greeted == 200, f"{200 - greeted} of 200 connections got no greeting"
+            time.sleep(2)  # let the server take in whatever it will
+            h = connect(server)
+            start = time.monotonic()
+            h.pread(4096, 0)
+            latency = time.monotonic() - start
+            h.shutdown()
+            assert server.alive()
+        finally:
+            done.set()
+            sampler.join()
+            for s in hostile + burst:
+                s.close()
+        print(f"peak RSS {peak[0] / MiB:.0f} MiB, 4 KiB read {latency * 1000:.1f} ms")
+        assert peak[0] < 512 * MiB, f"server RSS reached {peak[0] / MiB:.0f} MiB"
+        assert latency < 1.0, f"a 4 KiB read took {latency:.2f} s"
+
+
+def test_largest_requests_of_the_reference_client(tmp_path: Path) -> None:
+    """nbd-tester-client's integrityhuge trace sends requests up to 47.5 MiB: reads and
+    writes up to 64 MiB work, larger reads get EINVAL/EOVERFLOW and the connection lives."""
+    with served_pool(tmp_path, "256M", {"disk": "128M"}) as server:
+        h = connect(server)
+        data = os.urandom(47 * MiB + MiB // 2)
+        h.pwrite(data, 3 * MiB)
+        assert h.pread(len(data), 3 * MiB) == data
+        h.pwrite(data[: 64 * MiB], 0)
+        assert len(h.pread(64 * MiB, 0)) == 64 * MiB
+        h.shutdown()
+        # libnbd will not send more than 64 MiB; a raw client does, and gets EINVAL.
+        s = _raw(server)
+        s.recv(18, socket.MSG_WAITALL)
+        s.sendall(FLAGS + struct.pack(">QII", c.IHAVEOPT, c.OPT_EXPORT_NAME, 4) + b"disk")
+        assert len(s.recv(10, socket.MSG_WAITALL)) == 10  # size and flags
+        s.sendall(_req(c.CMD_READ, 0, 64 * MiB + 4096, 5) + _req(c.CMD_READ, 3 * MiB, 4096, 6))
+        magic, error, cookie = struct.unpack(">IIQ", s.recv(16, socket.MSG_WAITALL))
+        assert (magic, error, cookie) == (c.SIMPLE_REPLY_MAGIC, c.EINVAL, 5)
+        magic, error, cookie = struct.unpack(">IIQ", s.recv(16, socket.MSG_WAITALL))
+        assert (error, cookie) == (0, 6) and s.recv(4096, socket.MSG_WAITALL) == data[3 * MiB : 3 * MiB + 4096]
+        s.close()
