@@ -31,6 +31,7 @@ class Fault:
     after: int  # calls of those verbs that still succeed first
     kind: str
     fired: bool = False
+    times: int = 1  # how many calls fail once it fires
 
 
 def _error(kind: str, what: str) -> OSError:
@@ -51,12 +52,13 @@ class _Armed:
 
     def _hit(self, verb: str) -> Fault | None:
         fault = self.fault
-        if fault is None or fault.fired or verb not in fault.verbs:
+        if fault is None or fault.times <= 0 or verb not in fault.verbs:
             return None
         if fault.after > 0:
             fault.after -= 1
             return None
         fault.fired = True
+        fault.times -= 1
         return fault
 
 

@@ -146,6 +146,13 @@ class MetadataStore:
 
     @classmethod
     def create(cls, path: str, superblock: dict[str, object]) -> MetadataStore:
+        try:
+            return cls._create(path, superblock)
+        except sqlite3.Error as exc:
+            raise ThinblockError(f"cannot create the metadata database {path}: {exc}") from None
+
+    @classmethod
+    def _create(cls, path: str, superblock: dict[str, object]) -> MetadataStore:
         conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")

@@ -378,9 +378,7 @@ class Pool:
     def add_volume(self, name: str, size_bytes: int, detect_zeroes: str, *, sharing: Volume | None = None) -> Volume:
         """A new, empty volume row; with `sharing`, holding that volume's contents (see share_contents).
         The name is checked before any page reference is taken."""
-        validate_name(name)
-        if name in self.volumes:
-            raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
+        self.check_new_name(name)
         row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time())
         self._next_volume_id += 1
         vol = Volume(self, row, {})
@@ -389,6 +387,12 @@ class Pool:
         if sharing is not None:
             self.share_contents(vol, sharing)
         return vol
+
+    def check_new_name(self, name: str) -> None:
+        """A name a new volume or snapshot may take, or ThinblockError."""
+        validate_name(name)
+        if name in self.volumes:
+            raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
 
     def share_contents(self, vol: Volume, source: Volume) -> None:
         """vol (with an empty root table) takes source's size and contents by sharing

@@ -21,6 +21,7 @@ def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
     """A read-only snapshot of a volume or of another snapshot."""
     with pool.lock:
         vol = pool.volume(source)
+        pool.check_new_name(name)  # a bad name is refused before a reservation is weighed
         # The snapshot shares everything the volume owned: its set-aside grows to
         # the whole reservation, which the pool must be able to hold.
         if vol.row.reserve_bytes:

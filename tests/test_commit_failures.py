@@ -1,0 +1,100 @@
+"""A commit that fails changes nothing in memory, the committer never dies, and
+everything resumes on its own when the layer below recovers (DESIGN.md rule 2)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults import Fault, FaultyMeta, FaultyStore
+from thinblock import NoSpaceError, Pool
+from thinblock.check import check_metadata
+from thinblock.errors import CommitError
+from thinblock.metadata import DB_NAME, MetadataStore
+
+BS = 64 << 10
+
+
+def _check(path: Path) -> list[str]:
+    meta = MetadataStore.open(str(path / DB_NAME), readonly=True)
+    try:
+        return check_metadata(meta)
+    finally:
+        meta.close()
+
+
+def test_committer_survives_failures_and_recovers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "pool"
+    pool = Pool.create(str(path), 64 * BS)
+    meta = FaultyMeta(pool.meta)
+    pool.meta = meta  # type: ignore[assignment]
+    vol = pool.create_volume("v", 32 * BS)
+    vol.write(0, b"a" * (4 * BS))
+    vol.flush()
+    caplog.set_level(logging.WARNING, logger="thinblock.pool")
+    meta.arm(Fault(("commit",), 0, "enospc", times=6))  # the host is full for a while
+    vol.write(BS, b"b" * BS)  # an overwrite: needs no new space
+    vol.write(3 * BS, bytes(BS))  # DATA -> ZEROED: a metadata change, no new space
+    with pytest.raises(CommitError) as info:
+        vol.flush()  # a flush fails honestly, and says ENOSPC
+    assert info.value.errno == errno.ENOSPC
+    assert vol.read(0, 2 * BS) == b"a" * BS + b"b" * BS  # reads go on
+    with pytest.raises(NoSpaceError):
+        vol.write(8 * BS, b"c" * BS)  # new space is refused while commits fail
+    deadline = time.monotonic() + 20
+    while pool.commit_failure is not None:
+        assert time.monotonic() < deadline, "commits never recovered"
+        assert pool._committer is not None and pool._committer.is_alive(), "the committer died"
+        time.sleep(0.1)
+    assert meta.fault is not None and meta.fault.times == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("failed" in m for m in messages) == 1, messages  # logged once, not per retry
+    assert any("succeed again" in m for m in messages)
+    vol.write(8 * BS, b"c" * BS)  # resumed, with no restart
+    pool.close()
+    assert _check(path) == []
+    with Pool.open(str(path)) as again:
+        assert again.volume("v").read(0, 9 * BS) == b"a" * BS + b"b" * BS + b"a" * BS + bytes(5 * BS) + b"c" * BS
+
+
+def test_failed_commit_keeps_refcounts_pending(tmp_path: Path) -> None:
+    """The reported case: a failed commit lost dirty refcount pages, so later commits
+    wrote wrong refcounts and a new volume's writes landed in another's data."""
+    path = tmp_path / "pool"
+    pool = Pool.create(str(path), 16 * BS, block_size=BS)
+    meta = FaultyMeta(pool.meta)
+    pool.meta = meta  # type: ignore[assignment]
+    a = pool.create_volume("a", 8 * BS)
+    a.write(0, b"A" * (8 * BS))
+    meta.arm(Fault(("commit",), 0, "enospc", times=2))  # past the metadata slack too
+    with pytest.raises(CommitError):
+        pool.commit()
+    pool.commit()  # retried: the same refcount pages, now written
+    pool.close()
+    assert _check(path) == []
+    with Pool.open(str(path)) as again:
+        b = again.create_volume("b", 8 * BS)
+        b.write(0, b"B" * (8 * BS))
+        assert again.volume("a").read(0, 8 * BS) == b"A" * (8 * BS)
+
+
+def test_failed_data_sync_fails_the_flush_and_commits_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "pool"
+    pool = Pool.create(str(path), 16 * BS, block_size=BS)
+    store = FaultyStore(pool.store)
+    pool.store = store
+    vol = pool.create_volume("v", 8 * BS)
+    vol.write(0, b"x" * BS)
+    store.arm(Fault(("flush",), 0, "eio"))
+    with pytest.raises(CommitError) as info:
+        vol.flush()
+    assert info.value.errno == errno.EIO
+    assert _check(path) == []
+    vol.flush()
+    pool.close()
+    with Pool.open(str(path)) as again:
+        assert again.volume("v").read(0, BS) == b"x" * BS
