@@ -4,6 +4,7 @@ cannot hold. Real processes, real filesystems (a small loop-mounted ext4)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
@@ -16,10 +17,12 @@ import pytest
 from tests.cli import thinblock
 from tests.nbd_server import Server, connect
 from tests.smallfs import host_free, remount, small_ext4
+from tests.test_attach import env, sh
 from thinblock import Pool
 
 MiB = 1 << 20
 BS = 64 << 10
+__all__ = ["env"]  # the attach tests' fixture: no mount, loop device or daemon outlives a test
 
 
 def _pattern(tag: int, n: int) -> bytes:
@@ -200,4 +203,56 @@ def test_pool_the_host_cannot_hold(tmp_path: Path) -> None:
         assert out.returncode == 1 and "largest file" in out.stderr, out.stderr
         grown = thinblock("pool", "grow", pool, "--size", "1G")
         assert "larger than the host filesystem" in grown.stderr
+        thinblock("pool", "check", pool)
+
+
+def test_low_water_mark_watches_the_host(tmp_path: Path) -> None:
+    """The pool's low-water mark also fires, as `host-low-water`, when the host has
+    less free space than that share of the pool (the pool itself is nearly empty)."""
+    events = tmp_path / "events"
+    with small_ext4(tmp_path, 40) as mnt, Pool.create(str(mnt / "pool"), 256 * MiB) as pool:
+        pool.set_policy(
+            {"low_water": 20, "on_low_water": f'echo "$THINBLOCK_EVENT $THINBLOCK_HOST_FREE_BYTES" >> {events}'}
+        )
+        pool.create_volume("v", 64 * MiB).write(0, b"x" * MiB)
+        deadline = time.monotonic() + 10
+        while not (events.exists() and events.read_text().strip()):
+            assert time.monotonic() < deadline, "no host-low-water event"
+            time.sleep(0.05)
+        kind, free = events.read_text().split()
+        assert kind == "host-low-water" and int(free) < 40 * MiB
+
+
+def test_full_host_disk_through_an_attached_device(env: Path) -> None:
+    """The same through a kernel block device: dd fills the host and gets an error,
+    what was synced before stays, blkdiscard gives the space back to the host at
+    once, and writing resumes."""
+    with small_ext4(env, 40) as mnt:
+        pool = str(mnt / "pool")
+        thinblock("pool", "create", pool, "--size", "256M")
+        thinblock("volume", "create", pool, "v", "--size", "128M")
+        keep = env / "keep.bin"
+        keep.write_bytes(os.urandom(4 * MiB))
+        dev = thinblock("attach", pool, "v").stdout.strip()
+        try:
+            sh("dd", f"if={keep}", f"of={dev}", "bs=1M", "oflag=direct", "conv=fsync")
+            fill = sh("dd", "if=/dev/urandom", f"of={dev}", "bs=1M", "seek=8", "oflag=direct", ok=False)
+            assert fill.returncode != 0, "the host never filled"
+            assert host_free(mnt) < 2 * MiB
+            free_before = host_free(mnt)
+            sh("blkdiscard", "-o", str(8 * MiB), dev)
+            deadline = time.monotonic() + 5
+            while host_free(mnt) < free_before + 8 * MiB and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert host_free(mnt) >= free_before + 8 * MiB, "freed space did not reach the host"
+            deadline = time.monotonic() + 10
+            while sh(
+                "dd", f"if={keep}", f"of={dev}", "bs=1M", "seek=16", "oflag=direct", "conv=fsync", ok=False
+            ).returncode:
+                assert time.monotonic() < deadline, "writes did not resume"
+                time.sleep(0.2)
+            back = sh("sh", "-c", f"dd if={dev} bs=1M count=4 iflag=direct status=none | sha256sum").stdout.split()[0]
+            assert back == hashlib.sha256(keep.read_bytes()).hexdigest()
+        finally:
+            thinblock("detach", dev)
         thinblock("pool", "check", pool)

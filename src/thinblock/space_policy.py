@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("thinblock.space")
 POOL_KEY = ""
+HOST_KEY = "\0host"  # not a volume name
 
 
 def parse_when_full(text: str) -> float | None:
@@ -145,6 +146,7 @@ class SpacePolicy:
                 figures = self.pool.space_figures()
                 percent = 100.0 * figures["available_bytes"] / figures["size_bytes"]
                 self._crossing(POOL_KEY, percent, self.low_water, figures, self.on_low_water)
+                self._check_host(figures)
             vols = [vol] if vol is not None else list(self.pool.volumes.values())
             for v in vols:
                 row = v.row
@@ -158,6 +160,16 @@ class SpacePolicy:
         finally:
             self._checking = False
 
+    def _check_host(self, figures: dict[str, int]) -> None:
+        """The pool's mark watches the host too: its free space, as a share of the pool's
+        size, falling below the same percentage fires a `host-low-water` event (a sparse
+        pool can run out of host disk long before it is full itself)."""
+        host_free = self.pool.host.host_free_bytes()
+        if host_free is None or self.low_water is None:
+            return
+        percent = 100.0 * host_free / figures["size_bytes"]
+        self._crossing(HOST_KEY, percent, self.low_water, {**figures, "host_free_bytes": host_free}, self.on_low_water)
+
     def _crossing(self, key: str, percent: float, mark: float, figures: dict[str, int], command: str | None) -> None:
         if percent >= mark:
             self._fired.discard(key)
@@ -166,16 +178,18 @@ class SpacePolicy:
             return
         self._fired.add(key)
         self.fired_count += 1
-        what = f"pool {self.pool.path}" if key == POOL_KEY else f"volume {key}"
+        what = {POOL_KEY: f"pool {self.pool.path}", HOST_KEY: f"the host filesystem under pool {self.pool.path}"}.get(
+            key, f"volume {key}"
+        )
         log.warning("%s is below its low-water mark: %.1f%% free, mark %.1f%%", what, percent, mark)
         if key == POOL_KEY and self.autogrow is not None:
             self.autogrow_for(1)
         if command:
             env = {f"THINBLOCK_{k.upper()}": str(v) for k, v in figures.items()}
             env.update(
-                THINBLOCK_EVENT="low-water",
+                THINBLOCK_EVENT="host-low-water" if key == HOST_KEY else "low-water",
                 THINBLOCK_POOL=os.path.abspath(self.pool.path),
-                THINBLOCK_VOLUME=key,
+                THINBLOCK_VOLUME="" if key == HOST_KEY else key,
                 THINBLOCK_FREE_PERCENT=f"{percent:.2f}",
                 THINBLOCK_LOW_WATER_PERCENT=f"{mark:g}",
             )

@@ -71,6 +71,12 @@ def _human_status(status: dict[str, Any]) -> str:
             else ""
         ),
     ]
+    host = status.get("host_free_bytes")
+    lines.append(
+        ("host: raw device" if host is None else f"host: {format_size(host)} free below the pool")
+        + f", metadata slack {format_size(status['metadata_slack_bytes'])}"
+        + (f"; COMMITS FAILING: {status['commit_failure']}" if status.get("commit_failure") else "")
+    )
     if status["volumes"]:
         lines.append(_human_volumes(status["volumes"]))
     return "\n".join(lines)
