@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from thinblock.datastore import DataStore, Support
+from thinblock.datastore import DataStore, FilterStore
 from thinblock.metadata import Transaction
 
 STORE_VERBS = ("pread", "pwritev", "punch", "zero", "allocate", "flush")
@@ -62,21 +62,17 @@ class _Armed:
         return fault
 
 
-class FaultyStore(_Armed, DataStore):
+class FaultyStore(_Armed, FilterStore):
     """A DataStore filter that fails one chosen call."""
 
     def __init__(self, inner: DataStore) -> None:
-        super().__init__()
-        self.inner = inner
+        _Armed.__init__(self)
+        FilterStore.__init__(self, inner)
 
     def _check(self, verb: str) -> None:
         fault = self._hit(verb)
         if fault is not None:
             raise _error(fault.kind, verb)
-
-    @property
-    def size_bytes(self) -> int:
-        return self.inner.size_bytes
 
     def pread(self, offset: int, length: int) -> bytes:
         self._check("pread")
@@ -107,15 +103,6 @@ class FaultyStore(_Armed, DataStore):
     def flush(self) -> None:
         self._check("flush")
         self.inner.flush()
-
-    def grow(self, new_size_bytes: int) -> None:
-        self.inner.grow(new_size_bytes)
-
-    def support(self) -> dict[str, Support]:
-        return self.inner.support()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class FaultyMeta(_Armed):

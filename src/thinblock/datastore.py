@@ -183,8 +183,9 @@ class FileStore(DataStore):
             self._fd = -1
 
 
-class FallbackStore(DataStore):
-    """A filter over another store that emulates what it lacks (the one place this happens)."""
+class FilterStore(DataStore):
+    """A layer over another store that passes every verb to it (nbdkit's filter
+    holding `next`): subclasses override only what they change."""
 
     def __init__(self, inner: DataStore) -> None:
         self.inner = inner
@@ -198,6 +199,31 @@ class FallbackStore(DataStore):
 
     def pwritev(self, offset: int, buffers: Sequence[bytes | memoryview]) -> None:
         self.inner.pwritev(offset, buffers)
+
+    def punch(self, offset: int, length: int) -> None:
+        self.inner.punch(offset, length)
+
+    def zero(self, offset: int, length: int) -> None:
+        self.inner.zero(offset, length)
+
+    def allocate(self, offset: int, length: int) -> None:
+        self.inner.allocate(offset, length)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def grow(self, new_size_bytes: int) -> None:
+        self.inner.grow(new_size_bytes)
+
+    def support(self) -> dict[str, Support]:
+        return self.inner.support()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FallbackStore(FilterStore):
+    """A filter over another store that emulates what it lacks (the one place this happens)."""
 
     def _write_zeros(self, offset: int, length: int) -> None:
         end = offset + length
@@ -224,15 +250,3 @@ class FallbackStore(DataStore):
         except NotSupportedError:
             # Callers allocate only space whose contents do not matter yet.
             self._write_zeros(offset, length)
-
-    def flush(self) -> None:
-        self.inner.flush()
-
-    def grow(self, new_size_bytes: int) -> None:
-        self.inner.grow(new_size_bytes)
-
-    def support(self) -> dict[str, Support]:
-        return self.inner.support()
-
-    def close(self) -> None:
-        self.inner.close()

@@ -39,6 +39,11 @@ class NoSpaceError(OpError):
     code = errno.ENOSPC
 
 
+class FreedSpacePending(NoSpaceError):
+    """The space a request needs was freed in the open transaction: usable after two
+    commits (Volume re-plans the request after them; never reaches a frontend)."""
+
+
 class RangeError(OpError):
     """The request reaches outside the volume."""
 

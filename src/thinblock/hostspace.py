@@ -23,6 +23,7 @@ import os
 import threading
 
 from thinblock.datastore import fallocate
+from thinblock.errors import ThinblockError
 from thinblock.sizes import format_size
 
 log = logging.getLogger("thinblock.host")
@@ -46,6 +47,13 @@ def free_bytes(path: str) -> int:
     """Bytes an unprivileged writer can still put on the filesystem holding path."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def beyond_file_limit(size_bytes: int, pool_dir: str) -> ThinblockError:
+    """The one sentence for a pool size the host filesystem cannot hold in one file (EFBIG)."""
+    return ThinblockError(
+        f"pool size {format_size(size_bytes)} is beyond the largest file the filesystem under {pool_dir} can hold"
+    )
 
 
 def allocated_bytes(path: str) -> int:

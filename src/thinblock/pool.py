@@ -25,8 +25,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from thinblock.datastore import DataStore, FallbackStore, FileStore
-from thinblock.errors import CommitError, CorruptionError, NoSpaceError, PoolBusyError, ThinblockError
-from thinblock.hostspace import SLACK_FILE, HostSpace, default_slack_bytes, is_no_space
+from thinblock.errors import (
+    CommitError,
+    CorruptionError,
+    FreedSpacePending,
+    NoSpaceError,
+    PoolBusyError,
+    ThinblockError,
+)
+from thinblock.hostspace import SLACK_FILE, HostSpace, beyond_file_limit, default_slack_bytes, is_no_space
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState, Page
 from thinblock.metadata import DB_NAME, RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.sizes import format_size
@@ -275,10 +282,7 @@ class Pool:
                         f.truncate(size_bytes)
                     except OSError as exc:
                         if exc.errno == errno.EFBIG:
-                            raise ThinblockError(
-                                f"pool size {format_size(size_bytes)} is beyond the largest file the filesystem"
-                                f" under {path} can hold"
-                            ) from None
+                            raise beyond_file_limit(size_bytes, path) from None
                         raise
             else:
                 # Allocatable blocks must read zero (see spacemap): clear the device once.
@@ -536,9 +540,11 @@ class Pool:
 
     # ----- space ------------------------------------------------------------------
 
-    def grow(self, size_bytes: int) -> list[str]:
+    def grow(self, size_bytes: int, *, commit: bool = True) -> list[str]:
         """Grow the pool online; shrinking is refused. Returns warnings for a person
-        (a pool larger than the host can hold)."""
+        (a pool larger than the host can hold). Autogrow passes commit=False: it runs
+        in the middle of a request, which must keep the pool lock (the next commit
+        records the new size)."""
         with self.lock:
             if size_bytes % self.block_size:
                 raise ThinblockError(f"pool size must be a multiple of the block size ({format_size(self.block_size)})")
@@ -552,16 +558,14 @@ class Pool:
                 self.store.grow(size_bytes)
             except OSError as exc:
                 if exc.errno == errno.EFBIG:
-                    raise ThinblockError(
-                        f"pool size {format_size(size_bytes)} is beyond the largest file the filesystem under"
-                        f" {self.path} can hold"
-                    ) from None
+                    raise beyond_file_limit(size_bytes, self.path) from None
                 raise ThinblockError(f"cannot grow the data store of pool {self.path}: {exc.strerror}") from None
             warning = self.host.capacity_warning(size_bytes, self.data_path)
             self.space.grow(size_bytes // self.block_size)
             self.size_bytes = size_bytes
             self.dirty = True
-            self.commit()
+            if commit:
+                self.commit()
             log.info("pool %s grown to %s", self.path, format_size(size_bytes))
             if warning:
                 log.warning("%s", warning)
@@ -588,14 +592,9 @@ class Pool:
             self.recount_owned()
             return self.reserve(n_blocks, vol)
         if n_blocks <= self.space.free_blocks - others:
-            # Freed blocks become usable once committed, punched and synced: two commits.
-            try:
-                self.commit()
-                self.commit()
-            except CommitError as exc:
-                raise NoSpaceError(f"pool {self.path} cannot reuse freed space: {exc.strerror}") from exc
-            if n_blocks <= self.space.allocatable_blocks - others:
-                return
+            # Freed blocks become usable once committed, punched and synced: the caller
+            # commits twice with the pool lock released, then plans again.
+            raise FreedSpacePending(f"pool {self.path}: {n_blocks} blocks are free once freed space is committed")
         if self.policy.autogrow_for(n_blocks + others - self.space.free_blocks):
             return self.reserve(n_blocks, vol)
         raise NoSpaceError(
@@ -603,6 +602,15 @@ class Pool:
             f" {max(0, self.space.free_blocks - others)} free"
             + (f" ({others} reserved by other volumes)" if others else "")
         )
+
+    def settle_frees(self) -> None:
+        """Make the blocks freed so far allocatable: one commit punches them, the next
+        one's data sync makes the punch durable (call without holding the pool lock)."""
+        try:
+            self.commit()
+            self.commit()
+        except CommitError as exc:
+            raise NoSpaceError(f"pool {self.path} cannot reuse freed space: {exc.strerror}") from exc
 
     def return_fresh(self, blocks: list[int]) -> None:
         """Fresh dblocks a failed operation took go back (see SpaceMap.unallocate)."""

@@ -206,7 +206,7 @@ class SpacePolicy:
         if new_size <= pool.size_bytes:
             return False
         try:
-            pool.grow(new_size)
+            pool.grow(new_size, commit=False)
         except (OSError, ThinblockError) as exc:
             log.error("autogrow of pool %s to %s failed: %s", pool.path, format_size(new_size), exc)
             return False

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from thinblock.errors import NoSpaceError, NotSupportedError, OpError, RangeError, ReadOnlyError
+from thinblock.errors import FreedSpacePending, NoSpaceError, NotSupportedError, OpError, RangeError, ReadOnlyError
 from thinblock.iovec import IOV_MAX
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
 from thinblock.metadata import VolumeRow
@@ -85,10 +85,8 @@ class _Runs:
         self._add_range(self.zeros, offset, length)
 
     def run(self, store: DataStore) -> None:
-        # Space first: a block entering DATA on a fresh dblock is allocated whole, so a
-        # full layer below fails here, before any byte is written, and later in-place
-        # overwrites of that block never need space below (an emulated allocate writes
-        # zeros, which the payload then overwrites).
+        # Space first (a ZEROED block's space is reserved below; an emulated allocate
+        # writes zeros, which a later write of this request may then overwrite).
         for offset, length in self.allocs:
             store.allocate(offset, length)
         for offset, length in self.zeros:
@@ -371,8 +369,6 @@ class Volume:
                     # The block enters DATA or moves to a fresh dblock. A fresh dblock and a
                     # ZEROED block's dblock read zero (spacemap's rule), so only the payload is
                     # written; a copy-on-write copy takes the old block's other bytes.
-                    if new:
-                        runs.allocate(dblock * bs, bs)
                     if state == _DATA and (start or end != bs):
                         old = pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs)
                         runs.write(dblock * bs, old[:start])
@@ -452,7 +448,6 @@ class Volume:
                         dblock = next(fresh)
                         block = bytearray(pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
                         block[start:end] = zero_bytes(end - start)
-                        runs.allocate(dblock * bs, bs)
                         runs.write(dblock * bs, bytes(block))
                         change.set(vblock, (dblock << DBLOCK_SHIFT) | (entry & PINNED) | _DATA)
                     else:
@@ -499,7 +494,6 @@ class Volume:
                     elif entry & STATE_MASK == _DATA:
                         # A shared DATA block: copy it now so later writes need no space.
                         dblock = next(fresh)
-                        runs.allocate(dblock * bs, bs)
                         runs.write(dblock * bs, pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
                         change.set(lo, (dblock << DBLOCK_SHIFT) | PINNED | _DATA)
                     else:
@@ -594,12 +588,18 @@ class Volume:
     def _waiting_for_space(self, verb: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """Run a mutating verb; under the pool's wait policy, ENOSPC holds it (pool lock
         released) until space appears or the time runs out, then it plans again from
-        scratch (ENOSPC changed nothing, so re-running it is safe)."""
+        scratch (ENOSPC changed nothing, so re-running it is safe). Space freed in the
+        open transaction is made usable first, by two commits outside the pool lock."""
         deadline: float | None = None
+        settled = False
         while True:
             try:
                 return verb(*args, **kwargs)
-            except NoSpaceError:
+            except NoSpaceError as exc:
+                if isinstance(exc, FreedSpacePending) and not settled:
+                    self.pool.settle_frees()  # outside the pool lock; then the request plans again
+                    settled = True
+                    continue
                 if deadline is None:
                     deadline = self.pool.policy.full_deadline()
                 if deadline is None or not self.pool.wait_for_space(deadline):
