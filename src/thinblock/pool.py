@@ -3,8 +3,10 @@
 The pool owns the data store, the metadata store, the space map and the page
 cache. It collects every metadata change in memory and writes them all in
 one SQLite transaction on `commit()` (on flush, FUA, and at least once a
-second from a background thread). Freed dblocks are punched in the data store
-only after the commit that freed them.
+second from a background thread), after a data sync: no metadata is durable
+before the data it points at. A commit that fails puts back everything it took,
+so the next one retries it; the committer never dies. Freed dblocks are
+punched in the data store only after the commit that freed them.
 """
 
 from __future__ import annotations

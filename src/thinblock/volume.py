@@ -4,7 +4,9 @@ Every frontend (NBD, FUSE, CLI) calls these verbs and nothing else:
 read, write, trim, write_zeroes, provision, block_status, flush.
 Ranges are bytes and partial blocks are handled exactly. Each mutating verb
 first plans what every touched block needs, counts the dblocks it must
-allocate, reserves them (ENOSPC before any change), then acts.
+allocate, reserves them (ENOSPC before any change), does all of its data I/O,
+and only then publishes the new entries (`_change`): whatever fails below, a
+failed request changes nothing.
 
 Two rules keep stale bytes out of reads:
   * UNMAPPED and ZEROED blocks are never read from the data store;
