@@ -71,11 +71,22 @@ def test_hostile_clients_stay_within_the_memory_budget(tmp_path: Path) -> None:
                 with contextlib.suppress(TimeoutError):
                     s.sendall(FLAGS + _go(b"disk") + _req(c.CMD_WRITE, i * 32 * MiB, 32 * MiB) + os.urandom(MiB))
                 hostile.append(s)
+            # A real burst: non-blocking connects, so a full listen backlog is a refusal
+            # (EAGAIN), not a wait.
+            refused = 0
             for _ in range(200):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(10)
-                s.connect(server.socket)
+                s.setblocking(False)
+                try:
+                    s.connect(server.socket)
+                except BlockingIOError:
+                    refused += 1
+                    s.close()
+                    continue
                 burst.append(s)
+            assert refused == 0, f"{refused} of 200 connections were refused"
+            for s in burst:
+                s.settimeout(10)
             greeted = sum(1 for s in burst if len(s.recv(18, socket.MSG_WAITALL)) == 18)
             assert greeted == 200, f"{200 - greeted} of 200 connections got no greeting"
             time.sleep(2)  # let the server take in whatever it will
