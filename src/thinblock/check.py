@@ -15,7 +15,7 @@ from thinblock.datastore import FileStore
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page, entry_valid
 from thinblock.metadata import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
-from thinblock.pool import data_store_path
+from thinblock.pool import check_data_size, data_store_path
 from thinblock.spacemap import REFCOUNT_PAGE_ENTRIES
 
 
@@ -47,14 +47,11 @@ def check_data_store(pool_path: str, meta: MetadataStore) -> list[str]:
     except ThinblockError as exc:
         return [*problems, str(exc)]
     try:
-        have = store.size_bytes
+        check_data_size(store, size_bytes, data_path)
+    except CorruptionError as exc:
+        problems.append(str(exc))
     finally:
         store.close()
-    if have < size_bytes:
-        problems.append(
-            f"data store {data_path} holds {have} bytes, less than the pool's {size_bytes}:"
-            " it was truncated ('thinblock pool repair' extends it and drops the mappings it lost)"
-        )
     return problems
 
 

@@ -10,6 +10,14 @@ ThinblockError with a message meant for a person.
 from __future__ import annotations
 
 import errno
+from typing import TypeGuard
+
+# The layer below is full (a full host disk, a quota): an ordinary ENOSPC result.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_no_space(exc: BaseException) -> TypeGuard[OSError]:
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
 
 
 class ThinblockError(Exception):
@@ -69,6 +77,4 @@ class CommitError(OpError):
 
     def __init__(self, pool_path: str, cause: BaseException) -> None:
         super().__init__(f"commit of pool {pool_path} failed ({cause}); what it would have written stays pending")
-        self.errno = (
-            errno.ENOSPC if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
-        )
+        self.errno = errno.ENOSPC if is_no_space(cause) else errno.EIO

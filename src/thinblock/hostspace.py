@@ -17,7 +17,6 @@ pool size fits (for the warnings of `pool create` and `pool grow`).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -31,16 +30,11 @@ log = logging.getLogger("thinblock.host")
 SLACK_FILE = "metadata.slack"
 MIN_SLACK_BYTES = 4 << 20
 MAX_SLACK_BYTES = 64 << 20
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 def default_slack_bytes(pool_size_bytes: int) -> int:
     """1/64 of the pool, between 4 MiB and 64 MiB: one commit of a busy second fits."""
     return max(MIN_SLACK_BYTES, min(MAX_SLACK_BYTES, pool_size_bytes // 64))
-
-
-def is_no_space(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
 
 
 def free_bytes(path: str) -> int:

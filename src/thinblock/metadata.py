@@ -114,6 +114,12 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
+def _damaged(where: str, exc: sqlite3.Error) -> CorruptionError:
+    return CorruptionError(
+        f"{where} is damaged or not a thinblock pool's ({exc}); restore it from a dump with 'thinblock pool restore'"
+    )
+
+
 def _reads(method: Callable[_P, _T]) -> Callable[_P, _T]:
     """A read of the database: SQLite's complaints about a damaged or foreign file
     become one CorruptionError sentence (never a traceback)."""
@@ -123,10 +129,7 @@ def _reads(method: Callable[_P, _T]) -> Callable[_P, _T]:
         try:
             return method(*args, **kwargs)
         except sqlite3.DatabaseError as exc:
-            raise CorruptionError(
-                f"the pool's metadata database is damaged or not a thinblock pool's ({exc});"
-                " see 'thinblock pool check' and 'thinblock pool restore'"
-            ) from None
+            raise _damaged("the pool's metadata database", exc) from None
 
     return wrapper
 
@@ -181,10 +184,7 @@ class MetadataStore:
                 store._migrate_from_1()
                 version = FORMAT_VERSION
         except sqlite3.DatabaseError as exc:
-            raise CorruptionError(
-                f"metadata database {path} is damaged or not a thinblock pool's ({exc});"
-                " restore it from a dump with 'thinblock pool restore'"
-            ) from None
+            raise _damaged(f"metadata database {path}", exc) from None
         if version == 1:
             raise ThinblockError(
                 f"metadata format 1 in {path}: open the pool once for writing (any pool command) to upgrade it"

@@ -34,8 +34,9 @@ from thinblock.errors import (
     NoSpaceError,
     PoolBusyError,
     ThinblockError,
+    is_no_space,
 )
-from thinblock.hostspace import SLACK_FILE, HostSpace, beyond_file_limit, default_slack_bytes, is_no_space
+from thinblock.hostspace import SLACK_FILE, HostSpace, beyond_file_limit, default_slack_bytes
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState, Page
 from thinblock.metadata import DB_NAME, RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.sizes import format_size

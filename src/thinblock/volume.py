@@ -18,13 +18,20 @@ Two rules keep stale bytes out of reads:
 from __future__ import annotations
 
 import contextlib
-import errno
 from array import array
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec
 
-from thinblock.errors import FreedSpacePending, NoSpaceError, NotSupportedError, OpError, RangeError, ReadOnlyError
+from thinblock.errors import (
+    FreedSpacePending,
+    NoSpaceError,
+    NotSupportedError,
+    OpError,
+    RangeError,
+    ReadOnlyError,
+    is_no_space,
+)
 from thinblock.iovec import IOV_MAX
 from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
 from thinblock.metadata import VolumeRow
@@ -36,10 +43,7 @@ if TYPE_CHECKING:
 
 _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
 _BACKED = 1 << 2  # in _status_runs' keys, beside the state: a write there finds space
-# The layer below is full: the request gets ENOSPC like a full pool (and may wait for space).
-_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _P = ParamSpec("_P")
-_T = TypeVar("_T")
 
 
 def _add_piece(pieces: list[list[int]], offset: int, length: int, store_off: int) -> None:
@@ -322,9 +326,7 @@ class Volume:
         """Write data. With detect_zeroes on/unmap, all-zero payloads are not written:
         over UNMAPPED/ZEROED nothing changes; a whole DATA block becomes ZEROED (on)
         or, unless provisioned, UNMAPPED (unmap)."""
-        self._waiting_for_space(self._write, offset, data)
-        if fua:
-            self.pool.commit()
+        self._waiting_for_space(fua, self._write, offset, data)
 
     def _write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         buf = memoryview(data).cast("B")
@@ -381,19 +383,16 @@ class Volume:
                         runs.write(dblock * bs, zero_bytes(start))
                         runs.write(dblock * bs + start, piece)
                         runs.write(dblock * bs + end, zero_bytes(bs - end))
-                        change.in_place_zeroed.append(dblock)
                     else:
                         runs.write(dblock * bs + start, piece)
-                        if not new:
-                            change.in_place_zeroed.append(dblock)
+                    if not new:  # here that is a ZEROED block, written in place
+                        change.in_place_zeroed.append(dblock)
                     change.set(vblock, (dblock << DBLOCK_SHIFT) | pinned | _DATA)
 
     def trim(self, offset: int, length: int, *, fua: bool = False) -> None:
         """Discard: whole blocks become UNMAPPED (space back to the pool and the layer
         below, after the next commit); partial DATA blocks are zeroed in place."""
-        self._waiting_for_space(self._zero_or_trim, offset, length, False, False)
-        if fua:
-            self.pool.commit()
+        self._waiting_for_space(fua, self._zero_or_trim, offset, length, False, False)
 
     def write_zeroes(
         self, offset: int, length: int, *, no_hole: bool = False, fast: bool = False, fua: bool = False
@@ -404,9 +403,7 @@ class Volume:
         fast: if any zero bytes would have to be written, fail with ENOTSUP and
         change nothing.
         """
-        self._waiting_for_space(self._zero_or_trim, offset, length, no_hole, fast)
-        if fua:
-            self.pool.commit()
+        self._waiting_for_space(fua, self._zero_or_trim, offset, length, no_hole, fast)
 
     def _zero_or_trim(self, offset: int, length: int, no_hole: bool, fast: bool) -> None:
         self._check(offset, length, write=True)
@@ -465,9 +462,7 @@ class Volume:
 
         All or nothing: ENOSPC and no change when the pool cannot hold it all.
         """
-        self._waiting_for_space(self._provision, offset, length)
-        if fua:
-            self.pool.commit()
+        self._waiting_for_space(fua, self._provision, offset, length)
 
     def _provision(self, offset: int, length: int) -> None:
         self._check(offset, length, write=True)
@@ -523,7 +518,7 @@ class Volume:
             # A ZEROED block's dblock must read zero (the rule writes into it rely on);
             # the failed write may have reached it, so the next write there is whole.
             self.pool.unclean_zeroed.update(change.in_place_zeroed)
-            if isinstance(exc, OSError) and not isinstance(exc, OpError) and exc.errno in _NO_SPACE_ERRNOS:
+            if is_no_space(exc) and not isinstance(exc, OpError):  # a full layer below: like a full pool
                 raise NoSpaceError(f"the data store below pool {self.pool.path} is full: {exc.strerror}") from exc
             raise
         self.pool.unclean_zeroed.difference_update(change.in_place_zeroed)
@@ -587,16 +582,18 @@ class Volume:
         self.pool.policy.check(self)
         return blocks
 
-    def _waiting_for_space(self, verb: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    def _waiting_for_space(self, fua: bool, verb: Callable[_P, None], *args: _P.args, **kwargs: _P.kwargs) -> None:
         """Run a mutating verb; under the pool's wait policy, ENOSPC holds it (pool lock
         released) until space appears or the time runs out, then it plans again from
         scratch (ENOSPC changed nothing, so re-running it is safe). Space freed in the
-        open transaction is made usable first, by two commits outside the pool lock."""
+        open transaction is made usable first, by two commits outside the pool lock.
+        With fua, what the verb did is then committed, outside the pool lock too."""
         deadline: float | None = None
         settled = False
         while True:
             try:
-                return verb(*args, **kwargs)
+                verb(*args, **kwargs)
+                break
             except NoSpaceError as exc:
                 if isinstance(exc, FreedSpacePending) and not settled:
                     self.pool.settle_frees()  # outside the pool lock; then the request plans again
@@ -606,6 +603,8 @@ class Volume:
                     deadline = self.pool.policy.full_deadline()
                 if deadline is None or not self.pool.wait_for_space(deadline):
                     raise
+        if fua:
+            self.pool.commit()
 
     def block_status(self, offset: int, length: int) -> list[tuple[int, BlockState]]:
         """(length, state) runs covering [offset, offset+length), equal neighbours merged."""
