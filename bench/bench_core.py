@@ -23,8 +23,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from thinblock import Pool
-from thinblock.datastore import fallocate
-from thinblock.metadata import DB_NAME
+from thinblock.meta.sqlite import DB_NAME
+from thinblock.store.file import fallocate
 
 GiB = 1 << 30
 MiB = 1 << 20

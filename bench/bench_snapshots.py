@@ -32,8 +32,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from thinblock import Pool
-from thinblock.delta import changed_ranges
-from thinblock.snapshot import create_snapshot
+from thinblock.core.delta import changed_ranges
+from thinblock.core.snapshot import create_snapshot
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from thinblock import Pool
-from thinblock.datastore import FallbackStore, FileStore
+from thinblock.store.file import FallbackStore, FileStore
 
 BACKENDS = ["sparse", "loop", "emulated"]
 

@@ -13,7 +13,7 @@ import random
 import sys
 
 from thinblock import NoSpaceError, Pool
-from thinblock.snapshot import clone, create_snapshot
+from thinblock.core.snapshot import clone, create_snapshot
 
 
 def main(pool_path: str, log_path: str, seed: int) -> None:

@@ -33,7 +33,7 @@ os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
 
 import mfusepy
 
-from thinblock.datastore import fallocate
+from thinblock.store.file import fallocate
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02

@@ -12,9 +12,9 @@ import pytest
 
 from tests.faults import Fault, FaultyMeta, FaultyStore
 from thinblock import NoSpaceError, Pool
-from thinblock.check import check_metadata
 from thinblock.errors import CommitError
-from thinblock.metadata import DB_NAME, MetadataStore
+from thinblock.meta.sqlite import DB_NAME, MetadataStore
+from thinblock.tools.check import check_metadata
 
 BS = 64 << 10
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from thinblock import BlockState, NoSpaceError, NotSupportedError, Pool, RangeError
-from thinblock.check import check_metadata
-from thinblock.datastore import FallbackStore, FileStore
-from thinblock.metadata import DB_NAME, MetadataStore
+from thinblock.meta.sqlite import DB_NAME, MetadataStore
+from thinblock.store.file import FallbackStore, FileStore
+from thinblock.tools.check import check_metadata
 
 BS = 64 << 10
 U, Z, D = BlockState.UNMAPPED, BlockState.ZEROED, BlockState.DATA

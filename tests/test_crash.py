@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thinblock import Pool
-from thinblock.check import check_metadata
-from thinblock.metadata import DB_NAME, MetadataStore
+from thinblock.meta.sqlite import DB_NAME, MetadataStore
+from thinblock.tools.check import check_metadata
 
 ROUNDS = int(os.environ.get("THINBLOCK_CRASH_ROUNDS", "30"))
 BS = 4096

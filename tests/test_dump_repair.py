@@ -13,7 +13,7 @@ import pytest
 
 from tests.cli import thinblock
 from thinblock import Pool
-from thinblock.snapshot import clone, create_snapshot
+from thinblock.core.snapshot import clone, create_snapshot
 
 BS = 64 << 10
 

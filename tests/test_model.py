@@ -16,11 +16,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tests.faults import KINDS, STORE_VERBS, Fault, FaultyMeta, FaultyStore
 from tests.model import Model, ModelError, ModelVolume
 from thinblock import BlockState, OpError, Pool, ReadOnlyError, ThinblockError
-from thinblock.check import check_metadata
-from thinblock.delta import changed_ranges
+from thinblock.core.delta import changed_ranges
+from thinblock.core.snapshot import clone, create_snapshot, rollback
 from thinblock.errors import CommitError
-from thinblock.metadata import DB_NAME, MetadataStore
-from thinblock.snapshot import clone, create_snapshot, rollback
+from thinblock.meta.sqlite import DB_NAME, MetadataStore
+from thinblock.tools.check import check_metadata
 
 BS = 4096
 POOL_BLOCKS = 12

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from tests.nbd_server import Server, connect, served_pool
-from thinblock.nbd import constants as c
+from thinblock.frontends.nbd import constants as c
 
 MiB = 1 << 20
 FLAGS = struct.pack(">I", c.FLAG_C_FIXED_NEWSTYLE | c.FLAG_C_NO_ZEROES)

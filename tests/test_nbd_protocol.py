@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from thinblock.nbd import constants as c
-from thinblock.nbd.protocol import (
+from thinblock.frontends.nbd import constants as c
+from thinblock.frontends.nbd.protocol import (
     NEED_DATA,
     Closed,
     ExportInfo,

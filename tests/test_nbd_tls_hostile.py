@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.nbd_server import Server, thinblock
-from thinblock.nbd import constants as c
+from thinblock.frontends.nbd import constants as c
 
 MiB = 1 << 20
 

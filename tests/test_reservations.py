@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from thinblock import NoSpaceError, Pool
-from thinblock.metadata import RESERVE_FULL
-from thinblock.snapshot import clone, create_snapshot, rollback
+from thinblock.core.snapshot import clone, create_snapshot, rollback
+from thinblock.meta.sqlite import RESERVE_FULL
 
 BS = 64 << 10
 

@@ -1,5 +1,8 @@
 """thinblock: thin-provisioned block storage in user space that treats zeros as free."""
 
+from thinblock.core.mapping import BlockState
+from thinblock.core.pool import Pool
+from thinblock.core.volume import Volume
 from thinblock.errors import (
     CorruptionError,
     NoSpaceError,
@@ -9,9 +12,6 @@ from thinblock.errors import (
     ReadOnlyError,
     ThinblockError,
 )
-from thinblock.mapping import BlockState
-from thinblock.pool import Pool
-from thinblock.volume import Volume
 
 __all__ = [
     "BlockState",

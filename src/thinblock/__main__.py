@@ -2,6 +2,6 @@
 
 import sys
 
-from thinblock.cli.main import main
+from thinblock.frontends.cli.main import main
 
 sys.exit(main())

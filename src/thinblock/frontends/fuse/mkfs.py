@@ -14,9 +14,9 @@ import subprocess
 import time
 from typing import Any
 
+from thinblock.core.pool import read_status
 from thinblock.errors import ThinblockError
-from thinblock.fuse.attach import _pool_dir, attach, detach, list_attached
-from thinblock.pool import read_status
+from thinblock.frontends.fuse.attach import _pool_dir, attach, detach, list_attached
 
 
 def _volume_status(pool: str, volume: str) -> tuple[dict[str, Any], int]:

@@ -28,8 +28,8 @@ from thinblock.errors import ThinblockError
 from thinblock.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
-    from thinblock.pool import Pool
-    from thinblock.volume import Volume
+    from thinblock.core.pool import Pool
+    from thinblock.core.volume import Volume
 
 log = logging.getLogger("thinblock.space")
 POOL_KEY = ""

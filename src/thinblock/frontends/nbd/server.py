@@ -23,12 +23,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from thinblock.delta import changed_ranges
+from thinblock.core.delta import changed_ranges
+from thinblock.core.mapping import BlockState
+from thinblock.core.pool import Pool
+from thinblock.core.volume import Volume
 from thinblock.errors import OpError
-from thinblock.iovec import write_all
-from thinblock.mapping import BlockState
-from thinblock.nbd import constants as c
-from thinblock.nbd.protocol import (
+from thinblock.frontends.nbd import constants as c
+from thinblock.frontends.nbd.protocol import (
     BASE_ALLOCATION,
     Closed,
     ExportInfo,
@@ -40,8 +41,7 @@ from thinblock.nbd.protocol import (
     StartTLS,
     Transmission,
 )
-from thinblock.pool import Pool
-from thinblock.volume import Volume
+from thinblock.iovec import write_all
 
 log = logging.getLogger("thinblock.nbd")
 

@@ -26,11 +26,11 @@ from array import array
 from collections import Counter
 from typing import Any
 
-from thinblock.datastore import FileStore
+from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
+from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
-from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
-from thinblock.metadata import DB_NAME, MetadataStore, Transaction, VolumeRow
-from thinblock.spacemap import REFCOUNT_PAGE_ENTRIES
+from thinblock.meta.sqlite import DB_NAME, MetadataStore, Transaction, VolumeRow
+from thinblock.store.file import FileStore
 
 DUMP_FORMAT = "thinblock-dump"
 DUMP_VERSION = 1
@@ -268,7 +268,7 @@ def _validated_volumes(
 
 def restore(path: str, dump: dict[str, Any]) -> dict[str, Any]:
     """`pool restore`: replace the pool's metadata with the dump's (pool not in use)."""
-    from thinblock.pool import Pool, held_lock
+    from thinblock.core.pool import Pool, held_lock
 
     with held_lock(path):
         build_metadata(os.path.join(path, DB_NAME), dump)
@@ -341,7 +341,7 @@ def salvage(meta: MetadataStore, data_bytes: int | None = None) -> tuple[dict[st
 def repair(path: str) -> dict[str, Any]:
     """`pool repair`: rebuild refcounts, counters and free space from the readable
     mappings (pool not in use). The old database is kept as metadata.sqlite.bad."""
-    from thinblock.pool import held_lock
+    from thinblock.core.pool import held_lock
 
     db = os.path.join(path, DB_NAME)
     with held_lock(path):
@@ -380,6 +380,6 @@ def repair(path: str) -> dict[str, Any]:
 
 
 def _open_data_store(path: str, sb: dict[str, Any]) -> FileStore:
-    from thinblock.pool import data_store_path
+    from thinblock.core.pool import data_store_path
 
     return FileStore(data_store_path(path, sb))

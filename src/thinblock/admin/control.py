@@ -22,7 +22,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from thinblock.admin import CONTROL_SOCKET, run_verb
+from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
+from thinblock.core.pool import Pool
 from thinblock.errors import (
     NoSpaceError,
     NotSupportedError,
@@ -32,7 +33,6 @@ from thinblock.errors import (
     ReadOnlyError,
     ThinblockError,
 )
-from thinblock.pool import Pool
 
 log = logging.getLogger("thinblock.control")
 MAX_LINE = 1 << 20

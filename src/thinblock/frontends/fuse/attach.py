@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from thinblock.admin import CONTROL_SOCKET
+from thinblock.admin.verbs import CONTROL_SOCKET
+from thinblock.core.pool import LOCK_FILE, _open_meta
 from thinblock.errors import ThinblockError
-from thinblock.pool import LOCK_FILE, _open_meta
 
 RUNTIME_DIR = Path(os.environ.get("THINBLOCK_RUNTIME_DIR", "/run/thinblock"))
 
@@ -104,7 +104,7 @@ def _start_daemon(pool: str, pdir: Path) -> None:
     sock = _served_by(pool)
     if sock is not None:
         # `thinblock serve` holds the pool: it mounts the volumes itself (fuse/host.py).
-        from thinblock.control import ControlClient
+        from thinblock.admin.control import ControlClient
 
         client = ControlClient(sock)
         try:

@@ -11,10 +11,10 @@ committed (data synced first) before the call returns.
 
 from __future__ import annotations
 
+from thinblock.core.pool import Pool
+from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
-from thinblock.metadata import reserve_blocks
-from thinblock.pool import Pool
-from thinblock.volume import Volume
+from thinblock.meta.sqlite import reserve_blocks
 
 
 def create_snapshot(pool: Pool, source: str, name: str) -> Volume:

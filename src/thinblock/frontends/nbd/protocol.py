@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from thinblock.nbd import constants as c
+from thinblock.frontends.nbd import constants as c
 
 _OPTION_HEADER = struct.Struct(">QII")
 _OPTION_REPLY = struct.Struct(">QIII")

@@ -15,12 +15,12 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from thinblock.delta import delta_dict
-from thinblock.dump import dump_metadata
+from thinblock.core.delta import delta_dict
+from thinblock.core.pool import Pool
+from thinblock.core.snapshot import clone, create_snapshot, rollback
 from thinblock.errors import PoolBusyError, ThinblockError
-from thinblock.metadata import RESERVE_FULL
-from thinblock.pool import Pool
-from thinblock.snapshot import clone, create_snapshot, rollback
+from thinblock.meta.sqlite import RESERVE_FULL
+from thinblock.tools.dump import dump_metadata
 
 CONTROL_SOCKET = "control.sock"
 
@@ -106,7 +106,7 @@ class LocalAdmin:
 @contextlib.contextmanager
 def open_admin(path: str) -> Iterator[Admin]:
     """Administer the pool at path: directly, or through the server that holds it."""
-    from thinblock.control import ControlClient
+    from thinblock.admin.control import ControlClient
 
     try:
         pool = Pool.open(path, autocommit=False, purpose="thinblock admin command")

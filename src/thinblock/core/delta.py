@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from array import array
 
-from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState
-from thinblock.volume import Volume
+from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState
+from thinblock.core.volume import Volume
 
 _DATA = int(BlockState.DATA)
 _EMPTY = array("Q", bytes(8 * PAGE_ENTRIES))

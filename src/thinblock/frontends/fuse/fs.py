@@ -23,10 +23,10 @@ os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
 
 import mfusepy
 
+from thinblock.core.mapping import BlockState
+from thinblock.core.pool import Pool
+from thinblock.core.volume import Volume
 from thinblock.errors import OpError
-from thinblock.mapping import BlockState
-from thinblock.pool import Pool
-from thinblock.volume import Volume
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, ParamSpec
 
+from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
 from thinblock.errors import (
     FreedSpacePending,
     NoSpaceError,
@@ -33,13 +34,12 @@ from thinblock.errors import (
     is_no_space,
 )
 from thinblock.iovec import IOV_MAX
-from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
-from thinblock.metadata import VolumeRow
+from thinblock.meta.sqlite import VolumeRow
 from thinblock.zeros import is_zero, zero_bytes
 
 if TYPE_CHECKING:
-    from thinblock.datastore import DataStore
-    from thinblock.pool import Pool
+    from thinblock.core.pool import Pool
+    from thinblock.store.file import DataStore
 
 _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
 _BACKED = 1 << 2  # in _status_runs' keys, beside the state: a write there finds space

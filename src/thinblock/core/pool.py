@@ -26,7 +26,10 @@ from array import array
 from collections.abc import Iterator
 from typing import Any
 
-from thinblock.datastore import DataStore, FallbackStore, FileStore
+from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState, Page
+from thinblock.core.space_policy import SpacePolicy, parse_low_water
+from thinblock.core.spacemap import SpaceMap, to_runs
+from thinblock.core.volume import Volume
 from thinblock.errors import (
     CommitError,
     CorruptionError,
@@ -36,13 +39,10 @@ from thinblock.errors import (
     ThinblockError,
     is_no_space,
 )
-from thinblock.hostspace import SLACK_FILE, HostSpace, beyond_file_limit, default_slack_bytes
-from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState, Page
-from thinblock.metadata import DB_NAME, RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
+from thinblock.meta.sqlite import DB_NAME, RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.sizes import format_size
-from thinblock.space_policy import SpacePolicy, parse_low_water
-from thinblock.spacemap import SpaceMap, to_runs
-from thinblock.volume import Volume
+from thinblock.store.file import DataStore, FallbackStore, FileStore
+from thinblock.store.hostspace import SLACK_FILE, HostSpace, beyond_file_limit, default_slack_bytes
 
 DEFAULT_BLOCK_SIZE = 64 << 10
 MIN_BLOCK_SIZE = 4 << 10

@@ -17,10 +17,10 @@ import threading
 import time
 from typing import Any
 
+from thinblock.core.pool import Pool
 from thinblock.errors import ThinblockError
-from thinblock.fuse.attach import is_mounted
-from thinblock.fuse.fs import mount
-from thinblock.pool import Pool
+from thinblock.frontends.fuse.attach import is_mounted
+from thinblock.frontends.fuse.fs import mount
 
 log = logging.getLogger("thinblock.fuse")
 

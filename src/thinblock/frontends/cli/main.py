@@ -11,11 +11,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from thinblock.admin import open_admin
-from thinblock.check import check_data_store, check_metadata
+from thinblock.admin.verbs import open_admin
+from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool, _open_meta
 from thinblock.errors import OpError, PoolBusyError, ThinblockError
-from thinblock.pool import DEFAULT_BLOCK_SIZE, Pool, _open_meta
 from thinblock.sizes import format_size, parse_size
+from thinblock.tools.check import check_data_store, check_metadata
 
 DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-pool"))
 
@@ -156,7 +156,7 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
 
 
 def cmd_pool_dump(args: argparse.Namespace) -> None:
-    from thinblock.dump import format_text
+    from thinblock.tools.dump import format_text
 
     dump = _admin(args.pool, "pool_dump")
     text = json.dumps(dump, indent=1) + "\n" if args.json else format_text(dump)
@@ -168,7 +168,7 @@ def cmd_pool_dump(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_restore(args: argparse.Namespace) -> None:
-    from thinblock.dump import parse_dump, restore
+    from thinblock.tools.dump import parse_dump, restore
 
     try:
         with open(args.file) as f:
@@ -180,7 +180,7 @@ def cmd_pool_restore(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_repair(args: argparse.Namespace) -> int:
-    from thinblock.dump import repair
+    from thinblock.tools.dump import repair
 
     result = repair(args.pool)
     if args.json:
@@ -277,9 +277,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import signal
     import threading
 
-    from thinblock.control import ControlServer
-    from thinblock.fuse.host import MountHost
-    from thinblock.nbd.server import NBDServer, TLSConfig, export_uris, parse_listen
+    from thinblock.admin.control import ControlServer
+    from thinblock.frontends.fuse.host import MountHost
+    from thinblock.frontends.nbd.server import NBDServer, TLSConfig, export_uris, parse_listen
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -329,8 +329,8 @@ def cmd_fuse_daemon(args: argparse.Namespace) -> None:
     """Internal: serve a pool's volumes as files at MOUNTPOINT until unmounted."""
     import logging
 
-    from thinblock.control import ControlServer
-    from thinblock.fuse.fs import mount
+    from thinblock.admin.control import ControlServer
+    from thinblock.frontends.fuse.fs import mount
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     with Pool.open(args.pool, purpose="thinblock fuse-daemon (attach)") as pool:
@@ -344,7 +344,7 @@ def cmd_fuse_daemon(args: argparse.Namespace) -> None:
 
 
 def cmd_attach(args: argparse.Namespace) -> None:
-    from thinblock.fuse.attach import attach, list_attached
+    from thinblock.frontends.fuse.attach import attach, list_attached
 
     if args.list:
         rows = [a.__dict__ for a in list_attached()]
@@ -361,14 +361,14 @@ def cmd_attach(args: argparse.Namespace) -> None:
 
 
 def cmd_detach(args: argparse.Namespace) -> None:
-    from thinblock.fuse.attach import detach
+    from thinblock.frontends.fuse.attach import detach
 
     detach(args.device)
     print(f"detached {args.device}")
 
 
 def cmd_mkfs(args: argparse.Namespace) -> None:
-    from thinblock.fuse.mkfs import format_volume
+    from thinblock.frontends.fuse.mkfs import format_volume
 
     result = format_volume(args.pool, args.name, args.type, args.extra)
     if args.json:

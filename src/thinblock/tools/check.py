@@ -11,12 +11,12 @@ import sqlite3
 from array import array
 from collections import Counter
 
-from thinblock.datastore import FileStore
+from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page, entry_valid
+from thinblock.core.pool import check_data_size, data_store_path
+from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
-from thinblock.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page, entry_valid
-from thinblock.metadata import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
-from thinblock.pool import check_data_size, data_store_path
-from thinblock.spacemap import REFCOUNT_PAGE_ENTRIES
+from thinblock.meta.sqlite import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
+from thinblock.store.file import FileStore
 
 
 def check_metadata(meta: MetadataStore) -> list[str]:

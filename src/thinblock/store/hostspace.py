@@ -21,9 +21,9 @@ import logging
 import os
 import threading
 
-from thinblock.datastore import fallocate
 from thinblock.errors import ThinblockError
 from thinblock.sizes import format_size
+from thinblock.store.file import fallocate
 
 log = logging.getLogger("thinblock.host")
 
