@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from thinblock import Pool
-from thinblock.store.file import FallbackStore, FileStore
+from thinblock.store.fallback import FallbackStore
+from thinblock.store.file import FileStore
 
 BACKENDS = ["sparse", "loop", "emulated"]
 

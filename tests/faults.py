@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from thinblock.meta.sqlite import Transaction
-from thinblock.store.file import DataStore, FilterStore
+from thinblock.meta.base import Transaction
+from thinblock.store.base import DataStore, FilterStore
 
 STORE_VERBS = ("pread", "pwritev", "punch", "zero", "allocate", "flush")
 KINDS = ("eio", "enospc", "short")

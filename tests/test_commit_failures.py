@@ -12,15 +12,15 @@ import pytest
 
 from tests.faults import Fault, FaultyMeta, FaultyStore
 from thinblock import NoSpaceError, Pool
+from thinblock.backends import locate
 from thinblock.errors import CommitError
-from thinblock.meta.sqlite import DB_NAME, MetadataStore
 from thinblock.tools.check import check_metadata
 
 BS = 64 << 10
 
 
 def _check(path: Path) -> list[str]:
-    meta = MetadataStore.open(str(path / DB_NAME), readonly=True)
+    meta = locate(str(path)).open_meta(readonly=True)
     try:
         return check_metadata(meta)
     finally:

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from thinblock import BlockState, NoSpaceError, NotSupportedError, Pool, RangeError
-from thinblock.meta.sqlite import DB_NAME, MetadataStore
-from thinblock.store.file import FallbackStore, FileStore
+from thinblock.backends import locate
+from thinblock.store.fallback import FallbackStore
+from thinblock.store.file import FileStore
 from thinblock.tools.check import check_metadata
 
 BS = 64 << 10
@@ -34,7 +35,7 @@ def allocated_bytes(pool: Pool) -> int:
 
 def check_ok(pool: Pool) -> None:
     pool.commit()
-    meta = MetadataStore.open(os.path.join(pool.path, DB_NAME), readonly=True)
+    meta = locate(pool.path).open_meta(readonly=True)
     try:
         assert check_metadata(meta) == []
     finally:
@@ -123,7 +124,7 @@ def test_trim_returns_space_to_pool_and_layer_below(pool: Pool) -> None:
     assert vol.read(BS // 2, 7 * BS) == bytes(7 * BS)
     pool.commit()
     assert pool.status()["used_bytes"] == 2 * BS
-    if store_of(pool).support()["punch"].value != "emulate":
+    if store_of(pool).capabilities()["punch"].value == "native":
         assert allocated_bytes(pool) <= full - 6 * BS
     check_ok(pool)
 
@@ -170,7 +171,7 @@ def test_provision_reserves_and_is_all_or_nothing(pool: Pool) -> None:
     before = allocated_bytes(pool)
     vol.provision(0, total // 2)
     assert vol.block_status(0, total // 2) == [(total // 2, Z)]
-    if store_of(pool).support()["allocate"].value == "native" and not store_of(pool).is_block_device:
+    if store_of(pool).capabilities()["allocate"].value == "native" and not store_of(pool).is_block_device:
         assert allocated_bytes(pool) >= before + total // 2
     used = pool.status()["used_bytes"]
     with pytest.raises(NoSpaceError):
@@ -257,7 +258,7 @@ def test_remove_volume_frees_and_punches(pool: Pool) -> None:
     full = allocated_bytes(pool)
     pool.remove_volume("v")
     assert pool.status()["used_bytes"] == 0
-    if store_of(pool).support()["punch"].value == "native":
+    if store_of(pool).capabilities()["punch"].value == "native":
         assert allocated_bytes(pool) <= full - 16 * BS
     check_ok(pool)
 
@@ -292,7 +293,7 @@ def test_data_store_contract(pool: Pool) -> None:
     assert store.pread(BS, BS) == bytes(BS)
     store.allocate(2 * BS, BS)
     store.flush()
-    support = store.support()
+    support = store.capabilities()
     assert set(support) == {"punch", "zero", "allocate"}
 
 
@@ -303,7 +304,7 @@ def _crash(pool: Pool) -> None:
         pool._committer.join()
     pool.meta.close()
     pool.store.close()
-    os.close(pool._lock_fd)
+    pool._ownership.release()
 
 
 def test_recovery_restores_zero_rules_after_a_crash(pool: Pool) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thinblock import Pool
-from thinblock.meta.sqlite import DB_NAME, MetadataStore
+from thinblock.backends import locate
 from thinblock.tools.check import check_metadata
 
 ROUNDS = int(os.environ.get("THINBLOCK_CRASH_ROUNDS", "30"))
@@ -95,7 +95,7 @@ def verify(pool: Pool, baseline: dict[str, bytes], ops: list[Op], durable: int) 
 
 
 def run_check(path: str) -> list[str]:
-    meta = MetadataStore.open(os.path.join(path, DB_NAME), readonly=True)
+    meta = locate(path).open_meta(readonly=True)
     try:
         return check_metadata(meta)
     finally:
@@ -162,7 +162,7 @@ def test_snapshots_survive_sigkill(tmp_path: Path) -> None:
             # that every snapshot/clone that completed this round matches its source
             # at that moment, replayed from the log on top of the state before the round.
             _verify_snapshot_round(pool, log, tmp_path / "expected.json")
-        meta = MetadataStore.open(os.path.join(path, DB_NAME), readonly=True)
+        meta = locate(path).open_meta(readonly=True)
         try:
             assert check_metadata(meta) == []
         finally:

@@ -16,10 +16,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tests.faults import KINDS, STORE_VERBS, Fault, FaultyMeta, FaultyStore
 from tests.model import Model, ModelError, ModelVolume
 from thinblock import BlockState, OpError, Pool, ReadOnlyError, ThinblockError
+from thinblock.backends import locate
 from thinblock.core.delta import changed_ranges
 from thinblock.core.snapshot import clone, create_snapshot, rollback
 from thinblock.errors import CommitError
-from thinblock.meta.sqlite import DB_NAME, MetadataStore
 from thinblock.tools.check import check_metadata
 
 BS = 4096
@@ -74,7 +74,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.pool.close()
-        meta = MetadataStore.open(os.path.join(self.path, DB_NAME), readonly=True)
+        meta = locate(self.path).open_meta(readonly=True)
         try:
             assert check_metadata(meta) == []
         finally:
@@ -133,7 +133,7 @@ class PoolMachine(RuleBasedStateMachine):
                     was.data[pos] = got[i]
         self.pool.commit()  # the next commit succeeds and writes whatever was pending
         assert self.pool.commit_failure is None
-        meta = MetadataStore.open(os.path.join(self.path, DB_NAME), readonly=True)
+        meta = locate(self.path).open_meta(readonly=True)
         try:
             assert check_metadata(meta) == [], f"pool check after a fault in {name}"
         finally:

@@ -10,7 +10,7 @@ import pytest
 
 from thinblock import NoSpaceError, Pool
 from thinblock.core.snapshot import clone, create_snapshot, rollback
-from thinblock.meta.sqlite import RESERVE_FULL
+from thinblock.meta.base import RESERVE_FULL
 
 BS = 64 << 10
 

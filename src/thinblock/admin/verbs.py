@@ -19,7 +19,7 @@ from thinblock.core.delta import delta_dict
 from thinblock.core.pool import Pool
 from thinblock.core.snapshot import clone, create_snapshot, rollback
 from thinblock.errors import PoolBusyError, ThinblockError
-from thinblock.meta.sqlite import RESERVE_FULL
+from thinblock.meta.base import RESERVE_FULL
 from thinblock.tools.dump import dump_metadata
 
 CONTROL_SOCKET = "control.sock"

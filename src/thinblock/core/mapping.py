@@ -29,14 +29,16 @@ class BlockState(enum.IntEnum):
     DATA = 2
 
 
-def make_entry(dblock: int, state: BlockState, pinned: bool) -> int:
-    if state is BlockState.UNMAPPED:
+def make_entry(dblock: int, state: int, pinned: bool | int = False) -> int:
+    """The entry for a block in `state` on `dblock` (UNMAPPED is always 0)."""
+    if state == BlockState.UNMAPPED:
         return 0
-    return (dblock << DBLOCK_SHIFT) | (PINNED if pinned else 0) | int(state)
+    return (dblock << DBLOCK_SHIFT) | (PINNED if pinned else 0) | state
 
 
-def entry_state(entry: int) -> BlockState:
-    return BlockState(entry & STATE_MASK)
+def entry_state(entry: int) -> int:
+    """The entry's BlockState, as an int (compare with BlockState members)."""
+    return entry & STATE_MASK
 
 
 def entry_dblock(entry: int) -> int:
@@ -45,6 +47,11 @@ def entry_dblock(entry: int) -> int:
 
 def entry_pinned(entry: int) -> bool:
     return bool(entry & PINNED)
+
+
+def with_state(entry: int, state: int) -> int:
+    """The same dblock and pin in another mapped state."""
+    return (entry & ~STATE_MASK) | state
 
 
 def entry_valid(entry: int) -> bool:

@@ -4,9 +4,11 @@ A snapshot copies its volume's root table and takes one more reference on
 every mapping page: O(pages), independent of how many blocks are mapped. The
 first write to a shared page copies the page (Volume._writable_page); the
 first write to a shared dblock copies the block, or only its untouched bytes
-for a partial write (Volume.write). Everything happens under the pool lock,
-so a snapshot of a live volume is the state between two requests; it is
-committed (data synced first) before the call returns.
+for a partial write (Volume.write). A snapshot holds its volume's whole range
+(shared: reads go on, writes wait) and then the pool lock, so a snapshot of a
+live volume is the state between requests: every write that completed is in
+it, none in flight is. It is committed (data synced first) before the call
+returns, with no lock held.
 """
 
 from __future__ import annotations
@@ -14,13 +16,12 @@ from __future__ import annotations
 from thinblock.core.pool import Pool
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
-from thinblock.meta.sqlite import reserve_blocks
+from thinblock.meta.base import reserve_blocks
 
 
 def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
     """A read-only snapshot of a volume or of another snapshot."""
-    with pool.lock:
-        vol = pool.volume(source)
+    with pool.quiesced(source, exclusive=False) as vol, pool.lock:
         pool.check_new_name(name)  # a bad name is refused before a reservation is weighed
         # The snapshot shares everything the volume owned: its set-aside grows to
         # the whole reservation, which the pool must be able to hold.
@@ -31,8 +32,8 @@ def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
         snap.row.origin_id = vol.row.id
         snap.readonly = True
         vol.owned_blocks = 0
-        pool.commit()
-        return snap
+    pool.commit()
+    return snap
 
 
 def clone(pool: Pool, snapshot: str, name: str) -> Volume:
@@ -41,8 +42,8 @@ def clone(pool: Pool, snapshot: str, name: str) -> Volume:
         snap = pool.volume(snapshot, kind="snapshot")
         vol = pool.add_volume(name, snap.size_bytes, snap.row.detect_zeroes, sharing=snap)
         vol.row.origin_id = snap.row.id
-        pool.commit()
-        return vol
+    pool.commit()
+    return vol
 
 
 def ancestors(pool: Pool, vol: Volume) -> set[int]:
@@ -57,8 +58,7 @@ def ancestors(pool: Pool, vol: Volume) -> set[int]:
 
 def rollback(pool: Pool, volume: str, snapshot: str) -> None:
     """Make a volume's contents and size those of a snapshot (what it owned alone is freed)."""
-    with pool.lock:
-        vol = pool.volume(volume, kind="volume")
+    with pool.quiesced(volume, kind="volume") as vol, pool.lock:
         snap = pool.volume(snapshot, kind="snapshot")
         if vol.row.id not in ancestors(pool, snap) and snap.row.id not in ancestors(pool, vol):
             raise ThinblockError(
@@ -76,4 +76,4 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
         pool.release_root(vol)
         pool.share_contents(vol, snap)
         pool.recount_owned()
-        pool.commit()
+    pool.commit()

@@ -2,11 +2,17 @@
 
 Every frontend (NBD, FUSE, CLI) calls these verbs and nothing else:
 read, write, trim, write_zeroes, provision, block_status, flush.
-Ranges are bytes and partial blocks are handled exactly. Each mutating verb
-first plans what every touched block needs, counts the dblocks it must
-allocate, reserves them (ENOSPC before any change), does all of its data I/O,
-and only then publishes the new entries (`_change`): whatever fails below, a
-failed request changes nothing.
+Ranges are bytes and partial blocks are handled exactly.
+
+Each mutating verb runs through one skeleton, `_mutate`:
+  1. take the request's blocks in the volume's range lock (rangelock);
+  2. under the pool lock, plan: a planner yields one `_Step` per block that
+     changes, saying how many fresh dblocks it needs; they are taken at once
+     (ENOSPC before any change), and each step fills in the `Change`;
+  3. with no pool lock held, run the data I/O;
+  4. under the pool lock, publish the new entries, only if all the I/O succeeded.
+A failed request changes nothing: its fresh dblocks go back through the freed
+path. Reads plan under the pool lock and read outside it, sharing their range.
 
 Two rules keep stale bytes out of reads:
   * UNMAPPED and ZEROED blocks are never read from the data store;
@@ -20,10 +26,19 @@ from __future__ import annotations
 import contextlib
 from array import array
 from collections.abc import Callable, Iterator
-from itertools import islice
-from typing import TYPE_CHECKING, ParamSpec
+from typing import TYPE_CHECKING, NamedTuple, ParamSpec
 
-from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
+from thinblock.core.change import Change
+from thinblock.core.mapping import (
+    PAGE_ENTRIES,
+    BlockState,
+    Page,
+    entry_dblock,
+    entry_pinned,
+    entry_state,
+    make_entry,
+)
+from thinblock.core.rangelock import RangeLock
 from thinblock.errors import (
     FreedSpacePending,
     NoSpaceError,
@@ -33,13 +48,11 @@ from thinblock.errors import (
     ReadOnlyError,
     is_no_space,
 )
-from thinblock.iovec import IOV_MAX
-from thinblock.meta.sqlite import VolumeRow
+from thinblock.meta.base import VolumeRow
 from thinblock.zeros import is_zero, zero_bytes
 
 if TYPE_CHECKING:
     from thinblock.core.pool import Pool
-    from thinblock.store.file import DataStore
 
 _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
 _BACKED = 1 << 2  # in _status_runs' keys, beside the state: a write there finds space
@@ -56,71 +69,20 @@ def _add_piece(pieces: list[list[int]], offset: int, length: int, store_off: int
     pieces.append([offset, length, store_off])
 
 
-class _Runs:
-    """Data-store ranges collected during one request, merged when contiguous."""
+class _Step(NamedTuple):
+    """One block's part of a planned request; `fill` turns it into I/O and entries.
 
-    def __init__(self) -> None:
-        self.zeros: list[list[int]] = []
-        self.writes: list[tuple[int, list[bytes | memoryview], int]] = []
-        self.allocs: list[list[int]] = []
+    For a run of UNMAPPED blocks in an empty page (bulk provision), vblock..end
+    are the first and last vblock and `fresh` is their number."""
 
-    def write(self, offset: int, buf: bytes | memoryview) -> None:
-        if not len(buf):
-            return
-        if self.writes:
-            start, bufs, length = self.writes[-1]
-            if start + length == offset and len(bufs) < IOV_MAX:
-                bufs.append(buf)
-                self.writes[-1] = (start, bufs, length + len(buf))
-                return
-        self.writes.append((offset, [buf], len(buf)))
-
-    @staticmethod
-    def _add_range(ranges: list[list[int]], offset: int, length: int) -> None:
-        last = ranges[-1] if ranges else None
-        if last is not None and last[0] + last[1] == offset:
-            last[1] += length
-        else:
-            ranges.append([offset, length])
-
-    def allocate(self, offset: int, length: int) -> None:
-        self._add_range(self.allocs, offset, length)
-
-    def zero(self, offset: int, length: int) -> None:
-        """Zero a range before this request's writes land (zero-range, not written zeros)."""
-        self._add_range(self.zeros, offset, length)
-
-    def run(self, store: DataStore) -> None:
-        # Space first (a ZEROED block's space is reserved below; an emulated allocate
-        # writes zeros, which a later write of this request may then overwrite).
-        for offset, length in self.allocs:
-            store.allocate(offset, length)
-        for offset, length in self.zeros:
-            store.zero(offset, length)
-        for offset, bufs, _ in self.writes:
-            store.pwritev(offset, bufs)
-
-
-class _Change:
-    """What one request will do, collected before any of it is published: the data
-    store I/O (runs), the fresh dblocks it took, and the entries it will set."""
-
-    def __init__(self, fresh: list[int], block_size: int) -> None:
-        self.fresh = fresh
-        self.block_size = block_size
-        self.runs = _Runs()
-        self.entries: list[tuple[int, int]] = []
-        self.runs_of_fresh: list[tuple[int, list[int]]] = []  # (first vblock, fresh dblocks) of an empty page
-        self.in_place_zeroed: list[int] = []  # dblocks of ZEROED blocks written in place
-
-    def set(self, vblock: int, entry: int) -> None:
-        self.entries.append((vblock, entry))
-
-    def reserve_run(self, first: int, dblocks: list[int]) -> None:
-        """UNMAPPED vblocks from `first`, in one page, become ZEROED|PINNED on these dblocks."""
-        self.runs_of_fresh.append((first, dblocks))
-        for dblock in dblocks:
-            self.runs.allocate(dblock * self.block_size, self.block_size)
+    fill: Callable[[Volume, Change, _Step, Iterator[int]], None]
+    vblock: int
+    start: int
+    end: int
+    entry: int
+    fresh: int  # fresh dblocks this step takes (0 or 1; a run's length for runs)
+    piece: memoryview | None = None
+    pin: bool = False
 
 
 class Volume:
@@ -136,6 +98,7 @@ class Volume:
         # reservations use it, so the pool counts it exactly for reserved volumes.
         self.owned_blocks = 0
         self.users = 0  # open NBD connections and FUSE handles: removal/rollback wait for none
+        self.ranges = RangeLock()  # requests in flight hold their blocks here (see _mutate)
 
     @property
     def name(self) -> str:
@@ -183,7 +146,7 @@ class Volume:
             # Copy-on-write of a shared page: the copy references every dblock too.
             for entry in page.entries:
                 if entry:
-                    pool.space.incref(entry >> DBLOCK_SHIFT)
+                    pool.space.incref(entry_dblock(entry))
             pool.release_page(page_id)
             page = pool.new_page(page.entries[:])
         self.root[page_index] = page.page_id
@@ -204,7 +167,7 @@ class Volume:
             return
         entries[slot] = new
         row = self.row
-        old_state, new_state = old & STATE_MASK, new & STATE_MASK
+        old_state, new_state = entry_state(old), entry_state(new)
         if old_state != new_state:
             if old_state == _DATA:
                 row.data_blocks -= 1
@@ -214,17 +177,19 @@ class Volume:
                 row.data_blocks += 1
             elif new_state == _ZEROED:
                 row.zeroed_blocks += 1
-        if (old ^ new) & PINNED:
-            row.pinned_blocks += 1 if new & PINNED else -1
-        if not old or not new or (old ^ new) >> DBLOCK_SHIFT:  # the dblock changes (dblock 0 is a dblock too)
+        if entry_pinned(old) != entry_pinned(new):
+            row.pinned_blocks += 1 if entry_pinned(new) else -1
+        if (
+            not old or not new or entry_dblock(old) != entry_dblock(new)
+        ):  # the dblock changes (dblock 0 is a dblock too)
             space = self.pool.space
             if old:
-                count = space.refcounts[old >> DBLOCK_SHIFT]
+                count = space.refcounts[entry_dblock(old)]
                 if count == 1:
                     self.owned_blocks -= 1
                 elif count == 2:
                     self.pool.owned_stale = True  # the other holder may now own it alone
-                space.decref(old >> DBLOCK_SHIFT)
+                space.decref(entry_dblock(old))
             if new:
                 self.owned_blocks += 1  # a fresh dblock, in a page this volume alone holds
         self.pool.page_changed(self, page_index, page)
@@ -239,7 +204,7 @@ class Volume:
             return True
         if self._shares_page(vblock):
             return True
-        return self.pool.space.is_shared(entry >> DBLOCK_SHIFT)
+        return self.pool.space.is_shared(entry_dblock(entry))
 
     # ----- iteration --------------------------------------------------------------
 
@@ -276,14 +241,22 @@ class Volume:
                 start, stop = max(offset, base), min(end, base + bs)
                 yield vblock, start - base, stop - base, entry, start == base and (stop == base + bs or stop == size)
 
-    # ----- the verbs --------------------------------------------------------------
+    # ----- reading ------------------------------------------------------------------
+
+    def _blocks(self, offset: int, length: int) -> tuple[int, int]:
+        bs = self.pool.block_size
+        return offset // bs, (offset + length - 1) // bs
 
     def read(self, offset: int, length: int) -> bytes:
         """The bytes of [offset, offset+length); UNMAPPED and ZEROED read zeros with no I/O."""
         self._check(offset, length, write=False)
+        if not length:
+            return b""
         store = self.pool.store
-        with self.pool.lock:
-            pieces = self._sparse_plan(offset, length)
+        with self.ranges.hold(*self._blocks(offset, length), exclusive=False):
+            with self.pool.lock:
+                self._check(offset, length, write=False)
+                pieces = self._sparse_plan(offset, length)
             if len(pieces) == 1 and pieces[0][2] >= 0:
                 return store.pread(pieces[0][2], length)  # all data, one extent: no copies
             out = bytearray(length)
@@ -300,9 +273,13 @@ class Volume:
         pieces and their bytes come from one consistent moment.
         """
         self._check(offset, length, write=False)
+        if not length:
+            return []
         store = self.pool.store
-        with self.pool.lock:
-            pieces = self._sparse_plan(offset, length)
+        with self.ranges.hold(*self._blocks(offset, length), exclusive=False):
+            with self.pool.lock:
+                self._check(offset, length, write=False)
+                pieces = self._sparse_plan(offset, length)
             return [(off, n, None if src < 0 else store.pread(src, n)) for off, n, src in pieces]
 
     def _sparse_plan(self, offset: int, length: int) -> list[list[int]]:
@@ -315,84 +292,47 @@ class Volume:
             seg_off = vblock * bs + start
             if seg_off > pos:
                 _add_piece(pieces, pos, seg_off - pos, -1)
-            store_off = (entry >> DBLOCK_SHIFT) * bs + start if entry & STATE_MASK == _DATA else -1
+            store_off = entry_dblock(entry) * bs + start if entry_state(entry) == _DATA else -1
             _add_piece(pieces, seg_off, end - start, store_off)
             pos = seg_off + end - start
         if pos < offset + length:
             _add_piece(pieces, pos, offset + length - pos, -1)
         return pieces
 
+    # ----- the mutating verbs: planners ------------------------------------------------
+
     def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
         """Write data. With detect_zeroes on/unmap, all-zero payloads are not written:
         over UNMAPPED/ZEROED nothing changes; a whole DATA block becomes ZEROED (on)
         or, unless provisioned, UNMAPPED (unmap)."""
-        self._waiting_for_space(fua, self._write, offset, data)
-
-    def _write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         buf = memoryview(data).cast("B")
-        self._check(offset, len(buf), write=True)
-        pool = self.pool
-        bs = pool.block_size
+        self._waiting_for_space(fua, self._mutate, offset, len(buf), lambda: self._plan_write(offset, buf))
+
+    def _plan_write(self, offset: int, buf: memoryview) -> Iterator[_Step]:
+        bs = self.pool.block_size
         detect = self.row.detect_zeroes
-        with pool.lock:
-            plan = []
-            needed = 0
-            for vblock, start, end, entry, whole in self._segments(offset, len(buf), skip_holes=False):
-                pos = vblock * bs + start - offset
-                piece = buf[pos : pos + end - start]
-                state = entry & STATE_MASK
-                zero = detect != "off" and is_zero(piece)
-                if zero and state != _DATA:
-                    continue  # zero-write elision: no change, no I/O
-                if zero and whole and detect == "unmap" and not entry & PINNED:
-                    new = False  # released below
+        for vblock, start, end, entry, whole in self._segments(offset, len(buf), skip_holes=False):
+            pos = vblock * bs + start - offset
+            piece = buf[pos : pos + end - start]
+            state = entry_state(entry)
+            zero = detect != "off" and is_zero(piece)
+            if zero and state != _DATA:
+                continue  # zero-write elision: no change, no I/O
+            if zero and whole:
+                if detect == "unmap" and not entry_pinned(entry):
+                    yield _Step(Volume._fill_unmap, vblock, start, end, entry, 0)
                 else:
                     new = self._needs_new_dblock(vblock, entry)
-                needed += new
-                plan.append((vblock, start, end, entry, piece, zero and whole, new))
-            with self._change(needed) as change:
-                fresh, runs = iter(change.fresh), change.runs
-                for vblock, start, end, entry, piece, zero_whole, new in plan:
-                    state = entry & STATE_MASK
-                    pinned = entry & PINNED
-                    dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
-                    if zero_whole:
-                        if detect == "unmap" and not pinned:
-                            change.set(vblock, 0)
-                        else:
-                            # A ZEROED block's dblock reads zero in the layer below too.
-                            if new:
-                                runs.allocate(dblock * bs, bs)
-                            else:
-                                runs.zero(dblock * bs, bs)
-                            change.set(vblock, (dblock << DBLOCK_SHIFT) | pinned | _ZEROED)
-                        continue
-                    if state == _DATA and not new:
-                        runs.write(dblock * bs + start, piece)  # in place
-                        continue
-                    # The block enters DATA or moves to a fresh dblock. A fresh dblock and a
-                    # ZEROED block's dblock read zero (spacemap's rule), so only the payload is
-                    # written; a copy-on-write copy takes the old block's other bytes.
-                    if state == _DATA and (start or end != bs):
-                        old = pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs)
-                        runs.write(dblock * bs, old[:start])
-                        runs.write(dblock * bs + start, piece)
-                        runs.write(dblock * bs + end, old[end:])
-                    elif not new and dblock in pool.unclean_zeroed:
-                        # A failed write reached this ZEROED block's dblock: write it whole.
-                        runs.write(dblock * bs, zero_bytes(start))
-                        runs.write(dblock * bs + start, piece)
-                        runs.write(dblock * bs + end, zero_bytes(bs - end))
-                    else:
-                        runs.write(dblock * bs + start, piece)
-                    if not new:  # here that is a ZEROED block, written in place
-                        change.in_place_zeroed.append(dblock)
-                    change.set(vblock, (dblock << DBLOCK_SHIFT) | pinned | _DATA)
+                    yield _Step(Volume._fill_zeroed, vblock, start, end, entry, new, pin=entry_pinned(entry))
+                continue
+            yield _Step(Volume._fill_data, vblock, start, end, entry, self._needs_new_dblock(vblock, entry), piece)
 
     def trim(self, offset: int, length: int, *, fua: bool = False) -> None:
         """Discard: whole blocks become UNMAPPED (space back to the pool and the layer
         below, after the next commit); partial DATA blocks are zeroed in place."""
-        self._waiting_for_space(fua, self._zero_or_trim, offset, length, False, False)
+        self._waiting_for_space(
+            fua, self._mutate, offset, length, lambda: self._plan_zero(offset, length, False, False)
+        )
 
     def write_zeroes(
         self, offset: int, length: int, *, no_hole: bool = False, fast: bool = False, fua: bool = False
@@ -403,131 +343,175 @@ class Volume:
         fast: if any zero bytes would have to be written, fail with ENOTSUP and
         change nothing.
         """
-        self._waiting_for_space(fua, self._zero_or_trim, offset, length, no_hole, fast)
+        self._waiting_for_space(
+            fua, self._mutate, offset, length, lambda: self._plan_zero(offset, length, no_hole, fast)
+        )
 
-    def _zero_or_trim(self, offset: int, length: int, no_hole: bool, fast: bool) -> None:
-        self._check(offset, length, write=True)
-        pool = self.pool
-        bs = pool.block_size
-        with pool.lock:
-            if no_hole:
-                self._precheck_space(offset, length)
-            plan = []
-            needed = 0
-            for vblock, start, end, entry, full in self._segments_or_empty_pages(offset, length, no_hole):
-                if entry < 0:  # an empty page's run of vblocks [vblock, end]: all reserved at once
-                    needed += end - vblock + 1
-                    plan.append((vblock, start, end, entry, "reserve_run", True))
-                    continue
-                state = entry & STATE_MASK
-                if state == _DATA and not full:
-                    if fast:
-                        raise NotSupportedError("fast zero not possible: part of a data block must be written")
-                    action = "zero_part"
-                elif not no_hole:
-                    if not full or state == _UNMAPPED:
-                        continue
-                    action = "unmap"
-                else:
-                    action = "reserve"
-                new = action != "unmap" and self._needs_new_dblock(vblock, entry)
-                needed += new
-                plan.append((vblock, start, end, entry, action, new))
-            with self._change(needed) as change:
-                fresh, runs = iter(change.fresh), change.runs
-                for vblock, start, end, entry, action, new in plan:
-                    if action == "reserve_run":
-                        change.reserve_run(vblock, list(islice(fresh, end - vblock + 1)))
-                    elif action == "unmap":
-                        change.set(vblock, 0)
-                    elif action == "zero_part":
-                        if not new:
-                            runs.write((entry >> DBLOCK_SHIFT) * bs + start, zero_bytes(end - start))
-                            continue
-                        dblock = next(fresh)
-                        block = bytearray(pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
-                        block[start:end] = zero_bytes(end - start)
-                        runs.write(dblock * bs, bytes(block))
-                        change.set(vblock, (dblock << DBLOCK_SHIFT) | (entry & PINNED) | _DATA)
-                    else:
-                        dblock = next(fresh) if new else entry >> DBLOCK_SHIFT
-                        if new:
-                            runs.allocate(dblock * bs, bs)
-                        elif entry & STATE_MASK == _DATA:
-                            runs.zero(dblock * bs, bs)  # ZEROED dblocks read zero below too
-                        change.set(vblock, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
+    def _plan_zero(self, offset: int, length: int, no_hole: bool, fast: bool) -> Iterator[_Step]:
+        if no_hole:
+            self._precheck_space(offset, length)
+        for vblock, start, end, entry, full in self._segments_or_empty_pages(offset, length, no_hole):
+            if entry < 0:  # an empty page's run of vblocks [vblock, end]: all reserved at once
+                yield _Step(Volume._fill_run, vblock, start, end, 0, end - vblock + 1)
+                continue
+            state = entry_state(entry)
+            if state == _DATA and not full:
+                if fast:
+                    raise NotSupportedError("fast zero not possible: part of a data block must be written")
+                yield _Step(Volume._fill_zero_part, vblock, start, end, entry, self._needs_new_dblock(vblock, entry))
+            elif not no_hole:
+                if full and state != _UNMAPPED:
+                    yield _Step(Volume._fill_unmap, vblock, start, end, entry, 0)
+            else:
+                new = self._needs_new_dblock(vblock, entry)
+                yield _Step(Volume._fill_zeroed, vblock, start, end, entry, new, pin=True)
 
     def provision(self, offset: int, length: int, *, fua: bool = False) -> None:
         """Reserve real space for every block touched, in the pool and the layer below.
 
         All or nothing: ENOSPC and no change when the pool cannot hold it all.
         """
-        self._waiting_for_space(fua, self._provision, offset, length)
+        self._waiting_for_space(fua, self._mutate, offset, length, lambda: self._plan_provision(offset, length))
 
-    def _provision(self, offset: int, length: int) -> None:
+    def _plan_provision(self, offset: int, length: int) -> Iterator[_Step]:
+        self._precheck_space(offset, length)
+        for vblock, start, end, entry, _whole in self._segments_or_empty_pages(offset, length, True):
+            if entry < 0:  # an empty page's run of vblocks [vblock, end]
+                yield _Step(Volume._fill_run, vblock, start, end, 0, end - vblock + 1)
+                continue
+            new = self._needs_new_dblock(vblock, entry)
+            if not new:
+                if not entry_pinned(entry):
+                    yield _Step(Volume._fill_pin, vblock, start, end, entry, 0)
+            elif entry_state(entry) == _DATA:
+                yield _Step(Volume._fill_copy, vblock, start, end, entry, 1)
+            else:
+                yield _Step(Volume._fill_zeroed, vblock, start, end, entry, 1, pin=True)
+
+    # ----- the mutating verbs: what each kind of step does -------------------------------
+
+    def _fill_unmap(self, change: Change, step: _Step, fresh: Iterator[int]) -> None:
+        change.set(step.vblock, 0)
+
+    def _fill_pin(self, change: Change, step: _Step, fresh: Iterator[int]) -> None:
+        change.set(step.vblock, make_entry(entry_dblock(step.entry), entry_state(step.entry), True))
+
+    def _fill_run(self, change: Change, step: _Step, fresh: Iterator[int]) -> None:
+        """UNMAPPED vblocks [vblock, end] of one page become ZEROED|PINNED on fresh dblocks."""
+        bs = self.pool.block_size
+        dblocks = [next(fresh) for _ in range(step.fresh)]
+        change.runs_of_fresh.append((step.vblock, dblocks))
+        for dblock in dblocks:
+            change.io.allocate(dblock * bs, bs)
+
+    def _fill_zeroed(self, change: Change, step: _Step, fresh: Iterator[int]) -> None:
+        """The whole block becomes ZEROED; its dblock reads zero in the layer below too."""
+        bs = self.pool.block_size
+        if step.fresh:
+            dblock = next(fresh)
+            change.io.allocate(dblock * bs, bs)
+        else:
+            dblock = entry_dblock(step.entry)
+            if entry_state(step.entry) == _DATA:
+                change.io.zero(dblock * bs, bs)
+        change.set(step.vblock, make_entry(dblock, _ZEROED, step.pin))
+
+    def _fill_copy(self, change: Change, step: _Step, fresh: Iterator[int]) -> None:
+        """A shared DATA block is copied now (provision: later writes need no space)."""
+        bs = self.pool.block_size
+        dblock = next(fresh)
+        change.io.copy(entry_dblock(step.entry) * bs, dblock * bs, bs)
+        change.set(step.vblock, make_entry(dblock, _DATA, True))
+
+    def _fill_zero_part(self, change: Change, step: _Step, fresh: Iterator[int]) -> None:
+        """Zero part of a DATA block: in place, or on a copy of its other bytes."""
+        bs = self.pool.block_size
+        old, start, end = entry_dblock(step.entry), step.start, step.end
+        if not step.fresh:
+            change.io.write(old * bs + start, zero_bytes(end - start))
+            return
+        dblock = next(fresh)  # reads zero: only the bytes outside [start, end) are copied
+        change.io.copy(old * bs, dblock * bs, start)
+        change.io.copy(old * bs + end, dblock * bs + end, bs - end)
+        change.set(step.vblock, make_entry(dblock, _DATA, entry_pinned(step.entry)))
+
+    def _fill_data(self, change: Change, step: _Step, fresh: Iterator[int]) -> None:
+        """The payload lands in the block, which is DATA afterwards."""
+        bs = self.pool.block_size
+        entry, start, end = step.entry, step.start, step.end
+        assert step.piece is not None
+        state, old = entry_state(entry), entry_dblock(entry)
+        dblock = next(fresh) if step.fresh else old
+        io = change.io
+        if state == _DATA and not step.fresh:
+            io.write(dblock * bs + start, step.piece)  # in place
+            return
+        # The block enters DATA or moves to a fresh dblock. A fresh dblock and a ZEROED
+        # block's dblock read zero (spacemap's rule), so only the payload is written; a
+        # copy-on-write copy takes the old block's other bytes.
+        if state == _DATA:
+            io.copy(old * bs, dblock * bs, start)
+            io.write(dblock * bs + start, step.piece)
+            io.copy(old * bs + end, dblock * bs + end, bs - end)
+        elif not step.fresh and dblock in self.pool.unclean_zeroed:
+            # A failed write reached this ZEROED block's dblock: write it whole.
+            io.write(dblock * bs, zero_bytes(start))
+            io.write(dblock * bs + start, step.piece)
+            io.write(dblock * bs + end, zero_bytes(bs - end))
+        else:
+            io.write(dblock * bs + start, step.piece)
+        if not step.fresh:  # here that is a ZEROED block, written in place
+            change.in_place_zeroed.append(dblock)
+        change.set(step.vblock, make_entry(dblock, _DATA, entry_pinned(entry)))
+
+    # ----- the mutating verbs: the one skeleton -------------------------------------------
+
+    def _mutate(self, offset: int, length: int, planner: Callable[[], Iterator[_Step]], *, held: bool = False) -> None:
+        """Plan, allocate, do the I/O, publish (see the module's docstring). `held`:
+        the caller already holds the whole volume in the range lock (resize)."""
         self._check(offset, length, write=True)
+        if not length:
+            return
         pool = self.pool
-        bs = pool.block_size
-        with pool.lock:
-            self._precheck_space(offset, length)
-            plan: list[tuple[int, int, int, bool]] = []  # (first vblock, last vblock, entry, new)
-            needed = 0
-            for vblock, _start, end, entry, _whole in self._segments_or_empty_pages(offset, length, True):
-                if entry < 0:  # an empty page's run of vblocks [vblock, end]
-                    needed += end - vblock + 1
-                    plan.append((vblock, end, 0, True))
-                    continue
-                new = self._needs_new_dblock(vblock, entry)
-                if new or not entry & PINNED:
-                    needed += new
-                    plan.append((vblock, vblock, entry, new))
-            with self._change(needed) as change:
-                fresh, runs = iter(change.fresh), change.runs
-                for lo, hi, entry, new in plan:
-                    if not new:
-                        change.set(lo, entry | PINNED)
-                    elif not entry:
-                        change.reserve_run(lo, list(islice(fresh, hi - lo + 1)))
-                    elif entry & STATE_MASK == _DATA:
-                        # A shared DATA block: copy it now so later writes need no space.
-                        dblock = next(fresh)
-                        runs.write(dblock * bs, pool.store.pread((entry >> DBLOCK_SHIFT) * bs, bs))
-                        change.set(lo, (dblock << DBLOCK_SHIFT) | PINNED | _DATA)
-                    else:
-                        dblock = next(fresh)
-                        runs.allocate(dblock * bs, bs)
-                        change.set(lo, (dblock << DBLOCK_SHIFT) | PINNED | _ZEROED)
+        ranges = contextlib.nullcontext() if held else self.ranges.hold(*self._blocks(offset, length), exclusive=True)
+        with ranges:
+            change = Change()
+            with pool.lock:
+                self._check(offset, length, write=True)  # again: a resize or removal may have run meanwhile
+                steps = list(planner())
+                change.fresh = self._allocate(sum(step.fresh for step in steps))
+                try:
+                    fresh = iter(change.fresh)
+                    for step in steps:
+                        step.fill(self, change, step, fresh)
+                except BaseException:
+                    pool.return_fresh(change.fresh)
+                    raise
+            if not change:
+                return
+            try:
+                change.io.run(pool.store)
+            except BaseException as exc:
+                with pool.lock:
+                    pool.return_fresh(change.fresh)
+                    # A ZEROED block's dblock must read zero (the rule writes into it rely on);
+                    # the failed write may have reached it, so the next write there is whole.
+                    pool.unclean_zeroed.update(change.in_place_zeroed)
+                if is_no_space(exc) and not isinstance(exc, OpError):  # a full layer below: like a full pool
+                    raise NoSpaceError(f"the data store below pool {pool.path} is full: {exc.strerror}") from exc
+                raise
+            with pool.lock:
+                self._publish(change)
 
-    @contextlib.contextmanager
-    def _change(self, needed: int) -> Iterator[_Change]:
-        """Take `needed` fresh dblocks, let the caller fill in a _Change, then act on it
-        in the one order that keeps rule 1 of DESIGN.md ("an operation that fails
-        changes nothing"): data I/O first; only once it all succeeded are the new
-        entries published. If anything fails before that (a pread for a copy, the
-        data store's write, zero-range or fallocate), the fresh dblocks go back and
-        no entry has changed; ENOSPC from the layer below is an ordinary NoSpaceError.
-        (FUA commits after the verb, outside the pool lock: a failed commit leaves the
-        change in memory, pending for the next commit, and fails the request.)"""
-        fresh = self._allocate(needed)
-        change = _Change(fresh, self.pool.block_size)
-        try:
-            yield change
-            change.runs.run(self.pool.store)
-        except BaseException as exc:
-            self.pool.return_fresh(fresh)
-            # A ZEROED block's dblock must read zero (the rule writes into it rely on);
-            # the failed write may have reached it, so the next write there is whole.
-            self.pool.unclean_zeroed.update(change.in_place_zeroed)
-            if is_no_space(exc) and not isinstance(exc, OpError):  # a full layer below: like a full pool
-                raise NoSpaceError(f"the data store below pool {self.pool.path} is full: {exc.strerror}") from exc
-            raise
-        self.pool.unclean_zeroed.difference_update(change.in_place_zeroed)
+    def _publish(self, change: Change) -> None:
+        pool = self.pool
+        pool.unclean_zeroed.difference_update(change.in_place_zeroed)
         for vblock, entry in change.entries:
             self._set_entry(vblock, entry)
         for first, dblocks in change.runs_of_fresh:
-            self._set_unmapped_run(first, [(d << DBLOCK_SHIFT) | PINNED | _ZEROED for d in dblocks])
-        if self.pool.host.slack_released and self.pool.space.pending_free:
-            self.pool.kick_commit()  # the host is full: give freed space back now, not within a second
+            self._set_unmapped_run(first, [make_entry(d, _ZEROED, True) for d in dblocks])
+        if pool.host.slack_released and pool.space.pending_free:
+            pool.kick_commit()  # the host is full: give freed space back now, not within a second
 
     def _segments_or_empty_pages(
         self, offset: int, length: int, bulk: bool
@@ -583,8 +567,8 @@ class Volume:
         return blocks
 
     def _waiting_for_space(self, fua: bool, verb: Callable[_P, None], *args: _P.args, **kwargs: _P.kwargs) -> None:
-        """Run a mutating verb; under the pool's wait policy, ENOSPC holds it (pool lock
-        released) until space appears or the time runs out, then it plans again from
+        """Run a mutating verb; under the pool's wait policy, ENOSPC holds it (no lock
+        held) until space appears or the time runs out, then it plans again from
         scratch (ENOSPC changed nothing, so re-running it is safe). Space freed in the
         open transaction is made usable first, by two commits outside the pool lock.
         With fua, what the verb did is then committed, outside the pool lock too."""
@@ -620,7 +604,7 @@ class Volume:
         block it shares. UNMAPPED blocks are never backed.
         """
         runs = self._status_runs(offset, length, backed=True)
-        return [(n, BlockState(key & STATE_MASK), bool(key & _BACKED)) for n, key in runs]
+        return [(n, BlockState(key & ~_BACKED), bool(key & _BACKED)) for n, key in runs]
 
     def _status_runs(self, offset: int, length: int, *, backed: bool) -> list[tuple[int, int]]:
         self._check(offset, length, write=False)
@@ -650,11 +634,11 @@ class Volume:
                 seg_off = vblock * bs + start
                 if seg_off > pos:
                     add(seg_off - pos, _UNMAPPED)
-                key = entry & STATE_MASK
+                key = entry_state(entry)
                 if (
                     backed
                     and entry
-                    and (covered or (refcounts[entry >> DBLOCK_SHIFT] == 1 and not self._shares_page(vblock)))
+                    and (covered or (refcounts[entry_dblock(entry)] == 1 and not self._shares_page(vblock)))
                 ):
                     key |= _BACKED
                 add(end - start, key)
@@ -672,7 +656,7 @@ class Volume:
         with pool.lock:
             for page_id in self.root.values():
                 page = pool.page(page_id)
-                mapped = [e >> DBLOCK_SHIFT for e in page.entries if e]
+                mapped = [entry_dblock(e) for e in page.entries if e]
                 if page.refcount > 1:
                     shared += len(mapped)
                     continue
@@ -687,9 +671,17 @@ class Volume:
 
     def resize(self, size_bytes: int) -> None:
         """Grow, or shrink unmapping everything past the new end (a partial block is zeroed)."""
+        with self.ranges.hold_all(exclusive=True):
+            self.resize_held(size_bytes)
+
+    def resize_held(self, size_bytes: int) -> None:
+        """resize, for a caller that holds the whole volume in the range lock."""
+        old = self.row.size_bytes
+        if size_bytes < old:
+            cut, n = size_bytes, old - size_bytes
+            self._waiting_for_space(
+                False, self._mutate, cut, n, lambda: self._plan_zero(cut, n, False, False), held=True
+            )
         with self.pool.lock:
-            old = self.row.size_bytes
-            if size_bytes < old:
-                self.trim(size_bytes, old - size_bytes)
             self.row.size_bytes = size_bytes
             self.pool.mark_volume_dirty(self)

@@ -1,8 +1,9 @@
-"""The transactional metadata store: SQLite in the pool directory.
+"""The embedded metadata store: SQLite in the pool directory (meta/base.py's contract).
 
-It knows tables and rows, nothing of the block contract. The pool collects
-changes in memory and hands them to `commit()` as one transaction, so the
-on-disk metadata is always the state at some commit.
+The pool collects changes in memory and hands them to `commit()` as one
+transaction, so the on-disk metadata is always the state at some commit. Page
+loads use a second connection: in WAL mode they never wait for a commit's
+write and fsync, so a request that misses the page cache is not held by it.
 
 Tables
   superblock(key, value)                 format, block size, size, counters
@@ -20,13 +21,13 @@ import functools
 import json
 import os
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 from thinblock.errors import CorruptionError, ThinblockError
+from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow
 
-FORMAT_VERSION = 2
 DB_NAME = "metadata.sqlite"
 
 _SCHEMA = """
@@ -57,32 +58,6 @@ CREATE TABLE refcount_pages (idx INTEGER PRIMARY KEY, counts BLOB NOT NULL);
 """
 
 
-@dataclass
-class VolumeRow:
-    id: int
-    name: str
-    size_bytes: int
-    detect_zeroes: str
-    created: float
-    data_blocks: int = 0
-    zeroed_blocks: int = 0
-    pinned_blocks: int = 0
-    kind: str = "volume"  # or "snapshot" (read-only)
-    origin_id: int | None = None  # the volume a snapshot was taken of, the snapshot a clone came from
-    reserve_bytes: int = 0  # RESERVE_FULL follows the size
-    low_water: float | None = None  # percent of the size left unmapped
-    on_low_water: str | None = None
-
-
-RESERVE_FULL = -1
-
-
-def reserve_blocks(reserve_bytes: int, size_bytes: int, block_size: int) -> int:
-    """The blocks a reservation stands for (RESERVE_FULL: the whole volume size)."""
-    target = size_bytes if reserve_bytes == RESERVE_FULL else reserve_bytes
-    return -(-target // block_size)
-
-
 _VOLUME_COLUMNS = (
     "id, name, size_bytes, detect_zeroes, created, data_blocks, zeroed_blocks, pinned_blocks,"
     " kind, origin_id, reserve_bytes, low_water, on_low_water"
@@ -95,19 +70,6 @@ _MIGRATE_1_TO_2 = (
     "ALTER TABLE volumes ADD COLUMN low_water REAL",
     "ALTER TABLE volumes ADD COLUMN on_low_water TEXT",
 )
-
-
-@dataclass
-class Transaction:
-    """Everything one commit writes; filled by the pool, applied atomically."""
-
-    superblock: dict[str, object] = field(default_factory=dict)
-    volumes: list[VolumeRow] = field(default_factory=list)
-    deleted_volumes: list[int] = field(default_factory=list)
-    roots: dict[tuple[int, int], int | None] = field(default_factory=dict)  # None deletes
-    pages: dict[int, tuple[int, bytes] | None] = field(default_factory=dict)  # None deletes
-    refcount_pages: dict[int, bytes] = field(default_factory=dict)
-    page_refcounts: dict[int, int] = field(default_factory=dict)  # refcount-only changes (snapshots)
 
 
 _P = ParamSpec("_P")
@@ -141,21 +103,25 @@ def _connect(path: str, readonly: bool, *, immutable: bool = False) -> sqlite3.C
     return conn
 
 
-class MetadataStore:
+class SqliteMetadata(MetadataStore):
     """One SQLite database; every write goes through `commit`."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: str, *, readonly: bool = False) -> None:
         self.conn = conn
+        self.path = path
+        self._reader: sqlite3.Connection | None = None
+        self._reader_lock = threading.Lock()
+        self._readonly = readonly
 
     @classmethod
-    def create(cls, path: str, superblock: dict[str, object]) -> MetadataStore:
+    def create(cls, path: str, superblock: dict[str, object]) -> SqliteMetadata:
         try:
             return cls._create(path, superblock)
         except sqlite3.Error as exc:
             raise ThinblockError(f"cannot create the metadata database {path}: {exc}") from None
 
     @classmethod
-    def _create(cls, path: str, superblock: dict[str, object]) -> MetadataStore:
+    def _create(cls, path: str, superblock: dict[str, object]) -> SqliteMetadata:
         conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
@@ -166,10 +132,10 @@ class MetadataStore:
         sb = {"format_version": FORMAT_VERSION, "transaction_id": 0, **superblock}
         conn.executemany("INSERT INTO superblock VALUES (?, ?)", [(k, json.dumps(v)) for k, v in sb.items()])
         conn.execute("COMMIT")
-        return cls(conn)
+        return cls(conn, path)
 
     @classmethod
-    def open(cls, path: str, *, readonly: bool = False) -> MetadataStore:
+    def open(cls, path: str, *, readonly: bool = False) -> SqliteMetadata:
         writable_dir = os.access(os.path.dirname(path) or ".", os.W_OK) and os.access(path, os.W_OK)
         if not readonly and not writable_dir:
             raise ThinblockError(
@@ -178,7 +144,7 @@ class MetadataStore:
         try:
             # On a read-only filesystem SQLite cannot make the WAL index: read the file as immutable.
             conn = _connect(path, readonly, immutable=readonly and not writable_dir)
-            store = cls(conn)
+            store = cls(conn, path, readonly=readonly)
             version = store.superblock().get("format_version")
             if version == 1 and not readonly:
                 store._migrate_from_1()
@@ -220,15 +186,24 @@ class MetadataStore:
         return dict(rows)
 
     def all_roots(self) -> Iterator[tuple[int, int, int]]:
-        yield from self.conn.execute("SELECT volume_id, page_index, page_id FROM roots")
+        yield from self._walk("SELECT volume_id, page_index, page_id FROM roots")
 
     @_reads
     def page(self, page_id: int) -> tuple[int, bytes] | None:
-        row = self.conn.execute("SELECT refcount, entries FROM pages WHERE id = ?", (page_id,)).fetchone()
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = self.conn if self._readonly else _connect(self.path, True)
+            row = self._reader.execute("SELECT refcount, entries FROM pages WHERE id = ?", (page_id,)).fetchone()
         return None if row is None else (row[0], row[1])
 
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
-        yield from self.conn.execute("SELECT id, refcount, entries FROM pages")
+        yield from self._walk("SELECT id, refcount, entries FROM pages")
+
+    def _walk(self, query: str) -> Iterator[Any]:
+        try:
+            yield from self.conn.execute(query)
+        except sqlite3.DatabaseError as exc:
+            raise _damaged("the pool's metadata database", exc) from None
 
     @_reads
     def max_page_id(self) -> int:
@@ -263,7 +238,19 @@ class MetadataStore:
             full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
             raise OSError(errno.ENOSPC if full else errno.EIO, f"metadata commit failed: {exc}") from exc
 
+    def integrity_problems(self) -> list[str]:
+        rows = self.conn.execute("PRAGMA integrity_check").fetchall()
+        return [] if rows == [("ok",)] else [f"sqlite integrity: {row[0]}" for row in rows[:20]]
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into the database file (before it is renamed or copied)."""
+        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
     def close(self) -> None:
+        with self._reader_lock:
+            if self._reader is not None and self._reader is not self.conn:
+                self._reader.close()
+            self._reader = None
         self.conn.close()
 
 

@@ -1,1 +1,18 @@
-"""store"""
+"""Data stores: the byte space a pool's blocks live in (contract in store/base.py).
+
+`STORES` is the registry the contract suite runs over; a new store is one module
+and one line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from thinblock.store.base import DataStore
+from thinblock.store.file import FileStore
+from thinblock.store.memory import MemoryStore
+
+STORES: dict[str, Callable[..., DataStore]] = {
+    "file": FileStore,
+    "memory": MemoryStore,
+}

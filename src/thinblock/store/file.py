@@ -1,25 +1,24 @@
-"""Where block bytes live, behind one small contract (borgstore / nbdkit style).
+"""A data store on a sparse regular file (the default) or a raw block device.
 
-A data store is a flat byte space addressed by offset. It is *asked* what it
-can do natively; `FallbackStore` is the single place where a missing native
-operation is emulated (punch -> zero-range -> written zeros; allocate ->
-written zeros), so no caller ever silently skips one.
+It declares what the kernel does for it: on a regular file the optional verbs
+are probed once at open, past the end of the file where nothing is stored; on a
+block device punch and zero-range are NATIVE (the block layer emulates them for
+devices that lack them). A verb the kernel refuses later is declared NONE from
+then on and raises NotSupportedError, for FallbackStore to emulate.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import enum
 import errno
 import os
 import stat
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from thinblock.errors import NotSupportedError, ThinblockError
 from thinblock.iovec import write_all
-from thinblock.zeros import ZERO_CHUNK_BYTES, zero_bytes
+from thinblock.store.base import OPTIONAL_VERBS, DataStore, Support
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -37,62 +36,12 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-class Support(enum.Enum):
-    """How a store does an operation: natively, emulated by FallbackStore, or unknown yet."""
-
-    NATIVE = "native"
-    EMULATE = "emulate"
-    UNKNOWN = "unknown"
-
-
-class DataStore(ABC):
-    """The contract every data store keeps.
-
-    Offsets and lengths are bytes; callers only ever pass ranges inside
-    `size_bytes`. A method that the store cannot do natively raises
-    NotSupportedError and changes nothing.
-    """
-
-    @property
-    @abstractmethod
-    def size_bytes(self) -> int:
-        """Current size of the byte space."""
-
-    @abstractmethod
-    def pread(self, offset: int, length: int) -> bytes:
-        """Exactly `length` bytes at `offset`."""
-
-    @abstractmethod
-    def pwritev(self, offset: int, buffers: Sequence[bytes | memoryview]) -> None:
-        """Write the buffers back to back from `offset`, all of them."""
-
-    @abstractmethod
-    def punch(self, offset: int, length: int) -> None:
-        """Give the range's space back to the layer below; it then reads zeros."""
-
-    @abstractmethod
-    def zero(self, offset: int, length: int) -> None:
-        """Make the range read zeros and keep its space allocated."""
-
-    @abstractmethod
-    def allocate(self, offset: int, length: int) -> None:
-        """Reserve real space for the range; its contents are unspecified."""
-
-    @abstractmethod
-    def flush(self) -> None:
-        """Make every completed write durable."""
-
-    @abstractmethod
-    def grow(self, new_size_bytes: int) -> None:
-        """Make the byte space at least new_size_bytes, or raise ThinblockError."""
-
-    @abstractmethod
-    def support(self) -> dict[str, Support]:
-        """What is native: keys `punch`, `zero`, `allocate`."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release the store's resources."""
+_REFUSED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENODEV)
+_MODES = {
+    "punch": FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+    "zero": FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE,
+    "allocate": FALLOC_FL_KEEP_SIZE,
+}
 
 
 class FileStore(DataStore):
@@ -105,7 +54,30 @@ class FileStore(DataStore):
         except OSError as exc:
             raise ThinblockError(f"cannot open data store {path}: {exc.strerror}") from exc
         self.is_block_device = stat.S_ISBLK(os.fstat(self._fd).st_mode)
-        self._support = {name: Support.UNKNOWN for name in ("punch", "zero", "allocate")}
+        if self.is_block_device:
+            # A block device's space is its own: allocate has nothing to do there.
+            self._caps = {verb: Support.NATIVE for verb in OPTIONAL_VERBS}
+        elif readonly:
+            self._caps = {verb: Support.NONE for verb in OPTIONAL_VERBS}
+        else:
+            self._caps = {verb: self._probe(verb) for verb in OPTIONAL_VERBS}
+
+    def _probe(self, verb: str) -> Support:
+        """Ask the filesystem once, past the end of the file (KEEP_SIZE: nothing
+        visible changes; what the probe allocated there is punched again)."""
+        end = self.size_bytes
+        try:
+            fallocate(self._fd, _MODES[verb], end, 4096)
+        except OSError as exc:
+            if exc.errno in _REFUSED:
+                return Support.NONE
+            raise ThinblockError(f"cannot use data store {self.path}: {exc.strerror}") from exc
+        if verb != "punch":
+            try:
+                fallocate(self._fd, _MODES["punch"], end, 4096)
+            except OSError:
+                os.ftruncate(self._fd, end)  # drops blocks preallocated past the end
+        return Support.NATIVE
 
     @property
     def size_bytes(self) -> int:
@@ -132,30 +104,27 @@ class FileStore(DataStore):
 
         write_all(write, buffers)
 
-    def _fallocate(self, name: str, mode: int, offset: int, length: int) -> None:
-        if self._support[name] is Support.EMULATE:
-            raise NotSupportedError(f"{name} is not native on {self.path}")
+    def _fallocate(self, verb: str, offset: int, length: int) -> None:
+        if self._caps[verb] is not Support.NATIVE:
+            raise NotSupportedError(f"{verb} is not native on {self.path}")
+        if verb == "allocate" and self.is_block_device:
+            return
         try:
-            fallocate(self._fd, mode, offset, length)
+            fallocate(self._fd, _MODES[verb], offset, length)
         except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENODEV):
-                self._support[name] = Support.EMULATE
-                raise NotSupportedError(f"{name} is not native on {self.path}") from exc
+            if exc.errno in _REFUSED:
+                self._caps[verb] = Support.NONE
+                raise NotSupportedError(f"{verb} is not native on {self.path}") from exc
             raise
-        self._support[name] = Support.NATIVE
 
     def punch(self, offset: int, length: int) -> None:
-        self._fallocate("punch", FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
+        self._fallocate("punch", offset, length)
 
     def zero(self, offset: int, length: int) -> None:
-        self._fallocate("zero", FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, offset, length)
+        self._fallocate("zero", offset, length)
 
     def allocate(self, offset: int, length: int) -> None:
-        if self.is_block_device:
-            # A block device's space is its own: mode-0 fallocate is meaningless there.
-            self._support["allocate"] = Support.NATIVE
-            return
-        self._fallocate("allocate", FALLOC_FL_KEEP_SIZE, offset, length)
+        self._fallocate("allocate", offset, length)
 
     def flush(self) -> None:
         os.fdatasync(self._fd)
@@ -169,84 +138,15 @@ class FileStore(DataStore):
             )
         os.ftruncate(self._fd, new_size_bytes)
 
-    def support(self) -> dict[str, Support]:
-        return dict(self._support)
+    def capabilities(self) -> dict[str, Support]:
+        return dict(self._caps)
 
-    def disable_native(self, *names: str) -> None:
-        """Pretend the named operations are not native (for tests of the emulation path)."""
-        for name in names:
-            self._support[name] = Support.EMULATE
+    def disable_native(self, *verbs: str) -> None:
+        """Declare the named verbs NONE (a filesystem without them, for tests)."""
+        for verb in verbs:
+            self._caps[verb] = Support.NONE
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-class FilterStore(DataStore):
-    """A layer over another store that passes every verb to it (nbdkit's filter
-    holding `next`): subclasses override only what they change."""
-
-    def __init__(self, inner: DataStore) -> None:
-        self.inner = inner
-
-    @property
-    def size_bytes(self) -> int:
-        return self.inner.size_bytes
-
-    def pread(self, offset: int, length: int) -> bytes:
-        return self.inner.pread(offset, length)
-
-    def pwritev(self, offset: int, buffers: Sequence[bytes | memoryview]) -> None:
-        self.inner.pwritev(offset, buffers)
-
-    def punch(self, offset: int, length: int) -> None:
-        self.inner.punch(offset, length)
-
-    def zero(self, offset: int, length: int) -> None:
-        self.inner.zero(offset, length)
-
-    def allocate(self, offset: int, length: int) -> None:
-        self.inner.allocate(offset, length)
-
-    def flush(self) -> None:
-        self.inner.flush()
-
-    def grow(self, new_size_bytes: int) -> None:
-        self.inner.grow(new_size_bytes)
-
-    def support(self) -> dict[str, Support]:
-        return self.inner.support()
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class FallbackStore(FilterStore):
-    """A filter over another store that emulates what it lacks (the one place this happens)."""
-
-    def _write_zeros(self, offset: int, length: int) -> None:
-        end = offset + length
-        while offset < end:
-            n = min(ZERO_CHUNK_BYTES, end - offset)
-            self.inner.pwritev(offset, [zero_bytes(n)])
-            offset += n
-
-    def punch(self, offset: int, length: int) -> None:
-        try:
-            self.inner.punch(offset, length)
-        except NotSupportedError:
-            self.zero(offset, length)
-
-    def zero(self, offset: int, length: int) -> None:
-        try:
-            self.inner.zero(offset, length)
-        except NotSupportedError:
-            self._write_zeros(offset, length)
-
-    def allocate(self, offset: int, length: int) -> None:
-        try:
-            self.inner.allocate(offset, length)
-        except NotSupportedError:
-            # Callers allocate only space whose contents do not matter yet.
-            self._write_zeros(offset, length)

@@ -143,3 +143,25 @@ class HostSpace:
             f"pool {self.pool_dir} ({format_size(size_bytes)}) is larger than the host filesystem under it"
             f" can hold ({format_size(room)} of data): writes will fail with ENOSPC before the pool is full"
         )
+
+
+class NoHostSpace(HostSpace):
+    """A layer below with no host filesystem to watch and no slack (memory pools)."""
+
+    def __init__(self) -> None:
+        super().__init__("", 0, data_on_device=True)
+
+    def host_free_bytes(self) -> int | None:
+        return None
+
+    def take_slack(self) -> bool:
+        return True
+
+    def release_slack(self) -> bool:
+        return False
+
+    def after_commit(self) -> None:
+        return None
+
+    def capacity_warning(self, size_bytes: int, data_path: str) -> str | None:
+        return None

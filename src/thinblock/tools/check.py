@@ -7,27 +7,26 @@ sentences for a person; an empty list means the pool is consistent.
 
 from __future__ import annotations
 
-import sqlite3
 from array import array
 from collections import Counter
 
+from thinblock.backends import Location, locate
 from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page, entry_valid
-from thinblock.core.pool import check_data_size, data_store_path
+from thinblock.core.pool import check_data_size
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
-from thinblock.meta.sqlite import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
-from thinblock.store.file import FileStore
+from thinblock.meta.base import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
 
 
 def check_metadata(meta: MetadataStore) -> list[str]:
     """All problems found in the metadata (an empty list when it is consistent)."""
     try:
         return _check(meta)
-    except (sqlite3.DatabaseError, CorruptionError, ValueError, KeyError, TypeError) as exc:
+    except (CorruptionError, ValueError, KeyError, TypeError) as exc:
         return [f"metadata cannot be read: {exc}"]
 
 
-def check_data_store(pool_path: str, meta: MetadataStore) -> list[str]:
+def check_data_store(locator: str | Location, meta: MetadataStore) -> list[str]:
     """What the superblock promises about the data store, checked against it: it
     exists and holds at least the pool's size (a shorter one would serve its
     missing tail as zeros)."""
@@ -41,9 +40,10 @@ def check_data_store(pool_path: str, meta: MetadataStore) -> list[str]:
         problems.append(f"superblock pool size {size_bytes} is not a positive multiple of the block size {block_size}")
     if not 0 <= int(sb.get("used_blocks") or 0) <= size_bytes // max(1, block_size):
         problems.append(f"superblock records {sb.get('used_blocks')} used blocks in a pool of {size_bytes} bytes")
-    data_path = data_store_path(pool_path, sb)
+    location = locate(locator)
+    data_path = location.data_name(sb)
     try:
-        store = FileStore(data_path, readonly=True)
+        store = location.open_data(sb, readonly=True)
     except ThinblockError as exc:
         return [*problems, str(exc)]
     try:
@@ -96,10 +96,9 @@ def _check_lineage_and_reservations(
 
 def _check(meta: MetadataStore) -> list[str]:
     problems: list[str] = []
-    integrity = meta.conn.execute("PRAGMA integrity_check").fetchall()
-    if integrity != [("ok",)]:
-        problems.extend(f"sqlite integrity: {row[0]}" for row in integrity[:20])
-        return problems
+    integrity = meta.integrity_problems()
+    if integrity:
+        return integrity
     sb = meta.superblock()
     block_size = int(sb["block_size"])
     size_bytes = int(sb["size_bytes"])

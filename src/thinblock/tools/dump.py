@@ -19,18 +19,17 @@ that dict and restores it, reporting what it could not save.
 from __future__ import annotations
 
 import json
-import os
 import re
-import sqlite3
 from array import array
 from collections import Counter
 from typing import Any
 
-from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page
+from thinblock.backends import Location
+from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock, entry_pinned, entry_state, make_entry
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
-from thinblock.meta.sqlite import DB_NAME, MetadataStore, Transaction, VolumeRow
-from thinblock.store.file import FileStore
+from thinblock.meta.base import MetadataStore, Transaction, VolumeRow
+from thinblock.store.base import DataStore
 
 DUMP_FORMAT = "thinblock-dump"
 DUMP_VERSION = 1
@@ -58,7 +57,7 @@ def mapping_runs(entries: list[tuple[int, int]]) -> list[list[Any]]:
     """Sorted (vblock, entry) pairs as [vblock, dblock, count, state, pinned] runs."""
     runs: list[list[Any]] = []
     for vblock, entry in entries:
-        dblock, state, pinned = entry >> DBLOCK_SHIFT, BlockState(entry & STATE_MASK).name.lower(), bool(entry & PINNED)
+        dblock, state, pinned = entry_dblock(entry), BlockState(entry_state(entry)).name.lower(), entry_pinned(entry)
         last = runs[-1] if runs else None
         if (
             last is not None
@@ -153,8 +152,8 @@ def _pairs(text: str) -> dict[str, Any]:
 # ----- restore ---------------------------------------------------------------------
 
 
-def build_metadata(db_path: str, dump: dict[str, Any]) -> None:
-    """Write a fresh metadata database from a dump (validated first; nothing is
+def build_metadata(location: Location, dump: dict[str, Any]) -> None:
+    """Write fresh metadata from a dump (validated first; nothing is
     written when it is inconsistent). The pool is marked unclean so that its
     next open punches every free block (the data file may hold stale bytes there)."""
     try:
@@ -179,34 +178,16 @@ def build_metadata(db_path: str, dump: dict[str, Any]) -> None:
     for blob in blobs.values():
         for entry in Page.from_blob(0, 0, blob).entries:
             if entry:
-                refcounts[entry >> DBLOCK_SHIFT] += 1
+                refcounts[entry_dblock(entry)] += 1
     txn.pages = {pid: (page_refs[pid], blob) for pid, blob in blobs.items()}
     for index in range(0, n_blocks, REFCOUNT_PAGE_ENTRIES):
         chunk = refcounts[index : index + REFCOUNT_PAGE_ENTRIES]
         if any(chunk):
             txn.refcount_pages[index // REFCOUNT_PAGE_ENTRIES] = chunk.tobytes()
     txn.volumes = rows
-    tmp = db_path + ".restore"
-    for leftover in (tmp, tmp + "-wal", tmp + "-shm"):
-        if os.path.exists(leftover):
-            os.unlink(leftover)
     superblock = {k: pool.get(k) for k in _POOL_KEYS}
     superblock.update(page_entries=PAGE_ENTRIES, used_blocks=sum(1 for c in refcounts if c), clean=False)
-    meta = MetadataStore.create(tmp, superblock)
-    try:
-        meta.commit(txn)
-        meta.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    finally:
-        meta.close()
-    for suffix in ("-wal", "-shm"):
-        if os.path.exists(db_path + suffix):
-            os.unlink(db_path + suffix)
-    os.replace(tmp, db_path)
-    dirfd = os.open(os.path.dirname(db_path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
+    location.replace_meta(superblock, txn)
 
 
 def _validated_volumes(
@@ -249,13 +230,12 @@ def _validated_volumes(
                 raise ThinblockError(
                     f"{where}: mapping {vblock}+{count} -> {dblock} lies beyond the volume or the data store"
                 )
-            flags = int(_STATES[state]) | (PINNED if pinned else 0)
             for i in range(count):
                 page_index, slot = divmod(vblock + i, PAGE_ENTRIES)
                 entries = pages.setdefault(page_index, array("Q", bytes(8 * PAGE_ENTRIES)))
                 if entries[slot]:
                     raise ThinblockError(f"{where}: vblock {vblock + i} is mapped twice")
-                entries[slot] = ((dblock + i) << DBLOCK_SHIFT) | flags
+                entries[slot] = make_entry(dblock + i, _STATES[state], pinned)
                 if state == "data":
                     row.data_blocks += 1
                 else:
@@ -266,13 +246,13 @@ def _validated_volumes(
     return rows, roots
 
 
-def restore(path: str, dump: dict[str, Any]) -> dict[str, Any]:
+def restore(locator: str, dump: dict[str, Any]) -> dict[str, Any]:
     """`pool restore`: replace the pool's metadata with the dump's (pool not in use)."""
-    from thinblock.core.pool import Pool, held_lock
+    from thinblock.core.pool import Pool, owned
 
-    with held_lock(path):
-        build_metadata(os.path.join(path, DB_NAME), dump)
-    with Pool.open(path, autocommit=False) as pool:  # recovers free space, then closes clean
+    with owned(locator, "thinblock restore") as location:
+        build_metadata(location, dump)
+    with Pool.open(locator, autocommit=False) as pool:  # recovers free space, then closes clean
         used_bytes = pool.space_figures()["used_bytes"]
     return {"volumes": len(dump["volumes"]), "used_bytes": used_bytes}
 
@@ -301,7 +281,7 @@ def salvage(meta: MetadataStore, data_bytes: int | None = None) -> tuple[dict[st
             try:
                 found = meta.page(page_id)
                 pages[page_id] = None if found is None else Page.from_blob(page_id, *found)
-            except (CorruptionError, sqlite3.DatabaseError):
+            except CorruptionError:
                 pages[page_id] = None
         page = pages[page_id]
         first = page_index * PAGE_ENTRIES
@@ -315,7 +295,7 @@ def salvage(meta: MetadataStore, data_bytes: int | None = None) -> tuple[dict[st
         for slot, entry in enumerate(page.entries):
             if not entry:
                 continue
-            vblock, state, dblock = first + slot, entry & STATE_MASK, entry >> DBLOCK_SHIFT
+            vblock, state, dblock = first + slot, entry_state(entry), entry_dblock(entry)
             if state not in (BlockState.DATA, BlockState.ZEROED) or dblock >= n_blocks or vblock >= n_vblocks:
                 lost.append(f"volume {row.name}: block {vblock} had an invalid mapping {entry:#x}; it now reads zeros")
                 continue
@@ -338,48 +318,45 @@ def salvage(meta: MetadataStore, data_bytes: int | None = None) -> tuple[dict[st
     return dump, lost
 
 
-def repair(path: str) -> dict[str, Any]:
+def repair(locator: str) -> dict[str, Any]:
     """`pool repair`: rebuild refcounts, counters and free space from the readable
-    mappings (pool not in use). The old database is kept as metadata.sqlite.bad."""
-    from thinblock.core.pool import held_lock
+    mappings (pool not in use). A copy of the old metadata is kept (for a
+    directory pool, metadata.sqlite.bad)."""
+    from thinblock.core.pool import owned
 
-    db = os.path.join(path, DB_NAME)
-    with held_lock(path):
+    with owned(locator, "thinblock repair") as location:
+        name = location.name
         try:
-            meta = MetadataStore.open(db)
+            meta = location.open_meta(readonly=False)
             try:
                 sb = meta.superblock()
-                store = _open_data_store(path, sb)
+                store = location.open_data(sb)
                 size_bytes = int(sb["size_bytes"])
                 data_bytes = store.size_bytes
-                if data_bytes < size_bytes and store.is_block_device:
+                if data_bytes < size_bytes and getattr(store, "is_block_device", False):
                     store.close()
                     raise ThinblockError(
-                        f"cannot repair {path}: data device {store.path} holds {data_bytes} bytes, less than the"
-                        f" pool's {size_bytes}; a device cannot be extended"
+                        f"cannot repair {name}: data device {location.data_name(sb)} holds {data_bytes} bytes,"
+                        f" less than the pool's {size_bytes}; a device cannot be extended"
                     )
                 dump, lost = salvage(meta, data_bytes)
             finally:
                 meta.close()
-        except (sqlite3.DatabaseError, CorruptionError, KeyError, ValueError) as exc:
-            raise ThinblockError(f"cannot repair {path}: the metadata database cannot be read ({exc})") from None
+        except (CorruptionError, KeyError, ValueError) as exc:
+            raise ThinblockError(f"cannot repair {name}: the metadata cannot be read ({exc})") from None
         try:
-            backup = db + ".bad"
-            with sqlite3.connect(db) as src, sqlite3.connect(backup) as dst:
-                src.backup(dst)
-            build_metadata(db, dump)
+            backup = location.keep_copy()
+            build_metadata(location, dump)
             if data_bytes < size_bytes:
-                store.grow(size_bytes)  # the lost tail reads zeros again; nothing maps its data
-                store.flush()
-                lost.append(f"data store {store.path} was extended from {data_bytes} to {size_bytes} bytes")
+                _extend(store, data_bytes, size_bytes, lost, location.data_name(sb))
         except OSError as exc:
-            raise ThinblockError(f"cannot repair {path}: {exc.strerror or exc}") from None
+            raise ThinblockError(f"cannot repair {name}: {exc.strerror or exc}") from None
         finally:
             store.close()
     return {"lost": lost, "volumes": len(dump["volumes"]), "backup": backup}
 
 
-def _open_data_store(path: str, sb: dict[str, Any]) -> FileStore:
-    from thinblock.core.pool import data_store_path
-
-    return FileStore(data_store_path(path, sb))
+def _extend(store: DataStore, have: int, size_bytes: int, lost: list[str], name: str) -> None:
+    store.grow(size_bytes)  # the lost tail reads zeros again; nothing maps its data
+    store.flush()
+    lost.append(f"data store {name} was extended from {have} to {size_bytes} bytes")

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from thinblock.admin.verbs import open_admin
-from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool, _open_meta
+from thinblock.backends import locate
+from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.errors import OpError, PoolBusyError, ThinblockError
 from thinblock.sizes import format_size, parse_size
 from thinblock.tools.check import check_data_store, check_metadata
@@ -136,7 +137,7 @@ def cmd_pool_set(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_check(args: argparse.Namespace) -> int:
-    meta = _open_meta(args.pool, readonly=True)
+    meta = locate(args.pool).open_meta(readonly=True)
     try:
         problems = check_metadata(meta) + check_data_store(args.pool, meta)
     finally:
@@ -261,7 +262,7 @@ def cmd_delta(args: argparse.Namespace) -> None:
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
     """The embedded default: a pool in local files with one volume, created if missing."""
-    if not os.path.exists(os.path.join(args.pool, "metadata.sqlite")):
+    if not locate(args.pool).exists():
         Pool.create(args.pool, args.size, block_size=DEFAULT_BLOCK_SIZE).close()
         print(f"created pool {args.pool} ({format_size(args.size)})")
     with open_admin(args.pool) as admin:

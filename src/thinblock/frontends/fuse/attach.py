@@ -9,7 +9,6 @@ removes the loop device first, then the FUSE mount once nothing uses it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thinblock.admin.verbs import CONTROL_SOCKET
-from thinblock.core.pool import LOCK_FILE, _open_meta
+from thinblock.backends import locate
 from thinblock.errors import ThinblockError
 
 RUNTIME_DIR = Path(os.environ.get("THINBLOCK_RUNTIME_DIR", "/run/thinblock"))
@@ -88,14 +87,7 @@ def _served_by(pool: str) -> str | None:
     sock = os.path.join(pool, CONTROL_SOCKET)
     if not os.path.exists(sock):
         return None
-    fd = os.open(os.path.join(pool, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return sock
-    finally:
-        os.close(fd)  # closing releases the probe's lock
-    return None
+    return sock if locate(pool).is_owned() else None
 
 
 def _start_daemon(pool: str, pdir: Path) -> None:
@@ -138,7 +130,7 @@ def _start_daemon(pool: str, pdir: Path) -> None:
 
 def attach(pool: str, volume: str) -> str:
     """The loop device for pool/volume, attaching it (and starting the daemon) if needed."""
-    meta = _open_meta(pool, readonly=True)  # clear errors for a missing pool
+    meta = locate(pool).open_meta(readonly=True)  # clear errors for a missing pool
     try:
         kinds = {row.name: row.kind for row in meta.volumes()}
     finally:

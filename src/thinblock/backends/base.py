@@ -1,0 +1,81 @@
+"""Where a pool lives: one metadata store, one data store, one owner at a time.
+
+A *locator* string names a pool; `thinblock.backends.locate` turns it into a
+`Location` of the backend its scheme names (a plain path is a directory). A
+Location makes and opens the pool's two stores and hands out exclusive
+ownership, and the core uses nothing else of it: adding a backend is one new
+module under backends/ and one line in backends/__init__.py's registry.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from thinblock.meta.base import MetadataStore, Transaction
+from thinblock.store.base import DataStore
+from thinblock.store.hostspace import HostSpace
+
+
+class Ownership(ABC):
+    """The right to change a pool, held by one process (or pool object) at a time."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Give the pool up; another may take it at once."""
+
+
+class Location(ABC):
+    """One pool's place. `name` is what messages call it (the locator as given)."""
+
+    name: str
+
+    @abstractmethod
+    def exists(self) -> bool:
+        """Whether a pool's metadata is there."""
+
+    @abstractmethod
+    def create(self, superblock: dict[str, Any], size_bytes: int, device: str | None) -> None:
+        """Make an empty pool: a data store of size_bytes (or over `device`, cleared)
+        and metadata holding superblock. All or nothing; refuses if one exists."""
+
+    @abstractmethod
+    def remove_created(self) -> None:
+        """Undo create() (the new pool could not be opened): remove what it made."""
+
+    @abstractmethod
+    def open_meta(self, *, readonly: bool) -> MetadataStore:
+        """The metadata store, or ThinblockError in one sentence ("no pool at ...")."""
+
+    @abstractmethod
+    def open_data(self, superblock: dict[str, Any], *, readonly: bool = False) -> DataStore:
+        """The raw data store the superblock names (the pool adds the fallback layer)."""
+
+    @abstractmethod
+    def data_name(self, superblock: dict[str, Any]) -> str:
+        """How messages name the data store (a file or device path)."""
+
+    @abstractmethod
+    def own(self, purpose: str) -> Ownership:
+        """Take exclusive ownership, or PoolBusyError naming the holder and its purpose."""
+
+    @abstractmethod
+    def is_owned(self) -> bool:
+        """Whether some process owns the pool right now (a probe that takes nothing)."""
+
+    @abstractmethod
+    def host(self, superblock: dict[str, Any]) -> HostSpace:
+        """The layer under the data and metadata: free space and the metadata slack."""
+
+    @abstractmethod
+    def replace_meta(self, superblock: dict[str, Any], txn: Transaction) -> None:
+        """Restore and repair: metadata holding exactly superblock and txn replaces the
+        current one atomically (the caller owns the pool)."""
+
+    @abstractmethod
+    def keep_copy(self) -> str:
+        """Repair: keep a copy of the current metadata; returns where it went."""
+
+    def runtime_dir(self) -> str | None:
+        """A local directory for the serving process's sockets, or None."""
+        return None

@@ -1,0 +1,106 @@
+"""Pools in memory (`memory:NAME`), for tests: the memory metadata and data
+stores, held in this process's registry so that a pool can be closed and
+reopened by name. Nothing survives the process."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from thinblock.backends.base import Location, Ownership
+from thinblock.errors import PoolBusyError, ThinblockError
+from thinblock.meta.base import FORMAT_VERSION, Transaction
+from thinblock.meta.memory import MemoryMetadata, MemoryMetaState
+from thinblock.store.base import DataStore
+from thinblock.store.hostspace import HostSpace, NoHostSpace
+from thinblock.store.memory import MemoryStore
+
+
+@dataclasses.dataclass
+class _Held:
+    meta: MemoryMetaState
+    data: MemoryStore
+    owner: str | None = None
+
+
+_POOLS: dict[str, _Held] = {}
+_LOCK = threading.Lock()
+
+
+class _Claim(Ownership):
+    def __init__(self, held: _Held) -> None:
+        self._held: _Held | None = held
+
+    def release(self) -> None:
+        with _LOCK:
+            if self._held is not None:
+                self._held.owner = None
+                self._held = None
+
+
+class MemoryLocation(Location):
+    """`memory:NAME`; `memory:NAME?native=punch,zero` picks the store's native verbs."""
+
+    def __init__(self, rest: str) -> None:
+        self.name = f"memory:{rest}"
+        key, _, options = rest.partition("?")
+        self.key = key
+        self.native: tuple[str, ...] | None = None
+        if options.startswith("native="):
+            self.native = tuple(v for v in options[len("native=") :].split(",") if v)
+
+    def _held(self) -> _Held:
+        held = _POOLS.get(self.key)
+        if held is None:
+            raise ThinblockError(f"no pool at {self.name}")
+        return held
+
+    def exists(self) -> bool:
+        return self.key in _POOLS
+
+    def create(self, superblock: dict[str, Any], size_bytes: int, device: str | None) -> None:
+        if device is not None:
+            raise ThinblockError("a memory pool has no data device")
+        with _LOCK:
+            if self.key in _POOLS:
+                raise ThinblockError(f"a pool already exists at {self.name}")
+            data = MemoryStore(size_bytes) if self.native is None else MemoryStore(size_bytes, native=self.native)
+            state = MemoryMetaState({"format_version": FORMAT_VERSION, "transaction_id": 0, **superblock})
+            _POOLS[self.key] = _Held(state, data)
+
+    def remove_created(self) -> None:
+        with _LOCK:
+            _POOLS.pop(self.key, None)
+
+    def open_meta(self, *, readonly: bool) -> MemoryMetadata:
+        return MemoryMetadata(self._held().meta, readonly=readonly)
+
+    def open_data(self, superblock: dict[str, Any], *, readonly: bool = False) -> DataStore:
+        return self._held().data.reopen()
+
+    def data_name(self, superblock: dict[str, Any]) -> str:
+        return f"{self.name} (data)"
+
+    def own(self, purpose: str) -> Ownership:
+        with _LOCK:
+            held = self._held()
+            if held.owner is not None:
+                raise PoolBusyError(f"pool {self.name} is already held ({held.owner})")
+            held.owner = purpose or "a thinblock pool object"
+            return _Claim(held)
+
+    def is_owned(self) -> bool:
+        held = _POOLS.get(self.key)
+        return held is not None and held.owner is not None
+
+    def host(self, superblock: dict[str, Any]) -> HostSpace:
+        return NoHostSpace()
+
+    def replace_meta(self, superblock: dict[str, Any], txn: Transaction) -> None:
+        state = MemoryMetaState({"format_version": FORMAT_VERSION, "transaction_id": 0, **superblock})
+        MemoryMetadata(state).commit(txn)
+        self._held().meta = state
+
+    def keep_copy(self) -> str:
+        return f"{self.name} (no copy kept in memory)"

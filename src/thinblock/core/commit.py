@@ -1,0 +1,334 @@
+"""The commit pipeline: the open transaction, and how it becomes durable.
+
+Every metadata change is collected in memory (dirty pages, roots, volumes) and
+written as one transaction of the metadata store by `commit()`: on flush, FUA,
+and at least once a second from the background committer. One commit runs at a
+time, in three steps: build the transaction under the pool lock (a copy of every
+dirty page, the dirty sets taken), write it with no pool lock held (data sync
+first, then the metadata: rule 3), and settle under the lock. A failed write
+puts everything it took back (rule 2), so the next commit retries exactly what
+this one would have written; the committer never dies. Freed dblocks are
+punched only after the commit that freed them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from array import array
+from typing import TYPE_CHECKING
+
+from thinblock.core.mapping import BlockState, Page, entry_dblock, entry_state
+from thinblock.core.spacemap import SpaceMap, to_runs
+from thinblock.errors import CommitError, ThinblockError, is_no_space
+from thinblock.meta.base import MetadataStore, Transaction
+from thinblock.store.base import DataStore
+from thinblock.store.hostspace import HostSpace
+
+if TYPE_CHECKING:
+    from thinblock.core.space_policy import SpacePolicy
+    from thinblock.core.volume import Volume
+
+COMMIT_INTERVAL_S = 1.0
+COMMIT_RETRY_MAX_S = 5.0  # longest wait between retries of a failing commit
+log = logging.getLogger("thinblock.pool")
+
+
+@dataclasses.dataclass
+class _Built:
+    """A transaction being written, with the dirty sets it took (put back if it fails)."""
+
+    txn: Transaction
+    pages: set[int]
+    page_refs: set[int]
+    roots: set[tuple[int, int]]
+    volumes: set[Volume]
+    deleted_volumes: list[int]
+
+
+class CommitPipeline:
+    """The pool's transaction (a part of Pool; see core/pool.py for its state)."""
+
+    path: str
+    meta: MetadataStore
+    store: DataStore
+    lock: threading.RLock
+    meta_lock: threading.Lock
+    block_size: int
+    size_bytes: int
+    transaction_id: int
+    space: SpaceMap
+    pages: dict[int, Page]
+    volumes: dict[str, Volume]
+    policy: SpacePolicy
+    host: HostSpace
+    dirty: bool
+    last_commit: float
+    commit_failure: str | None
+    _next_page_id: int
+    _dirty_pages: set[int]
+    _dirty_page_refs: set[int]
+    _dirty_roots: set[tuple[int, int]]
+    _touched: set[tuple[Volume, int]]
+    _dirty_volumes: set[Volume]
+    _deleted_volumes: list[int]
+    _committing: bool
+    _commit_idle: threading.Condition
+    _kick: threading.Event
+    _closed: threading.Event
+
+    if TYPE_CHECKING:  # provided by SpaceAccounts
+
+        def wake_space_waiters(self) -> None: ...
+
+    # ----- pages (used by Volume) ---------------------------------------------------
+
+    def page(self, page_id: int) -> Page:
+        page = self.pages.get(page_id)
+        if page is None:
+            with self.meta_lock:
+                found = self.meta.page(page_id)
+            if found is None:
+                raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
+            page = Page.from_blob(page_id, *found)
+            self.pages[page_id] = page
+        return page
+
+    def new_page(self, entries: array[int] | None = None) -> Page:
+        page = Page(self._next_page_id, 1, entries)
+        self._next_page_id += 1
+        self.pages[page.page_id] = page
+        self._dirty_pages.add(page.page_id)
+        self.dirty = True
+        return page
+
+    def release_page(self, page_id: int) -> None:
+        """Drop one root-table reference to a page; the last one frees its dblocks."""
+        page = self.page(page_id)
+        page.refcount -= 1
+        if page.refcount == 0:
+            for entry in page.entries:
+                if entry:
+                    self.space.decref(entry >> 3)
+            self._dirty_pages.add(page_id)
+        else:
+            self._dirty_page_refs.add(page_id)
+        self.dirty = True
+
+    def page_changed(self, vol: Volume, page_index: int, page: Page) -> None:
+        """An entry of vol's page changed: the page, the volume's counters and maybe emptiness."""
+        self._dirty_pages.add(page.page_id)
+        self._touched.add((vol, page_index))
+        self._dirty_volumes.add(vol)
+        self.dirty = True
+
+    def mark_root_dirty(self, vol: Volume, page_index: int) -> None:
+        self._dirty_roots.add((vol.row.id, page_index))
+        self.dirty = True
+
+    def mark_volume_dirty(self, vol: Volume) -> None:
+        self._dirty_volumes.add(vol)
+        self.dirty = True
+
+    # ----- transactions -----------------------------------------------------------
+    # One commit at a time (`_committing`), in three steps: build the transaction
+    # under the pool lock (a copy of every dirty page, the dirty sets taken), write
+    # it outside the lock (data sync first, then the metadata: rule 3), and settle
+    # under the lock. A failed write puts everything it took back (rule 2), so the
+    # next commit retries exactly what this one would have written.
+
+    def commit(self) -> None:
+        """Make everything completed so far durable: data first, then the metadata
+        that points at it, atomically (DESIGN.md's flush). Raises CommitError (ENOSPC
+        when the layer below is full, else EIO) and changes nothing in memory if it
+        fails; what it would have written stays pending."""
+        with self.lock:
+            while self._committing:
+                self._commit_idle.wait()
+            if self._closed.is_set():
+                return
+            self._committing = True
+        try:
+            self._commit_once()
+        finally:
+            with self.lock:
+                self._committing = False
+                self._commit_idle.notify_all()
+
+    def _commit_once(self) -> None:
+        with self.lock:
+            self._drop_empty_pages()
+            built = self._build_transaction() if self.dirty else None
+            synced_frees = len(self.space.unsynced_free)  # punched before this sync: free after it
+            new_frees = len(self.space.pending_free)  # freed in this transaction: punched after it
+        try:
+            self.store.flush()
+            if built is not None:
+                self._write_metadata(built.txn)
+        except Exception as exc:
+            with self.lock:
+                if built is not None:
+                    self._put_back(built)
+            raise self._commit_failed(exc) from exc
+        with self.lock:
+            self.space.release_synced(synced_frees)
+            if built is not None:
+                self._settle(built)
+            punch = self.space.take_pending(new_frees if built is not None else 0)
+            self.last_commit = time.monotonic()
+        # Only now may freed blocks go back to the layer below; they become allocatable
+        # after the next data sync has made the punch durable (spacemap's rule 2).
+        punched = []
+        try:
+            for start, count in punch:
+                self.store.punch(start * self.block_size, count * self.block_size)
+                punched.append((start, count))
+        except OSError as exc:
+            log.error("pool %s: punching freed blocks failed (%s); retried after the next commit", self.path, exc)
+        with self.lock:
+            self.space.punched(punch, punched)
+            if self.commit_failure is not None:
+                log.warning("pool %s: commits succeed again; nothing acknowledged was lost", self.path)
+                self.commit_failure = None
+            self.host.after_commit()
+            if synced_frees or punched:
+                self.wake_space_waiters()
+            self.policy.check()
+
+    def _build_transaction(self) -> _Built:
+        self.transaction_id += 1
+        txn = Transaction(
+            superblock={
+                "transaction_id": self.transaction_id,
+                "used_blocks": self.space.used_blocks,
+                "size_bytes": self.size_bytes,
+                **self.policy.to_superblock(),
+            },
+            volumes=[dataclasses.replace(v.row) for v in self._dirty_volumes],
+            deleted_volumes=list(self._deleted_volumes),
+            refcount_pages=self.space.take_dirty_pages(),
+            page_refcounts={pid: self.pages[pid].refcount for pid in self._dirty_page_refs - self._dirty_pages},
+        )
+        roots_by_id = {v.row.id: v.root for v in self.volumes.values()}
+        for vid, page_index in self._dirty_roots:
+            if vid in roots_by_id:
+                txn.roots[(vid, page_index)] = roots_by_id[vid].get(page_index)
+        for page_id in self._dirty_pages:
+            page = self.pages[page_id]
+            txn.pages[page_id] = None if page.refcount == 0 else (page.refcount, page.to_blob())
+        built = _Built(
+            txn,
+            self._dirty_pages,
+            self._dirty_page_refs,
+            self._dirty_roots,
+            self._dirty_volumes,
+            self._deleted_volumes,
+        )
+        self._dirty_pages, self._dirty_page_refs, self._dirty_roots = set(), set(), set()
+        self._dirty_volumes, self._deleted_volumes = set(), []
+        self._touched.clear()
+        self.dirty = False
+        return built
+
+    def _put_back(self, built: _Built) -> None:
+        """A failed commit: everything it took is dirty again, merged with what came since."""
+        self.transaction_id -= 1
+        self._dirty_pages |= built.pages
+        self._dirty_page_refs |= built.page_refs
+        self._dirty_roots |= built.roots
+        self._dirty_volumes |= {v for v in built.volumes if not v.removed}
+        self._deleted_volumes = built.deleted_volumes + self._deleted_volumes
+        self.space.dirty_pages.update(built.txn.refcount_pages)
+        self.dirty = True
+
+    def _settle(self, built: _Built) -> None:
+        """A commit succeeded: pages it deleted leave the cache (ids are never reused)."""
+        for page_id, blob in built.txn.pages.items():
+            if blob is None and page_id not in self._dirty_pages:
+                self.pages.pop(page_id, None)
+
+    def _write_metadata(self, txn: Transaction) -> None:
+        """One atomic metadata commit; when the host is full, the metadata slack is
+        given up once and the commit retried (see hostspace)."""
+        try:
+            with self.meta_lock:
+                self.meta.commit(txn)
+        except Exception as exc:
+            if not (is_no_space(exc) and self.host.release_slack()):
+                raise
+            with self.meta_lock:
+                self.meta.commit(txn)
+
+    def _commit_failed(self, exc: Exception) -> CommitError:
+        error = CommitError(self.path, exc)
+        if self.commit_failure is None:
+            log.error("%s", error.strerror)
+        self.commit_failure = error.strerror
+        return error
+
+    def _recover_free_space(self) -> None:
+        """After an unclean shutdown, restore the two zero rules: free blocks and
+        ZEROED blocks' dblocks may hold bytes written but never committed (a write
+        into them ran, the commit recording it did not). Punch the free ones, zero
+        the ZEROED ones, durably."""
+        runs = self.space.free_runs()
+        for start, count in runs:
+            self.store.punch(start * self.block_size, count * self.block_size)
+        zeroed = sorted(
+            {
+                entry_dblock(entry)
+                for _pid, _ref, blob in self.meta.all_pages()
+                for entry in Page.from_blob(0, 0, blob).entries
+                if entry_state(entry) == BlockState.ZEROED
+            }
+        )
+        for start, count in to_runs(zeroed):
+            self.store.zero(start * self.block_size, count * self.block_size)
+        self.store.flush()
+        log.info(
+            "pool %s was not closed cleanly: punched %d free extents, re-zeroed %d ZEROED blocks",
+            self.path,
+            len(runs),
+            len(zeroed),
+        )
+
+    def _drop_empty_pages(self) -> None:
+        for vol, page_index in self._touched:
+            page_id = vol.root.get(page_index)
+            if page_id is None:
+                continue
+            page = self.pages[page_id]
+            if page.refcount == 1 and page.is_empty():
+                del vol.root[page_index]
+                page.refcount = 0
+                self._dirty_pages.add(page_id)
+                self.mark_root_dirty(vol, page_index)
+
+    def flush(self) -> None:
+        self.commit()
+
+    def kick_commit(self) -> None:
+        """Commit soon rather than within the interval (freed space the host needs)."""
+        self._kick.set()
+
+    def _commit_loop(self) -> None:
+        """Commit at least once a second. It never dies: a failure is logged once (by
+        commit), retried with a growing delay, and its end is logged too."""
+        delay = COMMIT_INTERVAL_S / 4
+        while not self._closed.is_set():
+            kicked = self._kick.wait(delay)
+            self._kick.clear()
+            if self._closed.is_set():
+                return
+            space = self.space
+            pending = self.dirty or space.pending_free or space.unsynced_free or self.host.slack_released
+            if not pending or (not kicked and time.monotonic() - self.last_commit < COMMIT_INTERVAL_S):
+                continue
+            try:
+                self.commit()
+            except Exception:
+                delay = min(max(delay * 2, 0.5), COMMIT_RETRY_MAX_S)
+            else:
+                delay = COMMIT_INTERVAL_S / 4

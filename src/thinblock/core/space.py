@@ -1,0 +1,235 @@
+"""Pool space: reservations and set-asides, taking space for a request, growth,
+and requests held by the wait policy until space appears.
+
+`reserve()` is the one gate every allocation passes: it answers ENOSPC (nothing
+changed) or lets the caller take the blocks from the space map.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from thinblock.core.spacemap import SpaceMap
+from thinblock.errors import CommitError, FreedSpacePending, NoSpaceError, ThinblockError
+from thinblock.meta.base import RESERVE_FULL, reserve_blocks
+from thinblock.sizes import format_size
+from thinblock.store.base import DataStore
+from thinblock.store.hostspace import HostSpace, beyond_file_limit
+
+if TYPE_CHECKING:
+    from thinblock.core.space_policy import SpacePolicy
+    from thinblock.core.volume import Volume
+
+COMMIT_INTERVAL_S = 1.0
+log = logging.getLogger("thinblock.pool")
+
+
+class SpaceAccounts:
+    """The pool's space (a part of Pool; see core/pool.py for its state)."""
+
+    path: str
+    store: DataStore
+    lock: threading.RLock
+    block_size: int
+    size_bytes: int
+    space: SpaceMap
+    volumes: dict[str, Volume]
+    policy: SpacePolicy
+    host: HostSpace
+    dirty: bool
+    data_path: str
+    owned_stale: bool
+    commit_failure: str | None
+    space_changed: threading.Condition
+    _waits_cancelled: threading.Event
+
+    if TYPE_CHECKING:  # provided by CommitPipeline and Pool
+
+        def commit(self) -> None: ...
+
+        def kick_commit(self) -> None: ...
+
+        def volume(self, name: str, *, kind: str | None = None) -> Volume: ...
+
+        def mark_volume_dirty(self, vol: Volume) -> None: ...
+
+    # ----- reservations -------------------------------------------------------------
+    # A volume with a reservation of R blocks may own R blocks exclusively without
+    # ever failing with ENOSPC (ZFS refreservation). The pool sets aside what it does
+    # not own yet: max(0, R - owned). A snapshot shares everything the volume owned,
+    # so it raises the set-aside to R and is refused when the pool cannot hold that.
+
+    def reserve_target(self, vol: Volume) -> int:
+        return reserve_blocks(vol.row.reserve_bytes, vol.size_bytes, self.block_size)
+
+    def set_aside(self, vol: Volume) -> int:
+        return max(0, self.reserve_target(vol) - vol.owned_blocks) if vol.row.reserve_bytes else 0
+
+    def reserved_blocks(self) -> int:
+        return sum(self.set_aside(v) for v in self.volumes.values() if v.row.reserve_bytes)
+
+    def recount_owned(self) -> None:
+        """Exact exclusive-block counts of reserved volumes. The I/O path keeps a lower
+        bound (it cannot see a block it shared become another volume's alone), which
+        only over-reserves; decisions that could fail recount first when it is stale."""
+        for vol in self.volumes.values():
+            if vol.row.reserve_bytes:
+                vol.owned_blocks = vol.usage()[0]
+        self.owned_stale = False
+
+    def _fresh_owned(self) -> None:
+        if self.owned_stale:
+            self.recount_owned()
+
+    def check_reservable(self, vol: Volume, new_set_aside: int, what: str, freed: int = 0) -> None:
+        """Refuse (ENOSPC, nothing changed) when vol's set-aside cannot grow to new_set_aside."""
+        self._fresh_owned()
+        extra = new_set_aside - self.set_aside(vol)
+        available = self.space.free_blocks + freed - self.reserved_blocks()
+        if extra > available:
+            raise NoSpaceError(
+                f"cannot {what} {vol.name}: its reservation needs {format_size(extra * self.block_size)} more"
+                f" set aside and the pool has {format_size(max(0, available) * self.block_size)} unreserved free"
+            )
+
+    def set_reserve(self, name: str, reserve_bytes: int) -> None:
+        """Set a volume's reservation (bytes, RESERVE_FULL or 0 for none)."""
+        if reserve_bytes < RESERVE_FULL:
+            raise ThinblockError(f"invalid reservation {reserve_bytes}")
+        with self.lock:
+            vol = self.volume(name, kind="volume")
+            vol.owned_blocks = vol.usage()[0]
+            target = max(0, reserve_blocks(reserve_bytes, vol.size_bytes, self.block_size) - vol.owned_blocks)
+            self.check_reservable(vol, target if reserve_bytes else 0, "reserve space for")
+            vol.row.reserve_bytes = reserve_bytes
+            self.mark_volume_dirty(vol)
+        self.commit()
+        self.wake_space_waiters()
+
+    # ----- space ------------------------------------------------------------------
+
+    def grow(self, size_bytes: int, *, commit: bool = True) -> list[str]:
+        """Grow the pool online; shrinking is refused. Returns warnings for a person
+        (a pool larger than the host can hold). Autogrow passes commit=False: it runs
+        in the middle of a request's planning, under the pool lock (the next commit
+        records the new size)."""
+        with self.lock:
+            if size_bytes % self.block_size:
+                raise ThinblockError(f"pool size must be a multiple of the block size ({format_size(self.block_size)})")
+            if size_bytes < self.size_bytes:
+                raise ThinblockError(
+                    f"shrinking a pool is not supported ({format_size(self.size_bytes)} -> {format_size(size_bytes)})"
+                )
+            if size_bytes == self.size_bytes:
+                return []
+            try:
+                self.store.grow(size_bytes)
+            except OSError as exc:
+                if exc.errno == errno.EFBIG:
+                    raise beyond_file_limit(size_bytes, self.path) from None
+                raise ThinblockError(f"cannot grow the data store of pool {self.path}: {exc.strerror}") from None
+            warning = self.host.capacity_warning(size_bytes, self.data_path)
+            self.space.grow(size_bytes // self.block_size)
+            self.size_bytes = size_bytes
+            self.dirty = True
+        if commit:
+            self.commit()
+        log.info("pool %s grown to %s", self.path, format_size(size_bytes))
+        if warning:
+            log.warning("%s", warning)
+        self.wake_space_waiters()
+        return [warning] if warning else []
+
+    def reserve(self, n_blocks: int, vol: Volume | None = None) -> None:
+        """Ensure n_blocks can be allocated now for vol, or raise NoSpaceError (nothing changed).
+
+        vol may use its own set-aside; everyone else's stays untouched. While commits
+        fail, or while the host is full (the metadata slack is out), nothing new is
+        allocated: the open transaction must not grow beyond what one commit can write."""
+        if self.commit_failure is not None:
+            raise NoSpaceError(f"pool {self.path} takes no new space while its commits fail: {self.commit_failure}")
+        if self.host.slack_released:
+            self.kick_commit()
+            raise NoSpaceError(
+                f"the host filesystem under pool {self.path} is full: new space is refused until freed space returns"
+            )
+        others = self.reserved_blocks() - (self.set_aside(vol) if vol is not None else 0)
+        if n_blocks <= self.space.allocatable_blocks - others:
+            return
+        if others and self.owned_stale:
+            self.recount_owned()
+            return self.reserve(n_blocks, vol)
+        if n_blocks <= self.space.free_blocks - others:
+            # Freed blocks become usable once committed, punched and synced: the caller
+            # commits twice with the pool lock released, then plans again.
+            raise FreedSpacePending(f"pool {self.path}: {n_blocks} blocks are free once freed space is committed")
+        if self.policy.autogrow_for(n_blocks + others - self.space.free_blocks):
+            return self.reserve(n_blocks, vol)
+        raise NoSpaceError(
+            f"pool {self.path} is out of space: {n_blocks} blocks needed,"
+            f" {max(0, self.space.free_blocks - others)} free"
+            + (f" ({others} reserved by other volumes)" if others else "")
+        )
+
+    def settle_frees(self) -> None:
+        """Make the blocks freed so far allocatable: one commit punches them, the next
+        one's data sync makes the punch durable (call without holding the pool lock)."""
+        try:
+            self.commit()
+            self.commit()
+        except CommitError as exc:
+            raise NoSpaceError(f"pool {self.path} cannot reuse freed space: {exc.strerror}") from exc
+
+    def return_fresh(self, blocks: list[int]) -> None:
+        """Fresh dblocks a failed operation took go back (see SpaceMap.unallocate)."""
+        if blocks:
+            self.space.unallocate(blocks)
+            self.dirty = True
+
+    def wait_for_space(self, deadline: float) -> bool:
+        """Under the wait policy, sleep (pool lock released) until space may have
+        appeared; False once the deadline passed or the pool closes."""
+        with self.space_changed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._waits_cancelled.is_set():
+                return False
+            self.space_changed.wait(min(remaining, COMMIT_INTERVAL_S))
+            return not self._waits_cancelled.is_set()
+
+    def wake_space_waiters(self) -> None:
+        """Space may have appeared (growth, frees, smaller set-asides, shutdown): requests
+        held by the wait policy re-plan."""
+        with self.space_changed:
+            self.space_changed.notify_all()
+
+    def cancel_waits(self) -> None:
+        """Shutting down: requests held by the wait policy get ENOSPC now."""
+        self._waits_cancelled.set()
+        self.wake_space_waiters()  # under the condition's lock: no waiter misses it
+
+    def space_figures(self) -> dict[str, int]:
+        """Pool space in bytes, cheap (no page walks): what statfs and low-water marks need.
+        Set-asides are as counted; status() recounts stale ones first."""
+        with self.lock:
+            bs = self.block_size
+            used = self.space.used_blocks * bs
+            reserved = self.reserved_blocks() * bs
+            return {
+                "size_bytes": self.size_bytes,
+                "used_bytes": used,
+                "free_bytes": self.size_bytes - used,
+                "reserved_bytes": reserved,
+                "available_bytes": max(0, self.size_bytes - used - reserved),
+            }
+
+    def host_figures(self) -> dict[str, Any]:
+        """The layer below: what it can still take, and whether commits are healthy."""
+        return {
+            "host_free_bytes": self.host.host_free_bytes(),
+            "metadata_slack_bytes": 0 if self.host.slack_released else self.host.slack_bytes,
+            "commit_failure": self.commit_failure,
+        }
