@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import tempfile
+import uuid
 
 import hypothesis.strategies as st
 import pytest
@@ -17,6 +18,7 @@ from tests.faults import KINDS, STORE_VERBS, Fault, FaultyMeta, FaultyStore
 from tests.model import Model, ModelError, ModelVolume
 from thinblock import BlockState, OpError, Pool, ReadOnlyError, ThinblockError
 from thinblock.backends import locate
+from thinblock.backends.memory import MemoryLocation
 from thinblock.core.delta import changed_ranges
 from thinblock.core.snapshot import clone, create_snapshot, rollback
 from thinblock.errors import CommitError
@@ -54,10 +56,15 @@ def _mixed(kinds: list[str], seed: int, length: int) -> bytes:
 
 
 class PoolMachine(RuleBasedStateMachine):
+    """The model test on the embedded default backend (a directory: file + SQLite)."""
+
+    def locator(self) -> str:
+        return os.path.join(self.dir, "pool")
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="tb-model-")
-        self.path = os.path.join(self.dir, "pool")
+        self.path = self.locator()
         self.pool = Pool.create(self.path, POOL_BLOCKS * BS, block_size=BS)
         self._wrap()
         self.model = Model(POOL_BLOCKS, BS)
@@ -80,6 +87,9 @@ class PoolMachine(RuleBasedStateMachine):
         finally:
             meta.close()
         shutil.rmtree(self.dir)
+        location = locate(self.path)
+        if isinstance(location, MemoryLocation):
+            location.remove_created()
 
     # ----- helpers ----------------------------------------------------------------
 
@@ -435,6 +445,23 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 TestPoolModel = PoolMachine.TestCase
+
+
+class MemoryPoolMachine(PoolMachine):
+    """The same model test on the memory backends (metadata and data); the data store
+    has no native allocate, so the fallback layer's emulation runs under the model."""
+
+    def locator(self) -> str:
+        return f"memory:model-{uuid.uuid4().hex}?native=punch,zero"
+
+
+MemoryPoolMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("THINBLOCK_MODEL_EXAMPLES_MEMORY", "80")),
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+TestPoolModelMemory = MemoryPoolMachine.TestCase
 
 
 def test_block_state_values() -> None:

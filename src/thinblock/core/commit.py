@@ -88,8 +88,9 @@ class CommitPipeline:
     def page(self, page_id: int) -> Page:
         page = self.pages.get(page_id)
         if page is None:
-            with self.meta_lock:
-                found = self.meta.page(page_id)
+            # Not under meta_lock: page reads never wait for a commit (meta/base.py's
+            # contract). A page missing from the cache is committed and unchanged since.
+            found = self.meta.page(page_id)
             if found is None:
                 raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
             page = Page.from_blob(page_id, *found)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -77,7 +78,7 @@ class MemoryMetadata(MetadataStore):
 
     def commit(self, txn: Transaction) -> None:
         if self.readonly:
-            raise OSError(30, "metadata store opened read-only")
+            raise OSError(errno.EROFS, "metadata store opened read-only")
         with self._lock:
             s = self.state
             superblock = {**s.superblock, **copy.deepcopy(txn.superblock)}
@@ -100,6 +101,9 @@ class MemoryMetadata(MetadataStore):
             for pid, count in txn.page_refcounts.items():
                 if pid in pages:
                     pages[pid] = (count, pages[pid][1])
+            names = [row.name for row in volumes.values()]
+            if len(names) != len(set(names)):
+                raise OSError(errno.EIO, "metadata commit failed: two volumes would share a name")
             refcount_pages = {**s.refcount_pages, **{i: bytes(b) for i, b in txn.refcount_pages.items()}}
             high = max([s.max_page_id, *txn.pages])
             self.state.superblock, self.state.volumes, self.state.roots = superblock, volumes, roots

@@ -281,8 +281,12 @@ def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
     for vid in txn.deleted_volumes:
         c.execute("DELETE FROM volumes WHERE id = ?", (vid,))
         c.execute("DELETE FROM roots WHERE volume_id = ?", (vid,))
+    # An upsert on the id, not INSERT OR REPLACE: a row that would take another's name
+    # must fail the commit, not silently delete that other volume.
+    updates = ", ".join(f"{col.strip()} = excluded.{col.strip()}" for col in _VOLUME_COLUMNS.split(",")[1:])
     c.executemany(
-        f"INSERT OR REPLACE INTO volumes ({_VOLUME_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        f"INSERT INTO volumes ({_VOLUME_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        f" ON CONFLICT(id) DO UPDATE SET {updates}",
         [volume_tuple(v) for v in txn.volumes],
     )
     c.executemany(

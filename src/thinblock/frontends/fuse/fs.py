@@ -1,10 +1,11 @@
 """Volumes as files through FUSE (libfuse3 via mfusepy, which, unlike pyfuse3,
-passes fallocate and lseek through). Every call maps onto one Volume verb:
+passes fallocate and lseek through). Every call maps onto one verb of the
+file handle's Export (frontends/export.py):
 
     read/write          -> read/write          fsync -> flush
     fallocate PUNCH_HOLE|KEEP_SIZE -> trim     ZERO_RANGE|KEEP_SIZE -> write_zeroes(no_hole)
     fallocate 0 / KEEP_SIZE        -> provision   (other modes: EOPNOTSUPP)
-    lseek SEEK_DATA/SEEK_HOLE      -> block_status (ZEROED and UNMAPPED are holes: they read zero)
+    lseek SEEK_DATA/SEEK_HOLE      -> Export.data_runs (ZEROED and UNMAPPED are holes: they read zero)
     statfs              -> pool space (the loop driver offers discard only when statfs works)
 
 The daemon only ever does I/O on the pool's data file, never on its own FUSE
@@ -16,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 import time
 from typing import Any
 
@@ -23,10 +25,10 @@ os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
 
 import mfusepy
 
-from thinblock.core.mapping import BlockState
 from thinblock.core.pool import Pool
 from thinblock.core.volume import Volume
 from thinblock.errors import OpError
+from thinblock.frontends.export import Export, errno_of
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -44,6 +46,9 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.started = time.time_ns()
+        self._handles: dict[int, Export] = {}  # open file handles
+        self._handles_lock = threading.Lock()
+        self._next_fh = 0
 
     def init_with_config(self, conn: Any, config: Any) -> None:
         # 1 MiB requests (libfuse asks the kernel for max_pages to match).
@@ -81,40 +86,48 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
         vol = self._volume(path)
         if vol.readonly and flags & (os.O_WRONLY | os.O_RDWR):
             raise mfusepy.FuseOSError(errno.EROFS)
-        with self.pool.lock:
-            vol.users += 1  # a loop device keeps its file open: removal and rollback wait
-        return 0
+        # A loop device keeps its file open: removal and rollback wait for the handle.
+        export = Export(self.pool, vol)
+        with self._handles_lock:
+            self._next_fh += 1
+            self._handles[self._next_fh] = export
+            return self._next_fh
+
+    def _export(self, path: str, fh: int | None) -> Export:
+        export = self._handles.get(fh or 0)
+        if export is None or export.gone:
+            vol = self._volume(path)  # a call without an open handle (truncate, getattr-like)
+            return Export(self.pool, vol, counted=False)
+        return export
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except OpError as exc:
-            raise mfusepy.FuseOSError(exc.errno or errno.EIO) from None
+            raise mfusepy.FuseOSError(errno_of(exc)) from None
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-        vol = self._volume(path)
-        size = max(0, min(size, vol.size_bytes - offset))
-        return self._call(vol.read, offset, size) if size else b""
+        return bytes(self._call(self._export(path, fh).read_clipped, offset, size))
 
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
-        vol = self._volume(path)
-        if offset + len(data) > vol.size_bytes:
+        export = self._export(path, fh)
+        if offset + len(data) > export.size_bytes:
             raise mfusepy.FuseOSError(errno.ENOSPC)  # a volume file never grows by writing
-        self._call(vol.write, offset, data)
+        self._call(export.write, offset, data)
         return len(data)
 
     def fsync(self, path: str, datasync: int, fh: int) -> int:
-        self._call(self._volume(path).flush)
+        self._call(self._export(path, fh).flush)
         return 0
 
     def flush(self, path: str, fh: int) -> int:
         return 0  # close(2) is not a durability point; fsync is
 
     def release(self, path: str, fh: int) -> int:
-        vol = self.pool.volumes.get(path.lstrip("/"))
-        if vol is not None:
-            with self.pool.lock:
-                vol.users = max(0, vol.users - 1)
+        with self._handles_lock:
+            export = self._handles.pop(fh, None)
+        if export is not None:
+            export.close()
         return 0
 
     def truncate(self, path: str, length: int, fh: int | None = None) -> int:
@@ -123,39 +136,38 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
         return 0
 
     def fallocate(self, path: str, mode: int, offset: int, size: int, fh: int) -> int:
-        vol = self._volume(path)
+        export = self._export(path, fh)
         if offset < 0 or size <= 0:
             raise mfusepy.FuseOSError(errno.EINVAL)
-        end = min(offset + size, vol.size_bytes)
+        end = min(offset + size, export.size_bytes)
         if mode == FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE:
             if end > offset:
-                self._call(vol.trim, offset, end - offset)
+                self._call(export.trim, offset, end - offset)
         elif mode == FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE:
             if end > offset:
-                self._call(vol.write_zeroes, offset, end - offset, no_hole=True)
+                self._call(export.write_zeroes, offset, end - offset, no_hole=True)
         elif mode in (0, FALLOC_FL_KEEP_SIZE):
-            if offset + size > vol.size_bytes and not mode & FALLOC_FL_KEEP_SIZE:
+            if offset + size > export.size_bytes and not mode & FALLOC_FL_KEEP_SIZE:
                 raise mfusepy.FuseOSError(errno.EFBIG)  # volumes do not grow through fallocate
             if end > offset:
-                self._call(vol.provision, offset, end - offset)
+                self._call(export.provision, offset, end - offset)
         else:
             raise mfusepy.FuseOSError(errno.EOPNOTSUPP)
         return 0
 
     def lseek(self, path: str, offset: int, whence: int, fh: int) -> int:
-        vol = self._volume(path)
+        export = self._export(path, fh)
         if whence not in (SEEK_DATA, SEEK_HOLE):
             raise mfusepy.FuseOSError(errno.EINVAL)
-        if offset < 0 or offset >= vol.size_bytes:
+        if offset < 0 or offset >= export.size_bytes:
             raise mfusepy.FuseOSError(errno.ENXIO)
         pos = offset
-        for length, state in self._call(vol.block_status, offset, vol.size_bytes - offset):
-            is_data = state is BlockState.DATA
+        for length, is_data in self._call(export.data_runs, offset, export.size_bytes - offset):
             if is_data == (whence == SEEK_DATA):
                 return pos
             pos += length
         if whence == SEEK_HOLE:
-            return vol.size_bytes  # the end of the file counts as a hole
+            return export.size_bytes  # the end of the file counts as a hole
         raise mfusepy.FuseOSError(errno.ENXIO)
 
     def statfs(self, path: str) -> dict[str, int]:

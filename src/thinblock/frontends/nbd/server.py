@@ -24,10 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from thinblock.core.delta import changed_ranges
-from thinblock.core.mapping import BlockState
 from thinblock.core.pool import Pool
 from thinblock.core.volume import Volume
 from thinblock.errors import OpError
+from thinblock.frontends.export import Export, errno_of
 from thinblock.frontends.nbd import constants as c
 from thinblock.frontends.nbd.protocol import (
     BASE_ALLOCATION,
@@ -61,11 +61,6 @@ SERVER_BUDGET_BYTES = 256 << 20
 LARGE_BUDGET_BYTES = 192 << 20
 LARGE_REQUEST_BYTES = 1 << 20
 
-_STATE_FLAGS = {
-    BlockState.UNMAPPED: c.STATE_HOLE | c.STATE_ZERO,
-    BlockState.ZEROED: c.STATE_ZERO,
-    BlockState.DATA: 0,
-}
 # thinblock:changed:SNAPSHOT - bit 0 set: the range differs from the snapshot.
 CHANGED_PREFIX = "thinblock:changed:"
 STATE_CHANGED = 1
@@ -86,9 +81,9 @@ _ERRNO_TO_NBD = {
 }
 
 
-def nbd_error(exc: OSError) -> int:
-    """The NBD error value for an OS error (EIO for anything unexpected)."""
-    return _ERRNO_TO_NBD.get(exc.errno or errno.EIO, c.EIO)
+def nbd_error(exc: BaseException) -> int:
+    """The NBD error value for a failed request (export.errno_of says which errno)."""
+    return _ERRNO_TO_NBD.get(errno_of(exc), c.EIO)
 
 
 class PoolCatalog:
@@ -130,7 +125,7 @@ class PoolCatalog:
             return self.pool.volumes.get(name)
 
 
-def execute(conn: ServerConnection, vol: Volume, req: Request) -> list[bytes]:
+def execute(conn: ServerConnection, vol: Export, req: Request) -> list[bytes]:
     """Run one validated request against the volume; the reply as buffers. Runs in a worker thread."""
     fua = bool(req.flags & c.CMD_FLAG_FUA)
     cmd = req.command
@@ -164,15 +159,14 @@ def execute(conn: ServerConnection, vol: Volume, req: Request) -> list[bytes]:
     return [conn.simple_reply(req.cookie)]
 
 
-def context_extents(vol: Volume, context: str, offset: int, length: int) -> list[tuple[int, int]]:
+def context_extents(export: Export, context: str, offset: int, length: int) -> list[tuple[int, int]]:
     """(length, flags) extents of one metadata context over [offset, offset+length)."""
     if context == BASE_ALLOCATION:
-        # A mapped range is reported allocated (no HOLE) only when a write there is sure
-        # to find space: the NBD rule on ENOSPC (Volume.allocation_status says why).
         return [
-            (n, _STATE_FLAGS[state] | (0 if backed or state is BlockState.UNMAPPED else c.STATE_HOLE))
-            for n, state, backed in vol.allocation_status(offset, length)
+            (n, (c.STATE_HOLE if hole else 0) | (c.STATE_ZERO if zero else 0))
+            for n, hole, zero in export.allocation(offset, length)
         ]
+    vol = export.volume
     snapshot = vol.pool.volumes.get(context.removeprefix(CHANGED_PREFIX))
     if snapshot is None:
         # The snapshot was removed since negotiation: everything counts as changed, so
@@ -346,7 +340,7 @@ class Session:
         self.conn = ServerConnection(
             server.catalog, tls_required=server.ssl_context is not None, tls_available=server.ssl_context is not None
         )
-        self.volume: Volume | None = None
+        self.export: Export | None = None
         self.slots = threading.Semaphore(MAX_IN_FLIGHT)
         self.budget = ByteBudget(CONNECTION_BUDGET_BYTES)
         self.reserved = 0  # bytes taken for a write payload announced and not yet a Request
@@ -391,9 +385,8 @@ class Session:
                 self.sock.close()
             with self.server.lock:
                 self.server.sessions.discard(self)
-            if self.volume is not None:
-                with self.server.pool.lock:
-                    self.volume.users -= 1
+            if self.export is not None:
+                self.export.close()
             log.info("%s: closed (%s)", self.name, reason)
 
     def _loop(self) -> str:
@@ -434,10 +427,9 @@ class Session:
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
                 log.info("%s: TLS started (%s)", self.name, self.sock.version())
             elif isinstance(event, Transmission):
-                self.volume = self.server.catalog.volume(event.export.name)
-                if self.volume is not None:
-                    with self.server.pool.lock:
-                        self.volume.users += 1
+                vol = self.server.catalog.volume(event.export.name)
+                if vol is not None:
+                    self.export = Export(self.server.pool, vol, read_only=event.export.read_only)
                 self.writer = threading.Thread(target=self._write_loop, name=f"{self.reader.name}-w", daemon=True)
                 self.writer.start()
                 log.info(
@@ -511,15 +503,15 @@ class Session:
         problem = conn.check_request(req)
         if problem is not None:
             return [conn.error_reply(req.cookie, *problem)]
-        vol = self.volume
-        if vol is None or vol.removed:
+        export = self.export
+        if export is None or export.gone:
             return [conn.error_reply(req.cookie, c.EIO, "the volume behind this export was removed")]
         try:
-            return execute(conn, vol, req)
+            return execute(conn, export, req)
         except OpError as exc:
             return [conn.error_reply(req.cookie, nbd_error(exc), exc.strerror or "")]
         except OSError as exc:
-            log.error("%s: I/O error on %s: %s", self.name, vol.name, exc)
+            log.error("%s: I/O error on %s: %s", self.name, export.name, exc)
             return [conn.error_reply(req.cookie, nbd_error(exc), str(exc))]
         except Exception:
             log.exception("%s: request %d failed", self.name, req.command)

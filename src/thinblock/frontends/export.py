@@ -1,0 +1,133 @@
+"""What every frontend does for a client, written once: the export handle.
+
+An NBD connection and a FUSE file handle are both one client's use of one
+volume. Both open an `Export`, which counts the client (removal and rollback
+refuse while any is open), refuses writes to read-only exports, clips reads at
+the end of the volume, says what errno a failure is, and turns block states
+into the two views clients ask for: allocation (NBD base:allocation's HOLE and
+ZERO) and data (SEEK_DATA/SEEK_HOLE). The frontends only translate protocols.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import TYPE_CHECKING
+
+from thinblock.core.mapping import BlockState
+from thinblock.errors import OpError, ReadOnlyError, ThinblockError
+
+if TYPE_CHECKING:
+    from thinblock.core.pool import Pool
+    from thinblock.core.volume import Volume
+
+
+def errno_of(exc: BaseException) -> int:
+    """The errno a client is given for a failed request (EIO for anything unexpected)."""
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    return errno.EIO
+
+
+class Export:
+    """One client's open volume. Close it exactly once (close() is idempotent)."""
+
+    def __init__(self, pool: Pool, volume: Volume, *, read_only: bool = False, counted: bool = True) -> None:
+        """counted=False: one call made without an open handle (FUSE may), not a client."""
+        self.pool = pool
+        self.volume = volume
+        self.read_only = read_only or volume.readonly
+        self._open = counted
+        if counted:
+            with pool.lock:
+                volume.users += 1
+
+    @classmethod
+    def open(cls, pool: Pool, name: str, *, read_only: bool = False) -> Export:
+        vol = pool.volumes.get(name)
+        if vol is None:
+            raise ThinblockError(f"no volume {name!r} in pool {pool.path}")
+        return cls(pool, vol, read_only=read_only)
+
+    def close(self) -> None:
+        with self.pool.lock:
+            if self._open:
+                self._open = False
+                self.volume.users -= 1
+
+    @property
+    def name(self) -> str:
+        return self.volume.name
+
+    @property
+    def size_bytes(self) -> int:
+        return self.volume.size_bytes
+
+    @property
+    def gone(self) -> bool:
+        return self.volume.removed
+
+    def _writable(self) -> Volume:
+        if self.read_only:
+            raise ReadOnlyError(f"export {self.volume.name} is read-only")
+        return self.volume
+
+    # ----- the verbs --------------------------------------------------------------
+
+    def read(self, offset: int, length: int) -> bytes:
+        return self.volume.read(offset, length)
+
+    def read_clipped(self, offset: int, length: int) -> bytes:
+        """A file read: short at the end of the volume, empty beyond it."""
+        length = max(0, min(length, self.volume.size_bytes - offset))
+        return self.volume.read(offset, length) if length else b""
+
+    def read_sparse(self, offset: int, length: int) -> list[tuple[int, int, bytes | None]]:
+        return self.volume.read_sparse(offset, length)
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
+        self._writable().write(offset, data, fua=fua)
+
+    def trim(self, offset: int, length: int, *, fua: bool = False) -> None:
+        self._writable().trim(offset, length, fua=fua)
+
+    def write_zeroes(
+        self, offset: int, length: int, *, no_hole: bool = False, fast: bool = False, fua: bool = False
+    ) -> None:
+        self._writable().write_zeroes(offset, length, no_hole=no_hole, fast=fast, fua=fua)
+
+    def provision(self, offset: int, length: int, *, fua: bool = False) -> None:
+        self._writable().provision(offset, length, fua=fua)
+
+    def flush(self) -> None:
+        self.volume.flush()
+
+    # ----- what clients are told about allocation -------------------------------------
+
+    def allocation(self, offset: int, length: int) -> list[tuple[int, bool, bool]]:
+        """(length, hole, zero) runs. zero: the range reads zeros (UNMAPPED, ZEROED).
+        hole: not allocated, i.e. a write there could fail with ENOSPC: UNMAPPED, and a
+        mapped block a write would have to copy without space set aside for it
+        (Volume.allocation_status keeps that rule)."""
+        runs: list[tuple[int, bool, bool]] = []
+        for n, state, backed in self.volume.allocation_status(offset, length):
+            hole = state is BlockState.UNMAPPED or not backed
+            zero = state is not BlockState.DATA
+            if runs and runs[-1][1:] == (hole, zero):
+                runs[-1] = (runs[-1][0] + n, hole, zero)
+            else:
+                runs.append((n, hole, zero))
+        return runs
+
+    def data_runs(self, offset: int, length: int) -> list[tuple[int, bool]]:
+        """(length, is_data) runs for SEEK_DATA/SEEK_HOLE: only DATA may read non-zero."""
+        runs: list[tuple[int, bool]] = []
+        for n, state in self.volume.block_status(offset, length):
+            data = state is BlockState.DATA
+            if runs and runs[-1][1] == data:
+                runs[-1] = (runs[-1][0] + n, data)
+            else:
+                runs.append((n, data))
+        return runs
+
+
+__all__ = ["Export", "OpError", "errno_of"]

@@ -1,0 +1,162 @@
+"""The metadata-store contract (meta/base.py), one suite run against every
+backend's metadata store. A new backend is one line in LOCATIONS."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from thinblock.backends import Location, locate
+from thinblock.backends.memory import MemoryLocation
+from thinblock.errors import PoolBusyError
+from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow
+
+PAGE = bytes(range(256)) * 16  # a 4 KiB blob (pages are opaque to the store)
+
+LOCATIONS: dict[str, Callable[[Path], str]] = {
+    "directory-sqlite": lambda tmp: str(tmp / "pool"),
+    "memory": lambda tmp: f"memory:contract-{uuid.uuid4().hex}",
+}
+
+
+@pytest.fixture(params=list(LOCATIONS))
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Location]:
+    loc = locate(LOCATIONS[request.param](tmp_path))
+    loc.create({"block_size": 4096, "size_bytes": 1 << 20, "clean": True}, 1 << 20, None)
+    try:
+        yield loc
+    finally:
+        if isinstance(loc, MemoryLocation):
+            loc.remove_created()
+
+
+@pytest.fixture
+def meta(location: Location) -> Iterator[MetadataStore]:
+    store = location.open_meta(readonly=False)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _row(vid: int, name: str) -> VolumeRow:
+    return VolumeRow(vid, name, 1 << 20, "on", 1.0, data_blocks=3)
+
+
+def _txn(vid: int = 1, name: str = "a") -> Transaction:
+    return Transaction(
+        superblock={"transaction_id": vid},
+        volumes=[_row(vid, name)],
+        roots={(vid, 0): 10 * vid, (vid, 5): 10 * vid + 1},
+        pages={10 * vid: (1, PAGE), 10 * vid + 1: (2, PAGE[::-1])},
+        refcount_pages={0: b"\x01\x00\x00\x00" * 1024},
+    )
+
+
+def _snapshot(meta: MetadataStore) -> tuple[object, ...]:
+    return (
+        meta.superblock(),
+        meta.volumes(),
+        sorted(meta.all_roots()),
+        sorted(meta.all_pages()),
+        meta.refcount_pages(),
+        meta.max_page_id(),
+        meta.max_volume_id(),
+    )
+
+
+def test_a_new_store_holds_the_superblock(meta: MetadataStore) -> None:
+    sb = meta.superblock()
+    assert sb["format_version"] == FORMAT_VERSION and sb["transaction_id"] == 0 and sb["block_size"] == 4096
+    assert meta.volumes() == [] and list(meta.all_roots()) == [] and list(meta.all_pages()) == []
+    assert meta.max_page_id() == 0 and meta.max_volume_id() == 0 and meta.integrity_problems() == []
+
+
+def test_commit_is_visible_everywhere(meta: MetadataStore) -> None:
+    meta.commit(_txn())
+    assert meta.superblock()["transaction_id"] == 1
+    assert [v.name for v in meta.volumes()] == ["a"] and meta.volumes()[0].data_blocks == 3
+    assert meta.roots(1) == {0: 10, 5: 11}
+    assert meta.page(10) == (1, PAGE) and meta.page(11) == (2, PAGE[::-1]) and meta.page(12) is None
+    assert meta.max_page_id() == 11 and meta.max_volume_id() == 1
+    assert meta.refcount_pages() == {0: b"\x01\x00\x00\x00" * 1024}
+
+
+def test_deletes_and_refcount_only_changes(meta: MetadataStore) -> None:
+    meta.commit(_txn())
+    meta.commit(_txn(2, "b"))
+    meta.commit(Transaction(roots={(1, 5): None}, pages={11: None}, page_refcounts={10: 7}))
+    assert meta.roots(1) == {0: 10} and meta.page(11) is None and meta.page(10) == (7, PAGE)
+    meta.commit(Transaction(deleted_volumes=[1]))
+    assert [v.name for v in meta.volumes()] == ["b"] and meta.roots(1) == {}
+    assert meta.max_page_id() >= 21  # ids are never handed out twice
+
+
+def test_a_failed_commit_changes_nothing(meta: MetadataStore) -> None:
+    meta.commit(_txn())
+    before = _snapshot(meta)
+    bad = _txn(2, "a")  # a second volume named "a": the store refuses the whole transaction
+    bad.superblock["transaction_id"] = 99
+    with pytest.raises(OSError) as info:
+        meta.commit(bad)
+    assert info.value.errno in (errno.EIO, errno.ENOSPC)
+    assert _snapshot(meta) == before
+    meta.commit(_txn(2, "b"))  # and the store works on
+    assert [v.name for v in meta.volumes()] == ["a", "b"]
+
+
+def test_commits_survive_reopening(location: Location, meta: MetadataStore) -> None:
+    meta.commit(_txn())
+    again = location.open_meta(readonly=True)
+    try:
+        assert _snapshot(again) == _snapshot(meta)
+    finally:
+        again.close()
+
+
+def test_page_reads_run_beside_commits(meta: MetadataStore) -> None:
+    meta.commit(_txn())
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                assert meta.page(10) == (1, PAGE)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for i in range(30):
+        meta.commit(Transaction(superblock={"transaction_id": 10 + i}, pages={1000 + i: (1, PAGE)}))
+    stop.set()
+    thread.join()
+    assert errors == []
+
+
+def test_restore_replaces_everything_at_once(location: Location, meta: MetadataStore) -> None:
+    meta.commit(_txn())
+    meta.close()
+    location.replace_meta({"block_size": 4096, "size_bytes": 1 << 20, "clean": False}, _txn(3, "c"))
+    fresh = location.open_meta(readonly=True)
+    try:
+        assert [v.name for v in fresh.volumes()] == ["c"] and fresh.roots(1) == {} and fresh.roots(3) == {0: 30, 5: 31}
+        assert fresh.superblock()["clean"] is False
+    finally:
+        fresh.close()
+
+
+def test_ownership_is_exclusive(location: Location) -> None:
+    first = location.own("test one")
+    assert location.is_owned()
+    with pytest.raises(PoolBusyError, match="test one|held"):
+        location.own("test two")
+    first.release()
+    assert not location.is_owned()
+    location.own("test three").release()
