@@ -155,7 +155,7 @@ def test_restore_replaces_everything_at_once(location: Location, meta: MetadataS
 def test_ownership_is_exclusive(location: Location) -> None:
     first = location.own("test one")
     assert location.is_owned()
-    with pytest.raises(PoolBusyError, match="test one|held"):
+    with pytest.raises(PoolBusyError, match=r"test one|held"):
         location.own("test two")
     first.release()
     assert not location.is_owned()
