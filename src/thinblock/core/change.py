@@ -9,6 +9,7 @@ succeeded: rule 1 of DESIGN.md, "an operation that fails changes nothing".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from thinblock.iovec import IOV_MAX
@@ -67,10 +68,17 @@ class IoPlan:
             store.allocate(offset, length)
         for offset, length in self.zeros:
             store.zero(offset, length)
-        for source, dest, length in self.copies:
-            store.pwritev(dest, [store.pread(source, length)])
-        for offset, bufs, _ in self.writes:
-            store.pwritev(offset, bufs)
+        # The copies' targets and the writes never overlap: one batch, all in flight
+        # on a store that can do that (store/base.py's batch verbs).
+        writes: list[tuple[int, Sequence[bytes | memoryview]]] = []
+        if self.copies:
+            copied = store.read_many([(source, length) for source, _, length in self.copies])
+            writes += [(dest, [data]) for (_, dest, _), data in zip(self.copies, copied, strict=True)]
+        writes += [(offset, bufs) for offset, bufs, _ in self.writes]
+        if len(writes) == 1:
+            store.pwritev(*writes[0])
+        elif writes:
+            store.write_many(writes)
 
 
 class Change:

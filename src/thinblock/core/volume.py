@@ -261,9 +261,9 @@ class Volume:
                 return store.pread(pieces[0][2], length)  # all data, one extent: no copies
             out = bytearray(length)
             view = memoryview(out)
-            for off, n, src in pieces:
-                if src >= 0:
-                    view[off - offset : off - offset + n] = store.pread(src, n)
+            data = [piece for piece in pieces if piece[2] >= 0]
+            for (off, n, _), got in zip(data, store.read_many([(src, n) for _, n, src in data]), strict=True):
+                view[off - offset : off - offset + n] = got
         return bytes(out)
 
     def read_sparse(self, offset: int, length: int) -> list[tuple[int, int, bytes | None]]:
@@ -280,7 +280,8 @@ class Volume:
             with self.pool.lock:
                 self._check(offset, length, write=False)
                 pieces = self._sparse_plan(offset, length)
-            return [(off, n, None if src < 0 else store.pread(src, n)) for off, n, src in pieces]
+            got = iter(store.read_many([(src, n) for _, n, src in pieces if src >= 0]))
+            return [(off, n, None if src < 0 else next(got)) for off, n, src in pieces]
 
     def _sparse_plan(self, offset: int, length: int) -> list[list[int]]:
         """[offset, length, store offset or -1 for zeros] pieces of the range: runs of
