@@ -1,10 +1,12 @@
 """Kernel block device benchmark: thinblock attach vs a loop device on a plain sparse file.
 
-    .venv/bin/python bench/bench_attach.py [--json]
+    .venv/bin/python bench/bench_attach.py [--json] [--io-only] [--runtime SECONDS]
 
 mke2fs on 10 GiB and 200 GiB with and without -E assume_storage_prezeroed=1
 (time and space), sequential 1 MiB direct-I/O write and read through the loop
-device, and 1 GiB of zeros written with dd oflag=direct to a fresh device.
+device, 4 KiB random direct-I/O write and read with fio (one job, and four
+jobs, iodepth 16 each) over the GiB just written, and 1 GiB of zeros written
+with dd oflag=direct to a fresh device.
 """
 
 from __future__ import annotations
@@ -84,15 +86,29 @@ def dd_rate(cmd: list[str], nbytes: int) -> float:
     return nbytes / MiB / timed(cmd)
 
 
+def fio_iops(dev: str, rw: str, jobs: int, runtime: int) -> float:
+    """4 KiB random direct I/O (libaio, iodepth 16 per job) over the device's first GiB."""
+    cmd = [
+        "fio", "--name=bench", f"--filename={dev}", "--ioengine=libaio", "--direct=1", f"--rw={rw}",
+        "--bs=4k", "--iodepth=16", "--size=1G", f"--numjobs={jobs}", "--group_reporting",
+        f"--runtime={runtime}", "--time_based", "--output-format=json",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{") :])["jobs"][0]
+    return float(job["write" if "write" in rw else "read"]["iops"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/var/tmp")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--io-only", action="store_true", help="skip the mke2fs runs")
+    parser.add_argument("--runtime", type=int, default=10, help="seconds per fio run")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="tb-attach-bench-", dir=args.dir))
     r: dict[str, Any] = {}
     try:
-        for size_name, size in (("10G", 10 * GiB), ("200G", 200 * GiB)):
+        for size_name, size in () if args.io_only else (("10G", 10 * GiB), ("200G", 200 * GiB)):
             for hint in (False, True):
                 for peer, device in (("sparse", sparse_device), ("thinblock", thin_device)):
                     progress(f"mke2fs {size_name} on {peer}{' with the hint' if hint else ''}")
@@ -122,6 +138,10 @@ def main() -> None:
                 r[f"seq_read_{peer}_MiBps"] = dd_rate(
                     ["dd", f"if={dev}", "of=/dev/null", "bs=1M", "count=1024", "iflag=direct", "status=none"], GiB
                 )
+                for rw in ("randwrite", "randread"):
+                    for jobs in (1, 4):
+                        progress(f"fio {rw} 4k, {jobs} job(s), on {peer}")
+                        r[f"{rw}_4k_{jobs}job_{peer}_iops"] = fio_iops(dev, rw, jobs, args.runtime)
                 base = used()
                 r[f"zero_write_1GiB_{peer}_s"] = timed(
                     [
@@ -140,6 +160,10 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     r["ratio_seq_write"] = r["seq_write_thinblock_MiBps"] / r["seq_write_sparse_MiBps"]
     r["ratio_seq_read"] = r["seq_read_thinblock_MiBps"] / r["seq_read_sparse_MiBps"]
+    for rw in ("randwrite", "randread"):
+        for jobs in (1, 4):
+            key = f"{rw}_4k_{jobs}job"
+            r[f"ratio_{key}"] = r[f"{key}_thinblock_iops"] / r[f"{key}_sparse_iops"]
     if args.json:
         print(json.dumps(r, indent=2))
     else:

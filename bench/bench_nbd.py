@@ -1,12 +1,18 @@
 """NBD benchmark: thinblock serve vs nbdkit file vs qemu-nbd (qcow2), same run.
 
     .venv/bin/python bench/bench_nbd.py [--quick] [--json]
+    .venv/bin/python bench/bench_nbd.py --concurrency [--order nbdkit,thinblock] [--quick]
 
 fio --ioengine=nbd over a unix socket and over TCP for sequential 1 MiB
 write/read (iodepth 16) and 4 KiB random write (iodepth 32); then the zero
 workloads through libnbd: 4 GiB of zero WRITEs to fresh space, WRITE_ZEROES
 of 8 GiB with and without NO_HOLE, and reading a 16 GiB empty export
 (bytes of data on the wire). Every peer gets a fresh 16 GiB export.
+
+--concurrency: 4 KiB random write and read with one job and with four jobs on
+four connections (iodepth 16 each), sequential 1 MiB on four connections, and
+the 4 KiB read latency on one connection during a 30 s sequential write on
+another (p99 and maximum), for thinblock and nbdkit file side by side.
 """
 
 from __future__ import annotations
@@ -183,18 +189,58 @@ class QemuNbd(Peer):
 
 
 def fio(
-    uri: str, rw: str, bs: str, iodepth: int, size: str, runtime: int | None = None, extra: tuple[str, ...] = ()
+    uri: str,
+    rw: str,
+    bs: str,
+    iodepth: int,
+    size: str,
+    runtime: int | None = None,
+    extra: tuple[str, ...] = (),
+    jobs: int = 1,
 ) -> dict[str, Any]:
+    """One fio run; with jobs > 1, that many jobs on as many NBD connections, summed."""
     cmd = [
         "fio", "--name=bench", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}",
         f"--iodepth={iodepth}", f"--size={size}", "--output-format=json", *extra,
     ]  # fmt: skip
+    if jobs > 1:
+        cmd += [f"--numjobs={jobs}", "--group_reporting", "--offset_increment=0"]
     if runtime:
         cmd += [f"--runtime={runtime}", "--time_based"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     job = json.loads(out[out.index("{") :])["jobs"][0]
     side = job["write"] if "write" in rw else job["read"]
     return {"MiBps": side["bw_bytes"] / MiB, "iops": side["iops"]}
+
+
+def concurrency(uri: str, runtime: int) -> dict[str, float]:
+    """4 KiB random I/O (iodepth 16 per job) on 1 and on 4 connections, sequential 1 MiB
+    on 4 connections, over a 1 GiB region written first so that reads find data."""
+    r: dict[str, float] = {}
+    r["seq_write_1M_4conn_MiBps"] = fio(uri, "write", "1M", 16, "1G", jobs=4)["MiBps"]
+    r["seq_read_1M_4conn_MiBps"] = fio(uri, "read", "1M", 16, "1G", jobs=4)["MiBps"]
+    for rw in ("randwrite", "randread"):
+        for jobs in (1, 4):
+            r[f"{rw}_4k_{jobs}conn_iops"] = fio(uri, rw, "4k", 16, "1G", runtime, jobs=jobs)["iops"]
+    return r
+
+
+def latency_under_write(uri: str, runtime: int) -> dict[str, float]:
+    """While one connection writes sequentially (1 MiB, iodepth 16), another reads 4 KiB
+    at random (iodepth 1, 200 reads a second): the read latency's p99 and maximum."""
+    cmd = [
+        "fio", "--ioengine=nbd", f"--uri={uri}", "--output-format=json", f"--runtime={runtime}", "--time_based",
+        "--name=writer", "--rw=write", "--bs=1M", "--iodepth=16", "--size=8G",
+        "--name=reader", "--rw=randread", "--bs=4k", "--iodepth=1", "--size=1G", "--rate_iops=200",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    jobs = {job["jobname"]: job for job in json.loads(out[out.index("{") :])["jobs"]}
+    clat = jobs["reader"]["read"]["clat_ns"]
+    return {
+        "read_latency_p99_ms_during_seq_write": clat["percentile"]["99.000000"] / 1e6,
+        "read_latency_max_ms_during_seq_write": clat["max"] / 1e6,
+        "seq_write_MiBps_beside_reads": jobs["writer"]["write"]["bw_bytes"] / MiB,
+    }
 
 
 def zero_workloads(uri: str, used: Callable[[], int]) -> dict[str, float]:
@@ -247,7 +293,15 @@ def main() -> None:
     parser.add_argument("--dir", default="/var/tmp", help="scratch directory")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument(
+        "--concurrency",
+        action="store_true",
+        help="only the many-connection rows and the latency run (thinblock and nbdkit, unix socket)",
+    )
+    parser.add_argument("--order", default="thinblock,nbdkit", help="peer order for --concurrency (alternate runs)")
     args = parser.parse_args()
+    if args.concurrency:
+        return concurrency_main(args)
     scratch = Path(tempfile.mkdtemp(prefix="tb-nbd-bench-", dir=args.dir))
     seq, runtime = ("256M", 3) if args.quick else ("2G", 8)
     results: dict[str, dict[str, Any]] = {}
@@ -283,6 +337,43 @@ def main() -> None:
         if key in ratios:
             row += f"{ratios[key].get('qemu-nbd-qcow2', 0):>9.2f}{ratios[key].get('nbdkit-file', 0):>10.2f}"
         print(row)
+
+
+def concurrency_main(args: argparse.Namespace) -> None:
+    scratch = Path(tempfile.mkdtemp(prefix="tb-nbd-bench-", dir=args.dir))
+    runtime, latency_s = (3, 5) if args.quick else (10, 30)
+    peers = {"thinblock": Thinblock(scratch), "nbdkit": Nbdkit(scratch)}
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for name in args.order.split(","):
+            peer = peers[name]
+            progress(f"{peer.name}: 1 and 4 connections")
+            with peer.start("unix") as (uri, _used):
+                r = concurrency(uri, runtime)
+            progress(f"{peer.name}: read latency during a {latency_s} s sequential write")
+            with peer.start("unix") as (uri, _used):
+                r.update(latency_under_write(uri, latency_s))
+            results[peer.name] = r
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    tb, kit = results["thinblock"], results["nbdkit-file"]
+    derived = {
+        "thinblock randwrite 4 conns / 1 conn": tb["randwrite_4k_4conn_iops"] / tb["randwrite_4k_1conn_iops"],
+        "thinblock randread 4 conns / 1 conn": tb["randread_4k_4conn_iops"] / tb["randread_4k_1conn_iops"],
+    }
+    for key in tb:
+        if key.endswith(("iops", "MiBps")) and kit.get(key):
+            derived[f"{key} thinblock/nbdkit"] = tb[key] / kit[key]
+    if args.json:
+        print(json.dumps({"results": results, "ratios": derived}, indent=2))
+        return
+    print(f"{'metric':44}{'thinblock':>14}{'nbdkit-file':>14}{'tb/nbdkit':>10}")
+    for key in tb:
+        ratio = f"{tb[key] / kit[key]:>10.2f}" if kit.get(key) else ""
+        print(f"{key:44}{tb[key]:>14.2f}{kit[key]:>14.2f}{ratio}")
+    for key, value in derived.items():
+        if "/ 1 conn" in key:
+            print(f"{key:44}{value:>14.2f}")
 
 
 if __name__ == "__main__":

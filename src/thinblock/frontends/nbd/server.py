@@ -1,13 +1,15 @@
 """The shell around the NBD protocol core: sockets, TLS and threads.
 
 Each connection has a reader thread that feeds bytes to a `ServerConnection`
-and acts on its events, and a writer thread that sends finished replies.
-Requests run in a shared pool of worker threads (the pool's lock keeps the
-block contract atomic per request), so many are in flight per connection and
-replies go out as they complete. Blocking sockets, not asyncio: the hot path
-(recv_into, sendmsg, pread, pwrite) runs without the GIL and without copying
-each byte through stream buffers, which made the asyncio version 3-5x slower.
-Errno values are mapped to NBD errors here, once.
+and acts on its events, and a writer thread for replies the socket cannot take
+at once. Small requests run on the reader thread, others in a shared pool of
+worker threads; the core lets requests on different blocks run in parallel
+(volume.py), so many are in flight per connection and replies go out as they
+complete, sent by the thread that finished them when the socket takes them
+without blocking. Blocking sockets, not asyncio: the hot path (recv_into,
+sendmsg, pread, pwrite) runs without the GIL and without copying each byte
+through stream buffers, which made the asyncio version 3-5x slower. Errno
+values are mapped to NBD errors here, once.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from thinblock.frontends.nbd.protocol import (
     StartTLS,
     Transmission,
 )
-from thinblock.iovec import write_all
+from thinblock.iovec import IOV_MAX, write_all
 
 log = logging.getLogger("thinblock.nbd")
 
@@ -49,6 +51,8 @@ MAX_IN_FLIGHT = 64
 READ_CHUNK_BYTES = 256 << 10
 WORKERS = 4
 QUICK_REQUEST_BYTES = 128 << 10
+BATCH_REPLIES = 32  # inline replies sent in one sendmsg at most
+BATCH_BYTES = 1 << 20
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 # Bytes in flight (write payloads being received or run, read replies being built or
 # sent), bounded three ways. A connection holds at most CONNECTION_BUDGET_BYTES (one
@@ -327,8 +331,9 @@ class NBDServer:
 class Session:
     """One client connection: a reader thread, a writer thread, work in the shared pool.
 
-    Workers never touch the socket: they queue finished replies for the writer,
-    so a client that stops reading stalls only its own writer and, through the
+    Workers never block on the socket: a reply goes out at once only if the
+    socket takes it whole without waiting, else it is queued for the writer, so a
+    client that stops reading stalls only its own writer and, through the
     in-flight limit, its own reader.
     """
 
@@ -344,11 +349,17 @@ class Session:
         self.slots = threading.Semaphore(MAX_IN_FLIGHT)
         self.budget = ByteBudget(CONNECTION_BUDGET_BYTES)
         self.reserved = 0  # bytes taken for a write payload announced and not yet a Request
-        self.replies: queue.SimpleQueue[tuple[list[bytes], int] | None] = queue.SimpleQueue()
+        self.replies: queue.SimpleQueue[tuple[list[bytes], list[int]] | None] = queue.SimpleQueue()
+        self.batch: list[bytes] = []  # replies of inline requests, sent together
+        self.batch_costs: list[int] = []
+        self.batch_bytes = 0
         self.reader = threading.Thread(target=self._run, name=f"thinblock-nbd-{sid}", daemon=True)
         self.writer: threading.Thread | None = None
         self.pending = 0
         self.pending_lock = threading.Condition()
+        self.send_lock = threading.Lock()
+        self.queued = 0  # replies handed to the writer thread and not yet sent
+        self.inline_sends = True  # until TLS starts: an SSL socket is written by the writer only
 
     def start(self) -> None:
         self.reader.start()
@@ -375,6 +386,7 @@ class Session:
             with self.pending_lock:
                 while self.pending:
                     self.pending_lock.wait()
+            self._flush_batch()  # replies still batched go out (or, on a broken socket, are dropped)
             if self.writer is not None:
                 self.replies.put(None)
                 self.writer.join()
@@ -399,6 +411,7 @@ class Session:
             if out:
                 self._send([out])
             if isinstance(event, NeedData):
+                self._flush_batch()  # before waiting for the client: its replies go out now
                 wanted = conn.wanted()  # read a write payload alone, so it is not copied
                 n = self.sock.recv_into(view[: min(len(view), wanted)] if wanted else view)
                 conn.receive_data(view[:n])
@@ -413,18 +426,25 @@ class Session:
                 if self.reserved:
                     assert cost == self.reserved
                     self.reserved = 0
-                elif not self._take_budget(cost):
-                    return "server shutting down"
-                self.slots.acquire()
+                else:
+                    if not _quick(event):
+                        self._flush_batch()  # the budget may have to wait for those replies
+                    if not self._take_budget(cost):
+                        return "server shutting down"
+                if not self.slots.acquire(blocking=False):
+                    self._flush_batch()
+                    self.slots.acquire()
                 with self.pending_lock:
                     self.pending += 1
                 if _quick(event):
-                    self._work(event, cost)  # no thread handoff for small requests: the common case
+                    self._work(event, cost, inline=True)  # no thread handoff for small requests
                 else:
+                    self._flush_batch()
                     self.server.executor.submit(self._work, event, cost)
             elif isinstance(event, StartTLS):
                 assert self.server.ssl_context is not None
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
+                self.inline_sends = False
                 log.info("%s: TLS started (%s)", self.name, self.sock.version())
             elif isinstance(event, Transmission):
                 vol = self.server.catalog.volume(event.export.name)
@@ -463,11 +483,20 @@ class Session:
             self.server.large_budget.release(cost)
         self.budget.release(cost)
 
-    def _work(self, req: Request, cost: int) -> None:
+    def _work(self, req: Request, cost: int, *, inline: bool = False) -> None:
+        """Run a request; inline (on the reader thread), its reply joins the batch that
+        goes out in one send when the reader next waits for the client."""
         try:
             reply = self._reply(req)
             req.payload = None  # the write's bytes are done with; the reply holds the read's
-            self.replies.put((reply, cost))
+            if inline:
+                self.batch += reply
+                self.batch_costs.append(cost)
+                self.batch_bytes += sum(len(b) for b in reply)
+                if len(self.batch_costs) >= BATCH_REPLIES or self.batch_bytes >= BATCH_BYTES:
+                    self._flush_batch()
+            else:
+                self._out(reply, [cost])
         except BaseException:
             self._give_budget(cost)
             self.slots.release()
@@ -477,10 +506,43 @@ class Session:
                 self.pending -= 1
                 self.pending_lock.notify_all()
 
+    def _flush_batch(self) -> None:
+        if self.batch_costs:
+            bufs, costs = self.batch, self.batch_costs
+            self.batch, self.batch_costs, self.batch_bytes = [], [], 0
+            self._out(bufs, costs)
+
+    def _done(self, costs: list[int]) -> None:
+        for cost in costs:
+            self._give_budget(cost)
+            self.slots.release()
+
+    def _out(self, bufs: list[bytes], costs: list[int]) -> None:
+        """Send a reply at once if the socket takes it whole without blocking and nothing
+        is queued before it (no thread handoff: the common case); else queue it, or
+        what is left of it, for the writer thread. A reply's bytes never interleave
+        with another's: while anything is queued, everything queues behind it."""
+        with self.send_lock:
+            if not self.queued and self.inline_sends:
+                views = [memoryview(b).cast("B") for b in bufs if len(b)]
+                total = sum(len(v) for v in views)
+                try:
+                    sent = self.sock.sendmsg(views, [], socket.MSG_DONTWAIT) if len(views) <= IOV_MAX else 0
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    sent = total  # the connection is gone; the reader sees it and winds down
+                if sent >= total:
+                    self._done(costs)
+                    return
+                bufs = _remainder(views, sent)
+            self.queued += 1
+        self.replies.put((bufs, costs))
+
     def _write_loop(self) -> None:
         broken = False
         while (item := self.replies.get()) is not None:
-            bufs, cost = item
+            bufs, costs = item
             if not broken:
                 try:
                     self._send(bufs)
@@ -488,8 +550,9 @@ class Session:
                     broken = True  # keep draining so the reader is never stuck on its slots
                     self.hang_up()
             del bufs, item
-            self._give_budget(cost)
-            self.slots.release()
+            with self.send_lock:
+                self.queued -= 1
+            self._done(costs)
 
     def _send(self, bufs: list[bytes]) -> None:
         sock = self.sock
@@ -516,6 +579,18 @@ class Session:
         except Exception:
             log.exception("%s: request %d failed", self.name, req.command)
             return [conn.error_reply(req.cookie, c.EIO, "internal error")]
+
+
+def _remainder(views: list[memoryview], sent: int) -> list[bytes]:
+    """What of a vectored send is left after `sent` bytes went out."""
+    out: list[bytes] = []
+    for view in views:
+        if sent >= len(view):
+            sent -= len(view)
+            continue
+        out.append(bytes(view[sent:]))
+        sent = 0
+    return out
 
 
 def export_uris(names: list[str], *, socket_path: str | None, tcp: tuple[str, int] | None, tls: bool) -> list[str]:
