@@ -16,28 +16,37 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 
 WHOLE = (0, (1 << 63) - 1)  # every block of any volume
 
 
 class _Ticket:
-    __slots__ = ("exclusive", "granted", "hi", "lo")
+    """One holder or waiter; also the context manager `hold` returns."""
 
-    def __init__(self, lo: int, hi: int, exclusive: bool) -> None:
-        self.lo, self.hi, self.exclusive = lo, hi, exclusive
-        self.granted = False
+    __slots__ = ("exclusive", "hi", "lo", "owner")
+
+    def __init__(self, owner: RangeLock, lo: int, hi: int, exclusive: bool) -> None:
+        self.owner, self.lo, self.hi, self.exclusive = owner, lo, hi, exclusive
 
     def conflicts(self, other: _Ticket) -> bool:
         return (self.exclusive or other.exclusive) and self.lo <= other.hi and other.lo <= self.hi
+
+    def __enter__(self) -> None:
+        self.owner._enter(self)
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner._exit(self)
 
 
 class RangeLock:
     """Locks on inclusive ranges [lo, hi] of block numbers."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # The fast path takes the plain lock (C); the condition is used only to wait.
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._tickets: list[_Ticket] = []  # held and waiting, in arrival order
+        self._waiting = 0
 
     def _may_go(self, ticket: _Ticket) -> bool:
         for other in self._tickets:
@@ -47,26 +56,29 @@ class RangeLock:
                 return False
         return True
 
-    @contextlib.contextmanager
-    def hold(self, lo: int, hi: int, *, exclusive: bool) -> Iterator[None]:
-        ticket = _Ticket(lo, hi, exclusive)
-        with self._cond:
+    def hold(self, lo: int, hi: int, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        """`with lock.hold(lo, hi, exclusive=...):` the blocks lo..hi, shared or not."""
+        return _Ticket(self, lo, hi, exclusive)
+
+    def _enter(self, ticket: _Ticket) -> None:
+        with self._mutex:
             self._tickets.append(ticket)
-            while not self._may_go(ticket):
-                self._cond.wait()
-            ticket.granted = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._tickets.remove(ticket)
-                if self._tickets:
-                    self._cond.notify_all()
+            if not self._may_go(ticket):
+                self._waiting += 1
+                while not self._may_go(ticket):
+                    self._cond.wait()
+                self._waiting -= 1
+
+    def _exit(self, ticket: _Ticket) -> None:
+        with self._mutex:
+            self._tickets.remove(ticket)
+            if self._waiting:
+                self._cond.notify_all()
 
     def hold_all(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         """The whole volume: waits for every request in flight that conflicts."""
         return self.hold(*WHOLE, exclusive=exclusive)
 
     def busy(self) -> bool:
-        with self._cond:
+        with self._mutex:
             return bool(self._tickets)

@@ -287,6 +287,10 @@ class Volume:
         """[offset, length, store offset or -1 for zeros] pieces of the range: runs of
         zeros merged, DATA merged where it is contiguous in the data store too."""
         bs = self.pool.block_size
+        vblock, within = divmod(offset, bs)
+        if within + length <= bs:  # one block: the common small request, without the walk
+            entry = self._entry(vblock)
+            return [[offset, length, entry_dblock(entry) * bs + within if entry_state(entry) == _DATA else -1]]
         pieces: list[list[int]] = []
         pos = offset
         for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):

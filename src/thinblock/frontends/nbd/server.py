@@ -222,22 +222,36 @@ class ByteBudget:
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
         self.used_bytes = 0
-        self._cond = threading.Condition()
+        # The fast path takes the plain lock (C); the condition is used only to wait.
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
+        self._waiting = 0
 
     def acquire(self, n_bytes: int, stopping: threading.Event) -> bool:
         """Take n_bytes; False if the server stops while waiting."""
-        with self._cond:
+        with self._mutex:
             while self.used_bytes and self.used_bytes + n_bytes > self.limit_bytes:
                 if stopping.is_set():
                     return False
+                self._waiting += 1
                 self._cond.wait(0.5)
+                self._waiting -= 1
+            self.used_bytes += n_bytes
+            return True
+
+    def try_acquire(self, n_bytes: int) -> bool:
+        """Take n_bytes if that needs no wait."""
+        with self._mutex:
+            if self.used_bytes and self.used_bytes + n_bytes > self.limit_bytes:
+                return False
             self.used_bytes += n_bytes
             return True
 
     def release(self, n_bytes: int) -> None:
-        with self._cond:
+        with self._mutex:
             self.used_bytes -= n_bytes
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
 
 def request_cost(req: Request) -> int:
@@ -346,7 +360,7 @@ class Session:
             server.catalog, tls_required=server.ssl_context is not None, tls_available=server.ssl_context is not None
         )
         self.export: Export | None = None
-        self.slots = threading.Semaphore(MAX_IN_FLIGHT)
+        self.slots = ByteBudget(MAX_IN_FLIGHT)  # requests in flight, one unit each
         self.budget = ByteBudget(CONNECTION_BUDGET_BYTES)
         self.reserved = 0  # bytes taken for a write payload announced and not yet a Request
         self.replies: queue.SimpleQueue[tuple[list[bytes], list[int]] | None] = queue.SimpleQueue()
@@ -355,8 +369,10 @@ class Session:
         self.batch_bytes = 0
         self.reader = threading.Thread(target=self._run, name=f"thinblock-nbd-{sid}", daemon=True)
         self.writer: threading.Thread | None = None
-        self.pending = 0
-        self.pending_lock = threading.Condition()
+        self.pending = 0  # requests taken and not yet finished
+        self._pending_mutex = threading.Lock()
+        self.pending_done = threading.Condition(self._pending_mutex)
+        self.draining = False
         self.send_lock = threading.Lock()
         self.queued = 0  # replies handed to the writer thread and not yet sent
         self.inline_sends = True  # until TLS starts: an SSL socket is written by the writer only
@@ -383,9 +399,10 @@ class Session:
         except (OSError, ssl.SSLError) as exc:
             reason = f"connection lost: {exc}"
         finally:
-            with self.pending_lock:
+            with self.pending_done:
+                self.draining = True
                 while self.pending:
-                    self.pending_lock.wait()
+                    self.pending_done.wait()
             self._flush_batch()  # replies still batched go out (or, on a broken socket, are dropped)
             if self.writer is not None:
                 self.replies.put(None)
@@ -431,10 +448,12 @@ class Session:
                         self._flush_batch()  # the budget may have to wait for those replies
                     if not self._take_budget(cost):
                         return "server shutting down"
-                if not self.slots.acquire(blocking=False):
+                if not self.slots.try_acquire(1):
                     self._flush_batch()
-                    self.slots.acquire()
-                with self.pending_lock:
+                    if not self.slots.acquire(1, self.server.stopping):
+                        self._give_budget(cost)
+                        return "server shutting down"
+                with self._pending_mutex:
                     self.pending += 1
                 if _quick(event):
                     self._work(event, cost, inline=True)  # no thread handoff for small requests
@@ -499,12 +518,13 @@ class Session:
                 self._out(reply, [cost])
         except BaseException:
             self._give_budget(cost)
-            self.slots.release()
+            self.slots.release(1)
             raise
         finally:
-            with self.pending_lock:
+            with self._pending_mutex:
                 self.pending -= 1
-                self.pending_lock.notify_all()
+                if self.draining and not self.pending:
+                    self.pending_done.notify_all()
 
     def _flush_batch(self) -> None:
         if self.batch_costs:
@@ -515,7 +535,7 @@ class Session:
     def _done(self, costs: list[int]) -> None:
         for cost in costs:
             self._give_budget(cost)
-            self.slots.release()
+            self.slots.release(1)
 
     def _out(self, bufs: list[bytes], costs: list[int]) -> None:
         """Send a reply at once if the socket takes it whole without blocking and nothing
