@@ -45,7 +45,7 @@ def open_pool(kind: str, tmp_path: Path, request: pytest.FixtureRequest, *, size
     if kind == "emulated":
         inner = pool.store.inner if isinstance(pool.store, FallbackStore) else None
         assert isinstance(inner, FileStore)
-        inner.disable_native("punch", "zero", "allocate")
+        inner.disable_native("punch", "zero", "preallocate")
     return pool
 
 

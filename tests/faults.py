@@ -21,7 +21,7 @@ from typing import Any
 from thinblock.meta.base import Transaction
 from thinblock.store.base import DataStore, FilterStore
 
-STORE_VERBS = ("pread", "pwritev", "punch", "zero", "allocate", "flush")
+STORE_VERBS = ("pread", "pwritev", "punch", "zero", "preallocate", "flush")
 KINDS = ("eio", "enospc", "short")
 
 
@@ -96,9 +96,9 @@ class FaultyStore(_Armed, FilterStore):
         self._check("zero")
         self.inner.zero(offset, length)
 
-    def allocate(self, offset: int, length: int) -> None:
-        self._check("allocate")
-        self.inner.allocate(offset, length)
+    def preallocate(self, offset: int, length: int) -> None:
+        self._check("preallocate")
+        self.inner.preallocate(offset, length)
 
     def flush(self) -> None:
         self._check("flush")

@@ -171,7 +171,7 @@ def test_provision_reserves_and_is_all_or_nothing(pool: Pool) -> None:
     before = allocated_bytes(pool)
     vol.provision(0, total // 2)
     assert vol.block_status(0, total // 2) == [(total // 2, Z)]
-    if store_of(pool).capabilities()["allocate"].value == "native" and not store_of(pool).is_block_device:
+    if store_of(pool).capabilities()["preallocate"].value == "native" and not store_of(pool).is_block_device:
         assert allocated_bytes(pool) >= before + total // 2
     used = pool.status()["used_bytes"]
     with pytest.raises(NoSpaceError):
@@ -291,10 +291,10 @@ def test_data_store_contract(pool: Pool) -> None:
     store.pwritev(BS, [b"\xee" * BS])
     store.zero(BS, BS)
     assert store.pread(BS, BS) == bytes(BS)
-    store.allocate(2 * BS, BS)
+    store.preallocate(2 * BS, BS)
     store.flush()
     support = store.capabilities()
-    assert set(support) == {"punch", "zero", "allocate"}
+    assert set(support) == {"punch", "zero", "preallocate"}
 
 
 def _crash(pool: Pool) -> None:

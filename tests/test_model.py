@@ -176,7 +176,7 @@ class PoolMachine(RuleBasedStateMachine):
     def _maybe_fault(self, data: st.DataObject) -> None:
         """A third of the data operations run with the layer below failing at one of its calls."""
         if self._fault is None and data.draw(st.integers(0, 2), label="fault?") == 0:
-            where = data.draw(st.sampled_from(["pwritev", "pwritev", "allocate", "zero", "pread", "flush", "commit"]))
+            where = data.draw(st.sampled_from(["pwritev", "pwritev", "preallocate", "zero", "pread", "flush", "commit"]))
             after = data.draw(st.integers(0, 2))
             self._fault = Fault((where,), after, data.draw(st.sampled_from(KINDS)))
 
@@ -438,29 +438,28 @@ class PoolMachine(RuleBasedStateMachine):
             assert v["reserved_bytes"] == self.model.set_aside(name) * BS, f"{name}: set aside"
 
 
-PoolMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("THINBLOCK_MODEL_EXAMPLES", "150")),
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+def _settings(examples_variable: str, default: int) -> settings:
+    return settings(
+        max_examples=int(os.environ.get(examples_variable, str(default))),
+        stateful_step_count=50,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+PoolMachine.TestCase.settings = _settings("THINBLOCK_MODEL_EXAMPLES", 150)
 TestPoolModel = PoolMachine.TestCase
 
 
 class MemoryPoolMachine(PoolMachine):
     """The same model test on the memory backends (metadata and data); the data store
-    has no native allocate, so the fallback layer's emulation runs under the model."""
+    has no native preallocate, so the fallback layer's emulation runs under the model."""
 
     def locator(self) -> str:
         return f"memory:model-{uuid.uuid4().hex}?native=punch,zero"
 
 
-MemoryPoolMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("THINBLOCK_MODEL_EXAMPLES_MEMORY", "80")),
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+MemoryPoolMachine.TestCase.settings = _settings("THINBLOCK_MODEL_EXAMPLES_MEMORY", 80)
 TestPoolModelMemory = MemoryPoolMachine.TestCase
 
 

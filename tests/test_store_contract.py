@@ -115,7 +115,7 @@ def test_punch_and_zero_read_zero(store: DataStore) -> None:
 
 
 def test_allocate_then_write(store: DataStore) -> None:
-    store.allocate(5 * BS, 2 * BS)  # contents unspecified afterwards; a write defines them
+    store.preallocate(5 * BS, 2 * BS)  # contents unspecified afterwards; a write defines them
     store.pwritev(5 * BS, [b"\x01" * (2 * BS)])
     assert store.pread(5 * BS, 2 * BS) == b"\x01" * (2 * BS)
 

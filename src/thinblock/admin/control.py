@@ -6,8 +6,9 @@ POOL/control.sock (mode 0600). The protocol is one JSON object per line:
     -> {"verb": "snapshot_create", "args": {"volume": "vm1", "name": "s1"}}
     <- {"ok": <result>}          or  {"error": "sentence", "errno": 28}
 
-Verbs are admin.VERBS, run in the server process under the pool lock, so a
-snapshot of a busy volume falls between two of its requests. A malformed line
+Verbs are admin.verbs.VERBS, run in the server process on the live pool object
+(each takes the locks it needs, see core/pool.py), so a snapshot of a busy
+volume falls between its requests. A malformed line
 gets an error reply; it never stops the server.
 """
 

@@ -1,24 +1,20 @@
 """Pool administration verbs, one table for every way of reaching a pool.
 
-`open_admin(path)` gives an object with `call(verb, **args)`: when no process
-holds the pool it opens the pool itself; when a server (`thinblock serve`, the
-FUSE daemon) holds it, it sends the same call over the server's control
-socket (control.py), so nothing touches the metadata behind a live server.
-Verbs take and return JSON-able values; errors travel as ThinblockError or
-OpError with their errno.
+`run_verb(pool, verb, args)` runs one on an open pool: for the command line
+directly, or in a server for a control-socket client (control.py; access.py
+picks which). Verbs take and return JSON-able values; errors travel as
+ThinblockError or OpError with their errno.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from thinblock.core.delta import delta_dict
 from thinblock.core.pool import Pool
 from thinblock.core.snapshot import clone, create_snapshot, rollback
-from thinblock.errors import PoolBusyError, ThinblockError
+from thinblock.errors import ThinblockError
 from thinblock.meta.base import RESERVE_FULL
 from thinblock.tools.dump import dump_metadata
 
@@ -89,38 +85,3 @@ def run_verb(pool: Pool, verb: str, args: dict[str, Any]) -> Any:
         if "argument" in str(exc):  # a client sent the wrong arguments: its error, not ours
             raise ThinblockError(f"bad arguments for {verb}: {exc}") from None
         raise
-
-
-class Admin(Protocol):
-    def call(self, verb: str, **args: Any) -> Any: ...
-
-
-class LocalAdmin:
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
-
-    def call(self, verb: str, **args: Any) -> Any:
-        return run_verb(self.pool, verb, args)
-
-
-@contextlib.contextmanager
-def open_admin(path: str) -> Iterator[Admin]:
-    """Administer the pool at path: directly, or through the server that holds it."""
-    from thinblock.admin.control import ControlClient
-
-    try:
-        pool = Pool.open(path, autocommit=False, purpose="thinblock admin command")
-    except PoolBusyError as exc:
-        socket_path = os.path.join(path, CONTROL_SOCKET)
-        if not os.path.exists(socket_path):
-            raise PoolBusyError(f"{exc}, which offers no control socket") from None
-        client = ControlClient(socket_path)
-        try:
-            yield client
-        finally:
-            client.close()
-        return
-    try:
-        yield LocalAdmin(pool)
-    finally:
-        pool.close()

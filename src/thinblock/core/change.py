@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 class IoPlan:
     """Data-store ranges of one request, merged when contiguous, run in one order:
-    space first, then zero-ranges, then copies for copy-on-write, then writes."""
+    space first (preallocate), then zero-ranges, then copies for copy-on-write, then writes."""
 
     def __init__(self) -> None:
         self.allocs: list[list[int]] = []
@@ -39,8 +39,8 @@ class IoPlan:
         else:
             ranges.append([offset, length])
 
-    def allocate(self, offset: int, length: int) -> None:
-        """Reserve real space for the range (an emulated allocate writes zeros, so it runs first)."""
+    def preallocate(self, offset: int, length: int) -> None:
+        """Reserve real space for the range (an emulated preallocate writes zeros, so it runs first)."""
         self._add_range(self.allocs, offset, length)
 
     def zero(self, offset: int, length: int) -> None:
@@ -65,7 +65,7 @@ class IoPlan:
 
     def run(self, store: DataStore) -> None:
         for offset, length in self.allocs:
-            store.allocate(offset, length)
+            store.preallocate(offset, length)
         for offset, length in self.zeros:
             store.zero(offset, length)
         # The copies' targets and the writes never overlap: one batch, all in flight

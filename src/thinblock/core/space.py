@@ -1,7 +1,7 @@
 """Pool space: reservations and set-asides, taking space for a request, growth,
 and requests held by the wait policy until space appears.
 
-`reserve()` is the one gate every allocation passes: it answers ENOSPC (nothing
+`check_space()` is the one gate every allocation passes: it answers ENOSPC (nothing
 changed) or lets the caller take the blocks from the space map.
 """
 
@@ -144,7 +144,7 @@ class SpaceAccounts:
         self.wake_space_waiters()
         return [warning] if warning else []
 
-    def reserve(self, n_blocks: int, vol: Volume | None = None) -> None:
+    def check_space(self, n_blocks: int, vol: Volume | None = None) -> None:
         """Ensure n_blocks can be allocated now for vol, or raise NoSpaceError (nothing changed).
 
         vol may use its own set-aside; everyone else's stays untouched. While commits
@@ -162,13 +162,13 @@ class SpaceAccounts:
             return
         if others and self.owned_stale:
             self.recount_owned()
-            return self.reserve(n_blocks, vol)
+            return self.check_space(n_blocks, vol)
         if n_blocks <= self.space.free_blocks - others:
             # Freed blocks become usable once committed, punched and synced: the caller
             # commits twice with the pool lock released, then plans again.
             raise FreedSpacePending(f"pool {self.path}: {n_blocks} blocks are free once freed space is committed")
         if self.policy.autogrow_for(n_blocks + others - self.space.free_blocks):
-            return self.reserve(n_blocks, vol)
+            return self.check_space(n_blocks, vol)
         raise NoSpaceError(
             f"pool {self.path} is out of space: {n_blocks} blocks needed,"
             f" {max(0, self.space.free_blocks - others)} free"

@@ -407,14 +407,14 @@ class Volume:
         dblocks = [next(fresh) for _ in range(step.fresh)]
         change.runs_of_fresh.append((step.vblock, dblocks))
         for dblock in dblocks:
-            change.io.allocate(dblock * bs, bs)
+            change.io.preallocate(dblock * bs, bs)
 
     def _fill_zeroed(self, change: Change, step: _Step, fresh: Iterator[int]) -> None:
         """The whole block becomes ZEROED; its dblock reads zero in the layer below too."""
         bs = self.pool.block_size
         if step.fresh:
             dblock = next(fresh)
-            change.io.allocate(dblock * bs, bs)
+            change.io.preallocate(dblock * bs, bs)
         else:
             dblock = entry_dblock(step.entry)
             if entry_state(step.entry) == _DATA:
@@ -560,13 +560,13 @@ class Volume:
         touched = (offset + length - 1) // bs - offset // bs + 1
         mapped = self.row.data_blocks + self.row.zeroed_blocks
         if touched - mapped > self.pool.space.free_blocks:
-            self.pool.reserve(touched - mapped, self)
+            self.pool.check_space(touched - mapped, self)
 
     def _allocate(self, count: int) -> list[int]:
         """Reserve and take `count` fresh dblocks, or raise NoSpaceError having changed nothing."""
         if not count:
             return []
-        self.pool.reserve(count, self)
+        self.pool.check_space(count, self)
         blocks = self.pool.space.allocate(count)
         self.pool.policy.check(self)
         return blocks

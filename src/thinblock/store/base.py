@@ -1,7 +1,7 @@
 """Where block bytes live, behind one small contract (borgstore / nbdkit style).
 
 A data store is a flat byte space addressed by offset. It *declares* what it
-does natively (`capabilities()`): each of punch, zero and allocate is NATIVE or
+does natively (`capabilities()`): each of punch, zero and preallocate is NATIVE or
 NONE. `FallbackStore` (store/fallback.py) is the single place where a NONE
 operation is emulated, and it reports those as EMULATE; no caller ever skips
 one silently. The contract suite in tests/test_store_contract.py runs against
@@ -14,7 +14,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-OPTIONAL_VERBS = ("punch", "zero", "allocate")
+OPTIONAL_VERBS = ("punch", "zero", "preallocate")
 
 
 class Support(enum.Enum):
@@ -58,7 +58,7 @@ class DataStore(ABC):
         """Make the range read zeros and keep its space allocated."""
 
     @abstractmethod
-    def allocate(self, offset: int, length: int) -> None:
+    def preallocate(self, offset: int, length: int) -> None:
         """Reserve real space for the range; its contents are unspecified."""
 
     @abstractmethod
@@ -114,8 +114,8 @@ class FilterStore(DataStore):
     def zero(self, offset: int, length: int) -> None:
         self.inner.zero(offset, length)
 
-    def allocate(self, offset: int, length: int) -> None:
-        self.inner.allocate(offset, length)
+    def preallocate(self, offset: int, length: int) -> None:
+        self.inner.preallocate(offset, length)
 
     def flush(self) -> None:
         self.inner.flush()

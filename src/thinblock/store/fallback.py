@@ -1,6 +1,6 @@
 """The one place where a data store's missing operation is emulated.
 
-punch -> zero-range -> written zeros; zero-range -> written zeros; allocate ->
+punch -> zero-range -> written zeros; zero-range -> written zeros; preallocate ->
 written zeros. What the inner store declares NONE is emulated without asking
 it; a NATIVE operation that the layer below refuses after all (NotSupportedError)
 is emulated too, and the inner store declares it NONE from then on.
@@ -26,33 +26,28 @@ class FallbackStore(FilterStore):
             self.inner.pwritev(offset, [zero_bytes(n)])
             offset += n
 
+    def _try_native(self, verb: str, offset: int, length: int) -> bool:
+        """Run the inner store's verb if it declares it NATIVE; False when it cannot."""
+        if not self._native(verb):
+            return False
+        try:
+            getattr(self.inner, verb)(offset, length)
+        except NotSupportedError:
+            return False
+        return True
+
     def punch(self, offset: int, length: int) -> None:
-        if self._native("punch"):
-            try:
-                self.inner.punch(offset, length)
-                return
-            except NotSupportedError:
-                pass
-        self.zero(offset, length)
+        if not self._try_native("punch", offset, length):
+            self.zero(offset, length)
 
     def zero(self, offset: int, length: int) -> None:
-        if self._native("zero"):
-            try:
-                self.inner.zero(offset, length)
-                return
-            except NotSupportedError:
-                pass
-        self._write_zeros(offset, length)
+        if not self._try_native("zero", offset, length):
+            self._write_zeros(offset, length)
 
-    def allocate(self, offset: int, length: int) -> None:
-        if self._native("allocate"):
-            try:
-                self.inner.allocate(offset, length)
-                return
-            except NotSupportedError:
-                pass
-        # Callers allocate only space whose contents do not matter yet.
-        self._write_zeros(offset, length)
+    def preallocate(self, offset: int, length: int) -> None:
+        # Callers preallocate only space whose contents do not matter yet.
+        if not self._try_native("preallocate", offset, length):
+            self._write_zeros(offset, length)
 
     def capabilities(self) -> dict[str, Support]:
         inner = self.inner.capabilities()

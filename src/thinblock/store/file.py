@@ -40,7 +40,7 @@ _REFUSED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENODEV)
 _MODES = {
     "punch": FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
     "zero": FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE,
-    "allocate": FALLOC_FL_KEEP_SIZE,
+    "preallocate": FALLOC_FL_KEEP_SIZE,
 }
 
 
@@ -55,7 +55,7 @@ class FileStore(DataStore):
             raise ThinblockError(f"cannot open data store {path}: {exc.strerror}") from exc
         self.is_block_device = stat.S_ISBLK(os.fstat(self._fd).st_mode)
         if self.is_block_device:
-            # A block device's space is its own: allocate has nothing to do there.
+            # A block device's space is its own: preallocate has nothing to do there.
             self._caps = {verb: Support.NATIVE for verb in OPTIONAL_VERBS}
         elif readonly:
             self._caps = {verb: Support.NONE for verb in OPTIONAL_VERBS}
@@ -107,7 +107,7 @@ class FileStore(DataStore):
     def _fallocate(self, verb: str, offset: int, length: int) -> None:
         if self._caps[verb] is not Support.NATIVE:
             raise NotSupportedError(f"{verb} is not native on {self.path}")
-        if verb == "allocate" and self.is_block_device:
+        if verb == "preallocate" and self.is_block_device:
             return
         try:
             fallocate(self._fd, _MODES[verb], offset, length)
@@ -123,8 +123,8 @@ class FileStore(DataStore):
     def zero(self, offset: int, length: int) -> None:
         self._fallocate("zero", offset, length)
 
-    def allocate(self, offset: int, length: int) -> None:
-        self._fallocate("allocate", offset, length)
+    def preallocate(self, offset: int, length: int) -> None:
+        self._fallocate("preallocate", offset, length)
 
     def flush(self) -> None:
         os.fdatasync(self._fd)

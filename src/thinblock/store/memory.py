@@ -80,8 +80,8 @@ class MemoryStore(DataStore):
             for index, within, n in self._pieces(offset, length):
                 self._chunks.setdefault(index, bytearray(CHUNK_BYTES))[within : within + n] = bytes(n)
 
-    def allocate(self, offset: int, length: int) -> None:
-        self._require("allocate")
+    def preallocate(self, offset: int, length: int) -> None:
+        self._require("preallocate")
         with self._lock:
             for index, _within, _n in self._pieces(offset, length):
                 self._chunks.setdefault(index, bytearray(CHUNK_BYTES))

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from thinblock.admin.verbs import open_admin
+from thinblock.admin.access import open_admin
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.errors import OpError, PoolBusyError, ThinblockError

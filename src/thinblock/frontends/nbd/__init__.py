@@ -1,1 +1,1 @@
-"""NBD frontend: a sans-IO protocol core (`protocol`) and an asyncio shell (`server`)."""
+"""NBD frontend: a sans-IO protocol core (`protocol`) and its threaded socket shell (`server`)."""
