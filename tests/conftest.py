@@ -1,19 +1,21 @@
-"""Shared fixtures: pools over every data-store backend (borgstore style)."""
+"""Shared fixtures: pools over every backend (borgstore style)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from thinblock import Pool
+from thinblock.backends.memory import MemoryLocation
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
 
-BACKENDS = ["sparse", "loop", "emulated"]
+BACKENDS = ["sparse", "loop", "emulated", "memory"]
 
 
 def make_loop(path: Path, size: int) -> str:
@@ -37,6 +39,10 @@ def loop_file(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 def open_pool(kind: str, tmp_path: Path, request: pytest.FixtureRequest, *, size: int, block_size: int) -> Pool:
     path = str(tmp_path / "pool")
+    if kind == "memory":
+        locator = f"memory:{uuid.uuid4().hex}"
+        request.addfinalizer(lambda: MemoryLocation(locator.partition(":")[2]).remove_created())
+        return Pool.create(locator, size, block_size=block_size)
     if kind == "loop":
         dev, _ = request.getfixturevalue("loop_file")
         pool = Pool.create(path, size, block_size=block_size, data_path=dev)

@@ -1,4 +1,4 @@
-"""The block contract's corners, run against every data-store backend."""
+"""The block contract's corners, run against every backend (conftest.BACKENDS)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,31 @@ from thinblock import BlockState, NoSpaceError, NotSupportedError, Pool, RangeEr
 from thinblock.backends import locate
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
+from thinblock.store.memory import MemoryStore
 from thinblock.tools.check import check_metadata
 
 BS = 64 << 10
 U, Z, D = BlockState.UNMAPPED, BlockState.ZEROED, BlockState.DATA
 
 
-def store_of(pool: Pool) -> FileStore:
+def store_of(pool: Pool) -> FileStore | MemoryStore:
     assert isinstance(pool.store, FallbackStore)
     inner = pool.store.inner
-    assert isinstance(inner, FileStore)
+    assert isinstance(inner, FileStore | MemoryStore)
     return inner
 
 
+def is_device(pool: Pool) -> bool:
+    store = store_of(pool)
+    return isinstance(store, FileStore) and store.is_block_device
+
+
 def allocated_bytes(pool: Pool) -> int:
-    """Space the layer below really holds for the pool (sparse file or loop backing file)."""
-    path = store_of(pool).path
+    """Space the layer below really holds for the pool (sparse file, loop backing file, memory)."""
+    store = store_of(pool)
+    if isinstance(store, MemoryStore):
+        return store.allocated_bytes()
+    path = store.path
     if path.startswith("/dev/"):
         path = Path(f"/sys/block/{os.path.basename(path)}/loop/backing_file").read_text().strip()
     return os.stat(path).st_blocks * 512
@@ -171,7 +180,7 @@ def test_provision_reserves_and_is_all_or_nothing(pool: Pool) -> None:
     before = allocated_bytes(pool)
     vol.provision(0, total // 2)
     assert vol.block_status(0, total // 2) == [(total // 2, Z)]
-    if store_of(pool).capabilities()["preallocate"].value == "native" and not store_of(pool).is_block_device:
+    if store_of(pool).capabilities()["preallocate"].value == "native" and not is_device(pool):
         assert allocated_bytes(pool) >= before + total // 2
     used = pool.status()["used_bytes"]
     with pytest.raises(NoSpaceError):

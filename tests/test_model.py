@@ -176,7 +176,9 @@ class PoolMachine(RuleBasedStateMachine):
     def _maybe_fault(self, data: st.DataObject) -> None:
         """A third of the data operations run with the layer below failing at one of its calls."""
         if self._fault is None and data.draw(st.integers(0, 2), label="fault?") == 0:
-            where = data.draw(st.sampled_from(["pwritev", "pwritev", "preallocate", "zero", "pread", "flush", "commit"]))
+            where = data.draw(
+                st.sampled_from(["pwritev", "pwritev", "preallocate", "zero", "pread", "flush", "commit"])
+            )
             after = data.draw(st.integers(0, 2))
             self._fault = Fault((where,), after, data.draw(st.sampled_from(KINDS)))
 

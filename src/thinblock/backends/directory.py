@@ -1,7 +1,8 @@
 """The embedded default: a pool directory with a sparse data file (or a raw
 device it names) and SQLite metadata, owned through a flock on POOL/lock.
 
-This module is the only one that knows the pool directory's file names.
+This module is the only one that knows the pool directory's file names; the
+SQLite specifics stay in meta/sqlite.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import errno
 import fcntl
 import os
 import shutil
-import sqlite3
 import sys
 from typing import Any
 
@@ -178,6 +178,5 @@ class DirLocation(Location):
 
     def keep_copy(self) -> str:
         backup = self.db + ".bad"
-        with sqlite3.connect(self.db) as src, sqlite3.connect(backup) as dst:
-            src.backup(dst)
+        SqliteMetadata.copy_database(self.db, backup)
         return backup

@@ -242,6 +242,12 @@ class SqliteMetadata(MetadataStore):
         rows = self.conn.execute("PRAGMA integrity_check").fetchall()
         return [] if rows == [("ok",)] else [f"sqlite integrity: {row[0]}" for row in rows[:20]]
 
+    @staticmethod
+    def copy_database(path: str, dest: str) -> None:
+        """A consistent copy of the database at path (repair keeps one)."""
+        with sqlite3.connect(path) as src, sqlite3.connect(dest) as dst:
+            src.backup(dst)
+
     def checkpoint(self) -> None:
         """Fold the WAL into the database file (before it is renamed or copied)."""
         self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
