@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from thinblock.core.runs import add_range
 from thinblock.iovec import IOV_MAX
 
 if TYPE_CHECKING:
@@ -31,21 +32,13 @@ class IoPlan:
     def __bool__(self) -> bool:
         return bool(self.allocs or self.zeros or self.copies or self.writes)
 
-    @staticmethod
-    def _add_range(ranges: list[list[int]], offset: int, length: int) -> None:
-        last = ranges[-1] if ranges else None
-        if last is not None and last[0] + last[1] == offset:
-            last[1] += length
-        else:
-            ranges.append([offset, length])
-
     def preallocate(self, offset: int, length: int) -> None:
         """Reserve real space for the range (an emulated preallocate writes zeros, so it runs first)."""
-        self._add_range(self.allocs, offset, length)
+        add_range(self.allocs, offset, length)
 
     def zero(self, offset: int, length: int) -> None:
         """Zero a range before this request's writes land (zero-range, not written zeros)."""
-        self._add_range(self.zeros, offset, length)
+        add_range(self.zeros, offset, length)
 
     def copy(self, source: int, dest: int, length: int) -> None:
         """Copy bytes another block holds (copy-on-write of a shared block)."""

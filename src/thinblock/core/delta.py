@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 
-from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState
+from thinblock.core.mapping import PAGE_ENTRIES, BlockState, entry_dblock, entry_state
 from thinblock.core.volume import Volume
 
 _DATA = int(BlockState.DATA)
@@ -22,9 +22,9 @@ def _same(a: int, b: int) -> bool:
     if a == b:
         return True
     # Both read zeros (UNMAPPED, or ZEROED on any dblock), else the dblock decides.
-    if a & STATE_MASK != _DATA and b & STATE_MASK != _DATA:
+    if entry_state(a) != _DATA and entry_state(b) != _DATA:
         return True
-    return (a & STATE_MASK == b & STATE_MASK == _DATA) and a >> DBLOCK_SHIFT == b >> DBLOCK_SHIFT
+    return (entry_state(a) == entry_state(b) == _DATA) and entry_dblock(a) == entry_dblock(b)
 
 
 def changed_ranges(a: Volume, b: Volume, offset: int = 0, length: int | None = None) -> list[tuple[int, int]]:

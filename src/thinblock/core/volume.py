@@ -39,6 +39,7 @@ from thinblock.core.mapping import (
     make_entry,
 )
 from thinblock.core.rangelock import RangeLock
+from thinblock.core.runs import Runs
 from thinblock.errors import (
     FreedSpacePending,
     NoSpaceError,
@@ -614,15 +615,9 @@ class Volume:
     def _status_runs(self, offset: int, length: int, *, backed: bool) -> list[tuple[int, int]]:
         self._check(offset, length, write=False)
         bs = self.pool.block_size
-        runs: list[list[int]] = []
+        runs: Runs[int] = Runs()
+        add = runs.add
         pos = offset
-
-        def add(n: int, key: int) -> None:
-            if runs and runs[-1][1] == key:
-                runs[-1][0] += n
-            else:
-                runs.append([n, key])
-
         with self.pool.lock:
             refcounts = self.pool.space.refcounts
             row = self.row
@@ -650,7 +645,7 @@ class Volume:
                 pos = seg_off + end - start
         if pos < offset + length:
             add(offset + length - pos, _UNMAPPED)
-        return [(n, key) for n, key in runs]
+        return runs.pairs()
 
     def usage(self) -> tuple[int, int]:
         """(exclusive, shared) mapped blocks: shared ones are also held by another

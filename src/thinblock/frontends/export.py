@@ -14,6 +14,7 @@ import errno
 from typing import TYPE_CHECKING
 
 from thinblock.core.mapping import BlockState
+from thinblock.core.runs import Runs
 from thinblock.errors import OpError, ReadOnlyError, ThinblockError
 
 if TYPE_CHECKING:
@@ -108,26 +109,14 @@ class Export:
         hole: not allocated, i.e. a write there could fail with ENOSPC: UNMAPPED, and a
         mapped block a write would have to copy without space set aside for it
         (Volume.allocation_status keeps that rule)."""
-        runs: list[tuple[int, bool, bool]] = []
+        runs: Runs[tuple[bool, bool]] = Runs()
         for n, state, backed in self.volume.allocation_status(offset, length):
-            hole = state is BlockState.UNMAPPED or not backed
-            zero = state is not BlockState.DATA
-            if runs and runs[-1][1:] == (hole, zero):
-                runs[-1] = (runs[-1][0] + n, hole, zero)
-            else:
-                runs.append((n, hole, zero))
-        return runs
+            runs.add(n, (state is BlockState.UNMAPPED or not backed, state is not BlockState.DATA))
+        return [(n, hole, zero) for n, (hole, zero) in runs.pairs()]
 
     def data_runs(self, offset: int, length: int) -> list[tuple[int, bool]]:
         """(length, is_data) runs for SEEK_DATA/SEEK_HOLE: only DATA may read non-zero."""
-        runs: list[tuple[int, bool]] = []
-        for n, state in self.volume.block_status(offset, length):
-            data = state is BlockState.DATA
-            if runs and runs[-1][1] == data:
-                runs[-1] = (runs[-1][0] + n, data)
-            else:
-                runs.append((n, data))
-        return runs
+        return Runs((n, state is BlockState.DATA) for n, state in self.volume.block_status(offset, length)).pairs()
 
 
 __all__ = ["Export", "OpError", "errno_of"]

@@ -11,7 +11,7 @@ from array import array
 from collections import Counter
 
 from thinblock.backends import Location, locate
-from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState, Page, entry_valid
+from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock, entry_pinned, entry_state, entry_valid
 from thinblock.core.pool import check_data_size
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
@@ -85,7 +85,7 @@ def _check_lineage_and_reservations(
             if page is None or page.refcount > 1:
                 continue
             owned += sum(
-                1 for e in page.entries if e and e >> DBLOCK_SHIFT < n_blocks and dblock_refs[e >> DBLOCK_SHIFT] == 1
+                1 for e in page.entries if e and entry_dblock(e) < n_blocks and dblock_refs[entry_dblock(e)] == 1
             )
         reserved += max(0, reserve_blocks(row.reserve_bytes, row.size_bytes, block_size) - owned)
     free = n_blocks - sum(1 for count in dblock_refs if count)
@@ -140,9 +140,9 @@ def _check(meta: MetadataStore) -> list[str]:
             if not entry:
                 continue
             if not entry_valid(entry):
-                problems.append(f"mapping page {page_id} slot {slot}: invalid entry state {entry & STATE_MASK}")
+                problems.append(f"mapping page {page_id} slot {slot}: invalid entry state {entry_state(entry)}")
                 continue
-            dblock = entry >> DBLOCK_SHIFT
+            dblock = entry_dblock(entry)
             if dblock >= n_blocks:
                 problems.append(
                     f"mapping page {page_id} slot {slot}: dblock {dblock} is beyond the data store ({n_blocks} blocks)"
@@ -155,8 +155,8 @@ def _check(meta: MetadataStore) -> list[str]:
             c = counters[volume_id]
             for entry in pages[page_id].entries:
                 if entry:
-                    c[BlockState(entry & STATE_MASK).name] += 1
-                    c["PINNED"] += bool(entry & PINNED)
+                    c[BlockState(entry_state(entry)).name] += 1
+                    c["PINNED"] += entry_pinned(entry)
     for vid, row in volumes.items():
         c = counters[vid]
         for label, stored, actual in (

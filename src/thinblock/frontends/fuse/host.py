@@ -3,7 +3,7 @@
 `thinblock serve` holds its pool, so no FUSE daemon can open it. Instead,
 `attach` asks the server over its control socket (verb `fuse_mount`) to mount
 the pool's volumes itself, on a thread: the same VolumeFS, the same Volume
-objects the NBD sessions use, one pool lock. libfuse installs its signal
+objects the NBD sessions use, the same locks. libfuse installs its signal
 handlers only where the default action is set, and Python keeps its own for
 SIGINT/SIGTERM, so the server's clean stop is unchanged.
 """
