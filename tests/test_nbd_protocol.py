@@ -141,6 +141,36 @@ def test_write_payload_is_announced_then_handed_over_whole() -> None:
         big.next_event()
 
 
+def test_large_payload_is_read_into_its_own_buffer() -> None:
+    """receive_buffer: a large payload's missing bytes go straight into one buffer
+    (no copy through the input), in any split, and bytes after it are kept."""
+    conn = started(c.FLAG_C_FIXED_NEWSTYLE | c.FLAG_C_NO_ZEROES)
+    conn.receive_data(opt(c.OPT_EXPORT_NAME, b"a"))
+    assert isinstance(conn.next_event(), Transmission)
+    conn.data_to_send()
+    payload = bytes(range(256)) * 1024  # 256 KiB
+    assert conn.receive_buffer() is None  # nothing pending yet
+    conn.receive_data(struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_WRITE, 5, 0, len(payload)) + payload[:100])
+    assert conn.next_event() == PayloadPending(len(payload))
+    pos = 100
+    for step in (1000, 70000, len(payload)):
+        target = conn.receive_buffer()
+        assert target is not None and len(target) == len(payload) - pos
+        n = min(step, len(target))
+        target[:n] = payload[pos : pos + n]
+        target.release()
+        conn.received_into(n)
+        pos += n
+        if pos < len(payload):
+            assert conn.next_event() is NEED_DATA and conn.wanted() == len(payload) - pos
+    trailer = struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_FLUSH, 6, 0, 0)
+    conn.receive_data(trailer)  # after the payload, through the ordinary path
+    req = conn.next_event()
+    assert isinstance(req, Request) and req.cookie == 5 and req.payload == payload
+    flush = conn.next_event()
+    assert isinstance(flush, Request) and flush.command == c.CMD_FLUSH and flush.cookie == 6
+
+
 def test_structured_read_reply_sends_holes_not_zeros() -> None:
     conn = started()
     conn.receive_data(opt(c.OPT_STRUCTURED_REPLY) + opt(c.OPT_GO, struct.pack(">I", 1) + b"a" + struct.pack(">H", 0)))

@@ -21,6 +21,7 @@ from thinblock.frontends.nbd import constants as c
 
 _OPTION_HEADER = struct.Struct(">QII")
 _OPTION_REPLY = struct.Struct(">QIII")
+DIRECT_PAYLOAD_BYTES = 64 << 10  # payloads at least this large are read into their own buffer
 _REQUEST = struct.Struct(">IHHQQI")
 _SIMPLE_REPLY = struct.Struct(">IIQ")
 _CHUNK = struct.Struct(">IHHQI")
@@ -137,6 +138,11 @@ class ServerConnection:
         self.export: ExportInfo | None = None
         self.neg = _Negotiated()
         self._inbuf = bytearray()
+        # A large write payload is read straight into its own buffer (receive_buffer):
+        # the buffer, how much of it has arrived, and bytes that came after it.
+        self._direct: bytearray | None = None
+        self._direct_filled = 0
+        self._spill = bytearray()
         self._outbuf = bytearray()
         self._eof = False
         self._fixed = False
@@ -148,10 +154,39 @@ class ServerConnection:
 
     def receive_data(self, data: bytes | memoryview) -> None:
         """Feed bytes from the client; b"" means the client closed its side."""
-        if data:
-            self._inbuf += data
-        else:
+        if not data:
             self._eof = True
+        elif self._direct is not None:
+            n = min(len(data), len(self._direct) - self._direct_filled)
+            self._direct[self._direct_filled : self._direct_filled + n] = data[:n]
+            self._direct_filled += n
+            self._spill += data[n:]
+        else:
+            self._inbuf += data
+
+    def receive_buffer(self) -> memoryview | None:
+        """Where the shell may read the rest of a large write payload directly, with no
+        copy (then call received_into); None when there is none to read that way."""
+        if self._direct is None:
+            need = self.wanted()
+            if need < DIRECT_PAYLOAD_BYTES:
+                return None
+            have = len(self._inbuf)
+            self._direct = bytearray(have + need)
+            self._direct[:have] = self._inbuf
+            self._direct_filled = have
+            self._inbuf = bytearray()
+        return memoryview(self._direct)[self._direct_filled :]
+
+    def received_into(self, n: int) -> None:
+        """n bytes were read into receive_buffer(); 0 means the client closed its side."""
+        if not n:
+            self._eof = True
+        assert self._direct is not None
+        self._direct_filled += n
+
+    def _buffered(self) -> int:
+        return self._direct_filled if self._direct is not None else len(self._inbuf)
 
     def data_to_send(self) -> bytes:
         out = bytes(self._outbuf)
@@ -181,6 +216,8 @@ class ServerConnection:
     def wanted(self) -> int:
         """Bytes still missing of a write payload whose header has arrived (0 if none):
         the shell reads no more than this, so the payload arrives alone."""
+        if self._direct is not None:
+            return len(self._direct) - self._direct_filled
         if self.phase is not Phase.TRANSMISSION or len(self._inbuf) < _REQUEST.size:
             return 0
         _magic, _flags, command, _cookie, _offset, length = _REQUEST.unpack_from(self._inbuf)
@@ -198,7 +235,7 @@ class ServerConnection:
             raise
         if isinstance(event, NeedData) and self._eof:
             self.phase = Phase.CLOSED
-            pending = len(self._inbuf)
+            pending = self._buffered()
             return Closed(
                 "client closed the connection" + (f" mid-message ({pending} bytes)" if pending else ""),
                 clean=not pending,
@@ -437,6 +474,16 @@ class ServerConnection:
     # ----- transmission -----------------------------------------------------------
 
     def _next_request(self) -> Event:
+        if self._direct is not None:
+            if self._direct_filled < len(self._direct):
+                return NEED_DATA
+            # The payload is complete: it becomes the whole input, so _take_payload
+            # hands the buffer over; whatever came after it is the input next.
+            self._inbuf, self._direct = self._direct, None
+            spill, self._spill = self._spill, bytearray()
+            event = self._next_request()
+            self._inbuf += spill
+            return event
         if len(self._inbuf) < _REQUEST.size:
             return NEED_DATA
         magic, flags, command, cookie, offset, length = _REQUEST.unpack_from(self._inbuf)

@@ -429,6 +429,12 @@ class Session:
                 self._send([out])
             if isinstance(event, NeedData):
                 self._flush_batch()  # before waiting for the client: its replies go out now
+                target = conn.receive_buffer()  # a large write payload: straight into its buffer
+                if target is not None:
+                    with target:  # released before the buffer is handed on (and trimmed)
+                        n = self.sock.recv_into(target)
+                    conn.received_into(n)
+                    continue
                 wanted = conn.wanted()  # read a write payload alone, so it is not copied
                 n = self.sock.recv_into(view[: min(len(view), wanted)] if wanted else view)
                 conn.receive_data(view[:n])
