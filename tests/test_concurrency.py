@@ -328,3 +328,33 @@ def test_the_check_catches_a_missing_range_lock(monkeypatch: pytest.MonkeyPatch)
         if found:
             break
     assert found, "eight threads with no range lock went unnoticed five times"
+
+
+def test_a_dump_of_a_busy_served_pool_is_one_committed_state(tmp_path: Path) -> None:
+    """`pool dump` through the control socket while a client writes and flushes: it
+    completes while requests go on (commits wait for it, not requests), and each
+    dump is a valid one whose mappings are the written blocks."""
+    import json
+
+    with served_pool(tmp_path, "64M", {"disk": str(SIZE)}) as server:
+        handle = connect(server, "disk", ())
+        stop = threading.Event()
+
+        def writer() -> None:
+            rng = random.Random(7)
+            while not stop.is_set():
+                handle.pwrite(tag(rng.randrange(1 << 30), 0), rng.randrange(REGISTERS) * REG)
+                if rng.random() < 0.1:
+                    handle.flush()
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        try:
+            for _ in range(3):
+                dump = json.loads(thinblock("pool", "dump", server.pool, "--json").stdout)
+                (vol,) = [v for v in dump["volumes"] if v["name"] == "disk"]
+                assert all(state == "data" for _v, _d, _n, state, _p in vol["mappings"])
+        finally:
+            stop.set()
+            thread.join()
+            handle.shutdown()

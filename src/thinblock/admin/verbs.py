@@ -50,9 +50,8 @@ def _listing(pool: Pool, kind: str | None) -> list[dict[str, Any]]:
 
 
 def _dump(pool: Pool) -> dict[str, Any]:
-    with pool.lock:
-        pool.commit()
-        return dump_metadata(pool.meta)
+    pool.commit()  # everything completed so far, then a dump of that committed state
+    return pool.between_commits(dump_metadata)
 
 
 VERBS: dict[str, Callable[..., Any]] = {

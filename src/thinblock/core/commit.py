@@ -18,7 +18,8 @@ import logging
 import threading
 import time
 from array import array
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from thinblock.core.mapping import BlockState, Page, entry_dblock, entry_state
 from thinblock.core.spacemap import SpaceMap, to_runs
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 COMMIT_INTERVAL_S = 1.0
 COMMIT_RETRY_MAX_S = 5.0  # longest wait between retries of a failing commit
 log = logging.getLogger("thinblock.pool")
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -139,6 +141,20 @@ class CommitPipeline:
     # it outside the lock (data sync first, then the metadata: rule 3), and settle
     # under the lock. A failed write puts everything it took back (rule 2), so the
     # next commit retries exactly what this one would have written.
+
+    def between_commits(self, read: Callable[[MetadataStore], _T]) -> _T:
+        """Run read on the metadata store while no commit runs or starts (a dump sees
+        one committed state); requests go on meanwhile, only commits wait."""
+        with self.lock:
+            while self._committing:
+                self._commit_idle.wait()
+            self._committing = True
+        try:
+            return read(self.meta)
+        finally:
+            with self.lock:
+                self._committing = False
+                self._commit_idle.notify_all()
 
     def commit(self) -> None:
         """Make everything completed so far durable: data first, then the metadata
