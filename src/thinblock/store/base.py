@@ -93,7 +93,9 @@ class DataStore(ABC):
 
 class FilterStore(DataStore):
     """A layer over another store that passes every verb to it (nbdkit's filter
-    holding `next`): subclasses override only what they change."""
+    holding `next`): subclasses override only what they change. The batch verbs go
+    to the inner store's batch verbs, so a filter that changes pread or pwritev must
+    change read_many and write_many too (DataStore's defaults run them item by item)."""
 
     def __init__(self, inner: DataStore) -> None:
         self.inner = inner
