@@ -85,6 +85,15 @@ def test_capabilities_are_declared_up_front(raw: DataStore) -> None:
         assert wrapped[verb] is (Support.NATIVE if caps[verb] is Support.NATIVE else Support.EMULATE)
 
 
+def test_probing_at_open_leaves_no_space_behind(tmp_path: Path) -> None:
+    path = tmp_path / "probed"
+    with open(path, "wb") as f:
+        f.truncate(SIZE)
+    for _ in range(3):
+        FileStore(str(path)).close()
+    assert os.stat(path).st_blocks == 0 and os.stat(path).st_size == SIZE
+
+
 def test_missing_verbs_refuse_and_change_nothing(raw: DataStore) -> None:
     raw.pwritev(0, [b"\x11" * BS])
     for verb, cap in raw.capabilities().items():

@@ -64,7 +64,8 @@ class FileStore(DataStore):
 
     def _probe(self, verb: str) -> Support:
         """Ask the filesystem once, past the end of the file (KEEP_SIZE: nothing
-        visible changes; what the probe allocated there is punched again)."""
+        visible changes). A punch there frees nothing (ext4 stops at the end of the
+        file), so what the probe allocated is dropped by truncating to the same size."""
         end = self.size_bytes
         try:
             fallocate(self._fd, _MODES[verb], end, 4096)
@@ -73,10 +74,7 @@ class FileStore(DataStore):
                 return Support.NONE
             raise ThinblockError(f"cannot use data store {self.path}: {exc.strerror}") from exc
         if verb != "punch":
-            try:
-                fallocate(self._fd, _MODES["punch"], end, 4096)
-            except OSError:
-                os.ftruncate(self._fd, end)  # drops blocks preallocated past the end
+            os.ftruncate(self._fd, end)
         return Support.NATIVE
 
     @property
