@@ -75,7 +75,3 @@ class Location(ABC):
     @abstractmethod
     def keep_copy(self) -> str:
         """Repair: keep a copy of the current metadata; returns where it went."""
-
-    def runtime_dir(self) -> str | None:
-        """A local directory for the serving process's sockets, or None."""
-        return None

@@ -48,9 +48,6 @@ class DirLocation(Location):
     def exists(self) -> bool:
         return os.path.exists(self.db)
 
-    def runtime_dir(self) -> str | None:
-        return self.path
-
     def create(self, superblock: dict[str, Any], size_bytes: int, device: str | None) -> None:
         if self.exists():
             raise ThinblockError(f"a pool already exists at {self.path}")

@@ -10,7 +10,7 @@ from typing import Any
 
 from thinblock.backends.base import Location, Ownership
 from thinblock.errors import PoolBusyError, ThinblockError
-from thinblock.meta.base import FORMAT_VERSION, Transaction
+from thinblock.meta.base import Transaction
 from thinblock.meta.memory import MemoryMetadata, MemoryMetaState
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
@@ -66,8 +66,7 @@ class MemoryLocation(Location):
             if self.key in _POOLS:
                 raise ThinblockError(f"a pool already exists at {self.name}")
             data = MemoryStore(size_bytes) if self.native is None else MemoryStore(size_bytes, native=self.native)
-            state = MemoryMetaState({"format_version": FORMAT_VERSION, "transaction_id": 0, **superblock})
-            _POOLS[self.key] = _Held(state, data)
+            _POOLS[self.key] = _Held(MemoryMetadata.create(superblock).state, data)
 
     def remove_created(self) -> None:
         with _LOCK:
@@ -98,9 +97,9 @@ class MemoryLocation(Location):
         return NoHostSpace()
 
     def replace_meta(self, superblock: dict[str, Any], txn: Transaction) -> None:
-        state = MemoryMetaState({"format_version": FORMAT_VERSION, "transaction_id": 0, **superblock})
-        MemoryMetadata(state).commit(txn)
-        self._held().meta = state
+        meta = MemoryMetadata.create(superblock)
+        meta.commit(txn)
+        self._held().meta = meta.state
 
     def keep_copy(self) -> str:
         return f"{self.name} (no copy kept in memory)"

@@ -78,7 +78,3 @@ class RangeLock:
     def hold_all(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         """The whole volume: waits for every request in flight that conflicts."""
         return self.hold(*WHOLE, exclusive=exclusive)
-
-    def busy(self) -> bool:
-        with self._mutex:
-            return bool(self._tickets)

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from thinblock.core.commit import COMMIT_INTERVAL_S
 from thinblock.core.spacemap import SpaceMap
 from thinblock.errors import CommitError, FreedSpacePending, NoSpaceError, ThinblockError
 from thinblock.meta.base import RESERVE_FULL, reserve_blocks
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from thinblock.core.space_policy import SpacePolicy
     from thinblock.core.volume import Volume
 
-COMMIT_INTERVAL_S = 1.0
 log = logging.getLogger("thinblock.pool")
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from thinblock.core.mapping import BlockState
 from thinblock.core.runs import Runs
-from thinblock.errors import OpError, ReadOnlyError, ThinblockError
+from thinblock.errors import ReadOnlyError
 
 if TYPE_CHECKING:
     from thinblock.core.pool import Pool
@@ -41,13 +41,6 @@ class Export:
         if counted:
             with pool.lock:
                 volume.users += 1
-
-    @classmethod
-    def open(cls, pool: Pool, name: str, *, read_only: bool = False) -> Export:
-        vol = pool.volumes.get(name)
-        if vol is None:
-            raise ThinblockError(f"no volume {name!r} in pool {pool.path}")
-        return cls(pool, vol, read_only=read_only)
 
     def close(self) -> None:
         with self.pool.lock:
@@ -117,6 +110,3 @@ class Export:
     def data_runs(self, offset: int, length: int) -> list[tuple[int, bool]]:
         """(length, is_data) runs for SEEK_DATA/SEEK_HOLE: only DATA may read non-zero."""
         return Runs((n, state is BlockState.DATA) for n, state in self.volume.block_status(offset, length)).pairs()
-
-
-__all__ = ["Export", "OpError", "errno_of"]

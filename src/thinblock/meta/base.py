@@ -21,6 +21,11 @@ from typing import Any
 FORMAT_VERSION = 2
 
 
+def initial_superblock(superblock: dict[str, Any]) -> dict[str, Any]:
+    """A new pool's superblock: the format and transaction 0, then the given keys."""
+    return {"format_version": FORMAT_VERSION, "transaction_id": 0, **superblock}
+
+
 @dataclass
 class VolumeRow:
     id: int

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow
+from thinblock.meta.base import MetadataStore, Transaction, VolumeRow, initial_superblock
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ class MemoryMetadata(MetadataStore):
 
     @classmethod
     def create(cls, superblock: dict[str, Any]) -> MemoryMetadata:
-        return cls(MemoryMetaState({"format_version": FORMAT_VERSION, "transaction_id": 0, **superblock}))
+        return cls(MemoryMetaState(initial_superblock(superblock)))
 
     def superblock(self) -> dict[str, Any]:
         with self._lock:

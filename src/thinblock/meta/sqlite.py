@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 from thinblock.errors import CorruptionError, ThinblockError
-from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow
+from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow, initial_superblock
 
 DB_NAME = "metadata.sqlite"
 
@@ -129,7 +129,7 @@ class SqliteMetadata(MetadataStore):
         for statement in _SCHEMA.split(";"):
             if statement.strip():
                 conn.execute(statement)
-        sb = {"format_version": FORMAT_VERSION, "transaction_id": 0, **superblock}
+        sb = initial_superblock(superblock)
         conn.executemany("INSERT INTO superblock VALUES (?, ?)", [(k, json.dumps(v)) for k, v in sb.items()])
         conn.execute("COMMIT")
         return cls(conn, path)

@@ -51,7 +51,7 @@ class MemoryStore(DataStore):
         return bytes(out)
 
     def pwritev(self, offset: int, buffers: Sequence[bytes | memoryview]) -> None:
-        data = b"".join(bytes(b) for b in buffers)
+        data = b"".join(buffers)
         if offset + len(data) > self._size:
             raise OSError(28, "write beyond the end of the memory store")
         with self._lock:
