@@ -8,21 +8,23 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import rados_objects
 from thinblock import BlockState, NoSpaceError, NotSupportedError, Pool, RangeError
 from thinblock.backends import locate
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
 from thinblock.store.memory import MemoryStore
+from thinblock.store.rados import RadosStore
 from thinblock.tools.check import check_metadata
 
 BS = 64 << 10
 U, Z, D = BlockState.UNMAPPED, BlockState.ZEROED, BlockState.DATA
 
 
-def store_of(pool: Pool) -> FileStore | MemoryStore:
+def store_of(pool: Pool) -> FileStore | MemoryStore | RadosStore:
     assert isinstance(pool.store, FallbackStore)
     inner = pool.store.inner
-    assert isinstance(inner, FileStore | MemoryStore)
+    assert isinstance(inner, FileStore | MemoryStore | RadosStore)
     return inner
 
 
@@ -36,6 +38,8 @@ def allocated_bytes(pool: Pool) -> int:
     store = store_of(pool)
     if isinstance(store, MemoryStore):
         return store.allocated_bytes()
+    if isinstance(store, RadosStore):  # the test pools have one block per object
+        return sum(store.io.stat(name)[0] for name in rados_objects(store.prefix + "."))
     path = store.path
     if path.startswith("/dev/"):
         path = Path(f"/sys/block/{os.path.basename(path)}/loop/backing_file").read_text().strip()

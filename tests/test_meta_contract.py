@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import new_rados_locator
 from thinblock.backends import Location, locate
 from thinblock.backends.memory import MemoryLocation
 from thinblock.errors import PoolBusyError
@@ -18,15 +19,16 @@ from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, Volu
 
 PAGE = bytes(range(256)) * 16  # a 4 KiB blob (pages are opaque to the store)
 
-LOCATIONS: dict[str, Callable[[Path], str]] = {
-    "directory-sqlite": lambda tmp: str(tmp / "pool"),
-    "memory": lambda tmp: f"memory:contract-{uuid.uuid4().hex}",
+LOCATIONS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {
+    "directory-sqlite": lambda request, tmp: str(tmp / "pool"),
+    "memory": lambda request, tmp: f"memory:contract-{uuid.uuid4().hex}",
+    "rados-omap": lambda request, tmp: new_rados_locator(request, "contract"),
 }
 
 
 @pytest.fixture(params=list(LOCATIONS))
 def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Location]:
-    loc = locate(LOCATIONS[request.param](tmp_path))
+    loc = locate(LOCATIONS[request.param](request, tmp_path))
     loc.create({"block_size": 4096, "size_bytes": 1 << 20, "clean": True}, 1 << 20, None)
     try:
         yield loc
@@ -37,10 +39,13 @@ def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Locatio
 
 @pytest.fixture
 def meta(location: Location) -> Iterator[MetadataStore]:
+    """The store as its owner uses it (a RADOS store commits only under its holder's epoch)."""
     store = location.open_meta(readonly=False)
+    ownership = location.own("meta contract")
     try:
         yield store
     finally:
+        ownership.release()
         store.close()
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import rados_objects
 from thinblock.errors import NotSupportedError
 from thinblock.store import STORES
 from thinblock.store.base import OPTIONAL_VERBS, DataStore, Support
@@ -51,6 +53,23 @@ def _loop(tmp: Path) -> DataStore:
     return store
 
 
+def _rados(object_size: int) -> DataStore:
+    """A RADOS store under a fresh prefix in the test cluster; close removes its objects."""
+    from thinblock.ceph.cluster import connect
+
+    prefix = f"thinblock_data.contract{uuid.uuid4().hex[:12]}"
+    store = STORES["rados"](connect(), os.environ["THINBLOCK_TEST_CEPH_POOL"], prefix, SIZE, object_size=object_size)
+    original = store.close
+
+    def close() -> None:
+        original()
+        for name in rados_objects(prefix + "."):
+            connect().ioctx(os.environ["THINBLOCK_TEST_CEPH_POOL"]).remove_object(name)
+
+    store.close = close  # type: ignore[method-assign]
+    return store
+
+
 STORE_KINDS: dict[str, Callable[[Path], DataStore]] = {
     "file": _file,
     "file-no-native": lambda tmp: _file(tmp, OPTIONAL_VERBS),
@@ -58,11 +77,15 @@ STORE_KINDS: dict[str, Callable[[Path], DataStore]] = {
     "memory": lambda tmp: STORES["memory"](SIZE),
     "memory-no-native": lambda tmp: STORES["memory"](SIZE, native=()),
     "memory-punch-only": lambda tmp: STORES["memory"](SIZE, native=("punch",)),
+    "rados": lambda tmp: _rados(4 << 20),
+    "rados-small-objects": lambda tmp: _rados(96 << 10),  # pieces straddle objects and blocks
 }
 
 
 @pytest.fixture(params=list(STORE_KINDS))
 def raw(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[DataStore]:
+    if request.param.startswith("rados"):
+        request.getfixturevalue("ceph")
     store = STORE_KINDS[request.param](tmp_path)
     try:
         yield store

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from thinblock.admin.control import ControlClient
 from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
+from thinblock.backends import locate
 from thinblock.core.pool import Pool
 from thinblock.errors import PoolBusyError
 
@@ -37,7 +38,7 @@ def open_admin(path: str) -> Iterator[Admin]:
     try:
         pool = Pool.open(path, autocommit=False, purpose="thinblock admin command")
     except PoolBusyError as exc:
-        socket_path = os.path.join(path, CONTROL_SOCKET)
+        socket_path = os.path.join(locate(path).runtime_dir(), CONTROL_SOCKET)
         if not os.path.exists(socket_path):
             raise PoolBusyError(f"{exc}, which offers no control socket") from None
         client = ControlClient(socket_path)

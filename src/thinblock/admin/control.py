@@ -47,7 +47,7 @@ class ControlServer:
         """extra_verbs: what only this process can do (a server hosting FUSE mounts)."""
         self.pool = pool
         self.extra_verbs = extra_verbs or {}
-        self.path = os.path.join(pool.path, CONTROL_SOCKET)
+        self.path = os.path.join(pool.location.runtime_dir(), CONTROL_SOCKET)
         # We hold the pool lock, so a socket file left here is a dead server's.
         if os.path.exists(self.path):
             os.unlink(self.path)

@@ -2,6 +2,7 @@
 
     /any/path, ./pool    a directory: sparse file or raw device + SQLite (backends/directory.py)
     memory:NAME          in this process's memory, for tests (backends/memory.py)
+    rados:CEPHPOOL/NAME  in a Ceph cluster (backends/rados.py)
 
 A new backend is one module and one line in BACKENDS.
 """
@@ -14,8 +15,16 @@ from thinblock.backends.base import Location, Ownership
 from thinblock.backends.directory import DirLocation
 from thinblock.backends.memory import MemoryLocation
 
+
+def _rados(rest: str) -> Location:
+    from thinblock.backends.rados import RadosLocation  # librados is loaded only for rados: pools
+
+    return RadosLocation(rest)
+
+
 BACKENDS: dict[str, Callable[[str], Location]] = {
     "memory": MemoryLocation,
+    "rados": _rados,
 }
 
 __all__ = ["BACKENDS", "Location", "Ownership", "locate"]

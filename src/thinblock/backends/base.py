@@ -29,6 +29,15 @@ class Location(ABC):
     """One pool's place. `name` is what messages call it (the locator as given)."""
 
     name: str
+    takes_object_size = False  # whether the data store is made of objects of a chosen size
+
+    def key(self) -> str:
+        """The pool's identity on this host (runtime state is filed under it)."""
+        return self.name
+
+    @abstractmethod
+    def runtime_dir(self) -> str:
+        """The local directory for the sockets of the process that serves the pool."""
 
     @abstractmethod
     def exists(self) -> bool:
@@ -56,8 +65,9 @@ class Location(ABC):
         """How messages name the data store (a file or device path)."""
 
     @abstractmethod
-    def own(self, purpose: str) -> Ownership:
-        """Take exclusive ownership, or PoolBusyError naming the holder and its purpose."""
+    def own(self, purpose: str, *, takeover: bool = False) -> Ownership:
+        """Take exclusive ownership, or PoolBusyError naming the holder and its purpose.
+        takeover: fence a live holder off and take the pool anyway (where the backend can)."""
 
     @abstractmethod
     def is_owned(self) -> bool:

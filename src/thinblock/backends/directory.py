@@ -45,6 +45,12 @@ class DirLocation(Location):
         self.db = os.path.join(path, DB_NAME)
         self._made_dir = False
 
+    def key(self) -> str:
+        return os.path.realpath(self.path)
+
+    def runtime_dir(self) -> str:
+        return self.path
+
     def exists(self) -> bool:
         return os.path.exists(self.db)
 
@@ -115,7 +121,7 @@ class DirLocation(Location):
         except OSError as exc:
             raise ThinblockError(f"cannot open pool {self.path} for writing: {exc.strerror}") from None
 
-    def own(self, purpose: str) -> Ownership:
+    def own(self, purpose: str, *, takeover: bool = False) -> Ownership:
         if not os.path.isdir(self.path):
             raise ThinblockError(f"no pool at {self.path}: not a directory")
         fd = self._lock_fd()
@@ -124,8 +130,9 @@ class DirLocation(Location):
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            hint = ": --takeover is for pools in Ceph; stop that process instead" if takeover else ""
             raise PoolBusyError(
-                f"pool {self.path} is already held by another thinblock process (pid {holder})"
+                f"pool {self.path} is already held by another thinblock process (pid {holder}){hint}"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {purpose or ' '.join(sys.argv[:2])}".strip().encode() + b"\n", 0)

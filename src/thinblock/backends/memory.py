@@ -5,6 +5,8 @@ reopened by name. Nothing survives the process."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 import threading
 from typing import Any
 
@@ -45,32 +47,37 @@ class MemoryLocation(Location):
     def __init__(self, rest: str) -> None:
         self.name = f"memory:{rest}"
         key, _, options = rest.partition("?")
-        self.key = key
+        self.slot = key
         self.native: tuple[str, ...] | None = None
         if options.startswith("native="):
             self.native = tuple(v for v in options[len("native=") :].split(",") if v)
 
     def _held(self) -> _Held:
-        held = _POOLS.get(self.key)
+        held = _POOLS.get(self.slot)
         if held is None:
             raise ThinblockError(f"no pool at {self.name}")
         return held
 
+    def runtime_dir(self) -> str:
+        path = os.path.join(tempfile.gettempdir(), f"thinblock-memory-{os.getpid()}-{self.slot}")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+
     def exists(self) -> bool:
-        return self.key in _POOLS
+        return self.slot in _POOLS
 
     def create(self, superblock: dict[str, Any], size_bytes: int, device: str | None) -> None:
         if device is not None:
             raise ThinblockError("a memory pool has no data device")
         with _LOCK:
-            if self.key in _POOLS:
+            if self.slot in _POOLS:
                 raise ThinblockError(f"a pool already exists at {self.name}")
             data = MemoryStore(size_bytes) if self.native is None else MemoryStore(size_bytes, native=self.native)
-            _POOLS[self.key] = _Held(MemoryMetadata.create(superblock).state, data)
+            _POOLS[self.slot] = _Held(MemoryMetadata.create(superblock).state, data)
 
     def remove_created(self) -> None:
         with _LOCK:
-            _POOLS.pop(self.key, None)
+            _POOLS.pop(self.slot, None)
 
     def open_meta(self, *, readonly: bool) -> MemoryMetadata:
         return MemoryMetadata(self._held().meta, readonly=readonly)
@@ -81,7 +88,7 @@ class MemoryLocation(Location):
     def data_name(self, superblock: dict[str, Any]) -> str:
         return f"{self.name} (data)"
 
-    def own(self, purpose: str) -> Ownership:
+    def own(self, purpose: str, *, takeover: bool = False) -> Ownership:
         with _LOCK:
             held = self._held()
             if held.owner is not None:
@@ -90,7 +97,7 @@ class MemoryLocation(Location):
             return _Claim(held)
 
     def is_owned(self) -> bool:
-        held = _POOLS.get(self.key)
+        held = _POOLS.get(self.slot)
         return held is not None and held.owner is not None
 
     def host(self, superblock: dict[str, Any]) -> HostSpace:

@@ -194,6 +194,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         data_path: str | None = None,
+        object_size: int | None = None,
     ) -> Pool:
         """Make a new pool (a directory with a sparse data file, or over a raw device;
         or wherever the locator's backend puts it) and open it. All or nothing."""
@@ -205,6 +206,8 @@ class Pool(CommitPipeline, SpaceAccounts):
             )
         if location.exists():
             raise ThinblockError(f"a pool already exists at {location.name}")
+        if object_size is not None and not location.takes_object_size:
+            raise ThinblockError("--object-size applies to pools in Ceph (rados:CEPHPOOL/NAME)")
         if data_path is not None:
             data_path = os.path.abspath(data_path)
             probe = FileStore(data_path, readonly=True)
@@ -231,6 +234,8 @@ class Pool(CommitPipeline, SpaceAccounts):
             "created": time.time(),
             "clean": True,
         }
+        if object_size is not None:
+            superblock["object_size"] = object_size
         location.create(superblock, size_bytes, data_path)
         try:
             pool = cls.open(location)
@@ -243,14 +248,17 @@ class Pool(CommitPipeline, SpaceAccounts):
         return pool
 
     @classmethod
-    def open(cls, locator: str | Location, *, autocommit: bool = True, purpose: str = "") -> Pool:
+    def open(
+        cls, locator: str | Location, *, autocommit: bool = True, purpose: str = "", takeover: bool = False
+    ) -> Pool:
         """Open a pool for reading and writing; only one process may own it so.
 
-        purpose ("thinblock serve", ...) is what a refused second opener is told."""
+        purpose ("thinblock serve", ...) is what a refused second opener is told;
+        takeover fences a live holder off first (pools in Ceph)."""
         location = locate(locator)
         meta = location.open_meta(readonly=False)
         try:
-            ownership = location.own(purpose)
+            ownership = location.own(purpose, takeover=takeover)
         except BaseException:
             meta.close()
             raise

@@ -232,4 +232,5 @@ class SpaceAccounts:
             "host_free_bytes": self.host.host_free_bytes(),
             "metadata_slack_bytes": 0 if self.host.slack_released else self.host.slack_bytes,
             "commit_failure": self.commit_failure,
+            **self.host.below_status(),
         }

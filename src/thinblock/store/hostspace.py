@@ -66,6 +66,10 @@ class HostSpace:
         self.slack_released = False
         self._lock = threading.Lock()
 
+    def below_status(self) -> dict[str, object]:
+        """Figures of the layer below for `pool status` beyond the host's free bytes."""
+        return {}
+
     def host_free_bytes(self) -> int | None:
         """What the layer below can still take for data: None for a raw device (the
         pool's own free space is all there is)."""

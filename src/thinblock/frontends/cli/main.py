@@ -74,13 +74,30 @@ def _human_status(status: dict[str, Any]) -> str:
     ]
     host = status.get("host_free_bytes")
     lines.append(
-        ("host: raw device" if host is None else f"host: {format_size(host)} free below the pool")
+        (
+            _human_ceph(status)
+            if "ceph_pool" in status
+            else "host: raw device"
+            if host is None
+            else f"host: {format_size(host)} free below the pool"
+        )
         + f", metadata slack {format_size(status['metadata_slack_bytes'])}"
         + (f"; COMMITS FAILING: {status['commit_failure']}" if status.get("commit_failure") else "")
     )
     if status["volumes"]:
         lines.append(_human_volumes(status["volumes"]))
     return "\n".join(lines)
+
+
+def _human_ceph(status: dict[str, Any]) -> str:
+    if status.get("ceph_error"):
+        return f"Ceph pool {status['ceph_pool']}: figures unavailable ({status['ceph_error']})"
+    quota = status.get("ceph_pool_quota_bytes")
+    return (
+        f"Ceph pool {status['ceph_pool']}: {format_size(status['ceph_pool_stored_bytes'])} stored in"
+        f" {status['ceph_pool_objects']} object(s), quota {format_size(quota) if quota else 'none'};"
+        f" cluster {format_size(status['ceph_cluster_avail_bytes'])} free of {format_size(status['ceph_cluster_bytes'])}"
+    )
 
 
 def _human_volumes(volumes: list[dict[str, Any]]) -> str:
@@ -113,7 +130,9 @@ def _warn(warnings: list[str]) -> None:
 
 
 def cmd_pool_create(args: argparse.Namespace) -> None:
-    with Pool.create(args.pool, args.size, block_size=args.block_size, data_path=args.data) as pool:
+    with Pool.create(
+        args.pool, args.size, block_size=args.block_size, data_path=args.data, object_size=args.object_size
+    ) as pool:
         status = pool.status()
         _warn(pool.warnings)
     print(
@@ -290,12 +309,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ThinblockError("--tls-cert and --tls-key go together")
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
-    socket_path = os.path.abspath(args.socket or os.path.join(args.pool, "nbd.sock"))
+    socket_path = os.path.abspath(args.socket or os.path.join(locate(args.pool).runtime_dir(), "nbd.sock"))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        pool = Pool.open(args.pool, purpose="thinblock serve")
+        pool = Pool.open(args.pool, purpose="thinblock serve", takeover=args.takeover)
     except PoolBusyError as exc:
         if "fuse-daemon" in str(exc):
             raise PoolBusyError(
@@ -402,7 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
         p: _Parser = group.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(func=func)
         if pool:
-            p.add_argument("pool", metavar="POOL", help="pool directory")
+            p.add_argument("pool", metavar="POOL", help="pool directory, or rados:CEPHPOOL/NAME")
+        p.add_argument("--ceph-conf", metavar="PATH", help="Ceph configuration for rados: pools (default $CEPH_CONF)")
+        p.add_argument("--ceph-id", metavar="NAME", help="Ceph client id for rados: pools (default $CEPH_ID or admin)")
         return p
 
     pool_p = sub.add_parser("pool", help="create, inspect, grow and check pools", description="Pool commands.")
@@ -411,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=_size, help="pool size, e.g. 10G (default with --data: the device size)")
     p.add_argument("--block-size", type=_size, default=DEFAULT_BLOCK_SIZE, help="block size, 4K..16M (default 64K)")
     p.add_argument("--data", metavar="PATH", help="keep block data on this raw device or file instead of POOL/data")
+    p.add_argument(
+        "--object-size", type=_size, help="rados: pools: size of the RADOS objects holding data (default 4M)"
+    )
     p = add(pool_sub, "status", cmd_pool_status, "show pool space and volumes (as of the last commit)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(pool_sub, "grow", cmd_pool_grow, "grow the pool's data store")
@@ -483,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM); makes TLS mandatory")
     p.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
     p.add_argument("--tls-ca", metavar="FILE", help="CA for client certificates (then they are required)")
+    p.add_argument(
+        "--takeover", action="store_true", help="rados: pools: fence off the live holder and serve (see README)"
+    )
 
     p = add(sub, "attach", cmd_attach, "attach a volume as a kernel block device (FUSE file + loop)", pool=False)
     p.add_argument("pool", metavar="POOL", nargs="?", help="pool directory")
@@ -523,6 +550,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
     args.extra = extra
+    # librados reads these; the FUSE daemon that attach starts inherits them.
+    if args.ceph_conf:
+        os.environ["CEPH_CONF"] = os.path.abspath(args.ceph_conf)
+    if args.ceph_id:
+        os.environ["CEPH_ID"] = args.ceph_id
     try:
         result = args.func(args)
     except (ThinblockError, OpError) as exc:

@@ -36,7 +36,7 @@ class Attachment:
 
 
 def _pool_dir(pool: str) -> Path:
-    key = hashlib.sha1(os.path.realpath(pool).encode()).hexdigest()[:12]
+    key = hashlib.sha1(locate(pool).key().encode()).hexdigest()[:12]
     return RUNTIME_DIR / key
 
 
@@ -84,7 +84,7 @@ def _daemon_info(pdir: Path) -> dict[str, object] | None:
 
 def _served_by(pool: str) -> str | None:
     """The control socket of the server holding the pool, if a server holds it."""
-    sock = os.path.join(pool, CONTROL_SOCKET)
+    sock = os.path.join(locate(pool).runtime_dir(), CONTROL_SOCKET)
     if not os.path.exists(sock):
         return None
     return sock if locate(pool).is_owned() else None
@@ -103,12 +103,12 @@ def _start_daemon(pool: str, pdir: Path) -> None:
             pid = int(client.call("fuse_mount", mountpoint=str(mnt))["pid"])
         finally:
             client.close()
-        info = {"pid": pid, "pool": os.path.realpath(pool), "mnt": str(mnt), "hosted": True}
+        info = {"pid": pid, "pool": locate(pool).key(), "mnt": str(mnt), "hosted": True}
         (pdir / "daemon.json").write_text(json.dumps(info))
         return
     log = open(pdir / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
-        [sys.executable, "-m", "thinblock", "fuse-daemon", os.path.realpath(pool), str(mnt)],
+        [sys.executable, "-m", "thinblock", "fuse-daemon", locate(pool).key(), str(mnt)],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=log,
@@ -125,7 +125,7 @@ def _start_daemon(pool: str, pdir: Path) -> None:
             proc.kill()
             raise ThinblockError(f"the FUSE daemon for {pool} did not come up")
         time.sleep(0.05)
-    (pdir / "daemon.json").write_text(json.dumps({"pid": proc.pid, "pool": os.path.realpath(pool), "mnt": str(mnt)}))
+    (pdir / "daemon.json").write_text(json.dumps({"pid": proc.pid, "pool": locate(pool).key(), "mnt": str(mnt)}))
 
 
 def attach(pool: str, volume: str) -> str:

@@ -1,0 +1,358 @@
+"""Pools in a Ceph cluster (`rados:CEPHPOOL/NAME`): metadata in the omap of the
+object `thinblock.NAME`, data in objects `thinblock_data.ID.OBJNO`, served by
+one process at a time, taken over by another with fencing.
+
+Ownership follows RBD's exclusive-lock model:
+- The holder takes the exclusive lock `thinblock` on the metadata object with a
+  lease of LEASE_S seconds, renewed every third of that, and records who it is
+  (host, pid, purpose, its Ceph client address and instance) in `x.owner`.
+- A second opener is refused while the lock is held, and told who holds it.
+- Once the lease has lapsed (a dead or stalled holder), or with `takeover`, the
+  new holder breaks the lock, blocklists the old holder's client address (a
+  lapsed lease alone does not stop a holder that resumes), waits for the new
+  OSD map, and bumps `x.epoch`. Every metadata commit compares the epoch, so the
+  old holder can commit nothing, and the blocklist fails all its data writes.
+- A holder that lets go cleanly removes `x.owner`, so the next one fences no one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import socket
+import struct
+import threading
+import time
+import uuid
+from typing import Any
+
+import rados
+
+from thinblock.backends.base import Location, Ownership
+from thinblock.ceph.cluster import Cluster, as_oserror, connect
+from thinblock.errors import PoolBusyError, ThinblockError
+from thinblock.meta.base import Transaction
+from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
+from thinblock.sizes import format_size
+from thinblock.store.base import DataStore
+from thinblock.store.hostspace import HostSpace, NoHostSpace
+from thinblock.store.rados import DEFAULT_OBJECT_SIZE, RadosStore
+
+log = logging.getLogger("thinblock.rados")
+
+LOCK_NAME = "thinblock"
+LEASE_S = int(os.environ.get("THINBLOCK_RADOS_LEASE_S", "15"))
+BLOCKLIST_S = 3600  # long enough for the fenced process to notice and give up
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}$")
+_ENTITY_CLIENT = 8  # CEPH_ENTITY_TYPE_CLIENT
+
+
+def _encode_string(value: str) -> bytes:
+    raw = value.encode()
+    return struct.pack("<I", len(raw)) + raw
+
+
+def _break_lock_args(instance: int, cookie: str) -> bytes:
+    """cls_lock_break_op {name, locker (entity_name_t), cookie}, Ceph's encoding
+    (the Python binding has no break_lock)."""
+    body = _encode_string(LOCK_NAME) + struct.pack("<Bq", _ENTITY_CLIENT, instance) + _encode_string(cookie)
+    return struct.pack("<BBI", 1, 1, len(body)) + body
+
+
+class _Lease(Ownership):
+    """The exclusive lock, renewed by a thread until release (or until renewing
+    fails: then this process has been taken over and `lost` says why)."""
+
+    def __init__(self, location: RadosLocation, io: Any, cookie: str, desc: str, epoch: int) -> None:
+        self.location = location
+        self.io = io
+        self.cookie = cookie
+        self.desc = desc
+        self.epoch = epoch
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew_loop, name="thinblock-lease", daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(LEASE_S / 3):
+            try:
+                self.io.lock_exclusive(
+                    self.location.meta_object, LOCK_NAME, self.cookie, desc=self.desc, duration=LEASE_S, flags=1
+                )
+            except rados.Error as exc:
+                if self._stop.is_set():
+                    return
+                self.lost = f"renewing the lease failed: {as_oserror(exc, 'lock').strerror}"
+                log.error(
+                    "pool %s: %s; commits will be refused if another host took over", self.location.name, self.lost
+                )
+                if isinstance(exc, rados.ObjectBusy) or getattr(exc, "errno", 0) in (errno.ESHUTDOWN, -errno.ESHUTDOWN):
+                    return  # taken over, or fenced: nothing more to renew
+
+    def release(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        self.location.held_epoch = None
+        with contextlib.suppress(rados.Error):
+            with rados.WriteOpCtx() as op:
+                op.omap_cmp(EPOCH_KEY, epoch_value(self.epoch), rados.LIBRADOS_CMPXATTR_OP_EQ)
+                self.io.remove_omap_keys(op, (OWNER_KEY,))
+                self.io.operate_write_op(op, self.location.meta_object)
+            self.io.unlock(self.location.meta_object, LOCK_NAME, self.cookie)
+
+
+class RadosSpace(NoHostSpace):
+    """The layer below a RADOS pool: no host disk, no slack file; the Ceph pool's
+    own figures for `pool status`."""
+
+    def __init__(self, location: RadosLocation) -> None:
+        super().__init__()
+        self.location = location
+
+    def below_status(self) -> dict[str, Any]:
+        cluster = self.location.cluster()
+        out: dict[str, Any] = {"ceph_pool": self.location.ceph_pool}
+        try:
+            stats = cluster.ioctx(self.location.ceph_pool).get_stats()
+            out["ceph_pool_stored_bytes"] = int(stats["num_bytes"])
+            out["ceph_pool_objects"] = int(stats["num_objects"])
+            quota = cluster.mon_command(
+                {"prefix": "osd pool get-quota", "pool": self.location.ceph_pool, "format": "json"}
+            )
+            out["ceph_pool_quota_bytes"] = int(quota.get("quota_max_bytes") or 0) or None
+            out["ceph_pool_quota_objects"] = int(quota.get("quota_max_objects") or 0) or None
+            cs = cluster.rados.get_cluster_stats()
+            out["ceph_cluster_bytes"] = int(cs["kb"]) * 1024
+            out["ceph_cluster_avail_bytes"] = int(cs["kb_avail"]) * 1024
+        except (rados.Error, ThinblockError) as exc:
+            out["ceph_error"] = str(exc)
+        return out
+
+
+class RadosLocation(Location):
+    """`rados:CEPHPOOL/NAME`. The cluster is whatever CEPH_CONF / CEPH_ID name."""
+
+    takes_object_size = True
+
+    def __init__(self, rest: str) -> None:
+        self.name = f"rados:{rest}"
+        ceph_pool, sep, pool_name = rest.partition("/")
+        if not sep or not ceph_pool or not _NAME.match(pool_name):
+            raise ThinblockError(
+                f"invalid locator {self.name!r}: expected rados:CEPHPOOL/NAME, NAME of letters, digits and ._+-"
+            )
+        self.ceph_pool = ceph_pool
+        self.pool_name = pool_name
+        self.meta_object = f"thinblock.{pool_name}"
+        self.held_epoch: int | None = None
+        self._cluster: Cluster | None = None
+
+    def cluster(self) -> Cluster:
+        if self._cluster is None:
+            self._cluster = connect()
+        return self._cluster
+
+    def _io(self) -> Any:
+        return self.cluster().ioctx(self.ceph_pool)
+
+    def key(self) -> str:
+        return self.name
+
+    def runtime_dir(self) -> str:
+        base = os.environ.get("THINBLOCK_RUNTIME_DIR") or (
+            "/run/thinblock" if os.access("/run", os.W_OK) else f"/tmp/thinblock-{os.getuid()}"
+        )
+        path = os.path.join(base, "rados", self.ceph_pool, self.pool_name)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+
+    def exists(self) -> bool:
+        try:
+            self._io().stat(self.meta_object)
+        except rados.ObjectNotFound:
+            return False
+        except rados.Error as exc:
+            raise ThinblockError(f"cannot reach pool {self.name}: {as_oserror(exc, 'RADOS').strerror}") from None
+        return True
+
+    def create(self, superblock: dict[str, Any], size_bytes: int, device: str | None) -> None:
+        if device is not None:
+            raise ThinblockError("a pool in Ceph keeps its data in RADOS objects: --data does not apply")
+        object_size = int(superblock.get("object_size") or DEFAULT_OBJECT_SIZE)
+        block_size = int(superblock["block_size"])
+        if object_size < block_size or object_size & (object_size - 1) or object_size > (64 << 20):
+            raise ThinblockError(
+                f"invalid object size {format_size(object_size)}: a power of two from the block size"
+                f" ({format_size(block_size)}) to 64M"
+            )
+        superblock = {**superblock, "object_size": object_size, "rados_id": uuid.uuid4().hex[:16]}
+        RadosMetadata.create(self.cluster(), self.ceph_pool, self.meta_object, superblock)
+
+    def remove_created(self) -> None:
+        with contextlib.suppress(rados.Error):
+            self._io().remove_object(self.meta_object)
+
+    def open_meta(self, *, readonly: bool) -> RadosMetadata:
+        if not self.exists():
+            raise ThinblockError(f"no pool at {self.name}: Ceph pool {self.ceph_pool} has no object {self.meta_object}")
+        meta = RadosMetadata(
+            self.cluster(), self.ceph_pool, self.meta_object, epoch=lambda: self.held_epoch, readonly=readonly
+        )
+        if readonly and meta.journal_pending():
+            raise ThinblockError(
+                f"pool {self.name} has a large commit recorded but not yet applied:"
+                " open it for writing once (any pool command) to finish it"
+            )
+        return meta
+
+    def data_name(self, superblock: dict[str, Any]) -> str:
+        return f"Ceph pool {self.ceph_pool}, objects thinblock_data.{superblock.get('rados_id')}.*"
+
+    def open_data(self, superblock: dict[str, Any], *, readonly: bool = False) -> DataStore:
+        return RadosStore(
+            self.cluster(),
+            self.ceph_pool,
+            f"thinblock_data.{superblock['rados_id']}",
+            int(superblock["size_bytes"]),
+            object_size=int(superblock.get("object_size") or DEFAULT_OBJECT_SIZE),
+            readonly=readonly,
+        )
+
+    # ----- ownership ---------------------------------------------------------------
+
+    def _owner(self, io: Any) -> dict[str, Any] | None:
+        with rados.ReadOpCtx() as op:
+            it, _ = io.get_omap_vals_by_keys(op, (OWNER_KEY, EPOCH_KEY))
+            io.operate_read_op(op, self.meta_object)
+            got = dict(it)
+        owner = json.loads(got[OWNER_KEY]) if OWNER_KEY in got else None
+        if owner is not None:
+            owner["epoch_now"] = int(got.get(EPOCH_KEY, b"0"))
+        return owner
+
+    def own(self, purpose: str, *, takeover: bool = False) -> Ownership:
+        cluster = self.cluster()
+        io = self._io()
+        cookie = uuid.uuid4().hex
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "purpose": purpose or "a thinblock command",
+            "addr": cluster.address,
+            "instance": cluster.instance_id,
+            "cookie": cookie,
+            "since": time.time(),
+        }
+        desc = json.dumps({k: me[k] for k in ("host", "pid", "purpose")})
+        try:
+            try:
+                io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=LEASE_S)
+            except rados.ObjectBusy:
+                holder = self._owner(io)
+                if not takeover:
+                    raise PoolBusyError(self._busy(holder)) from None
+                if holder is None:
+                    raise PoolBusyError(
+                        f"pool {self.name} is locked by a client that recorded no owner: break it with"
+                        f" 'rados -p {self.ceph_pool} lock break {self.meta_object} {LOCK_NAME} ...'"
+                    ) from None
+                io.execute(
+                    self.meta_object, "lock", "break_lock", _break_lock_args(holder["instance"], holder["cookie"])
+                )
+                log.warning("pool %s: broke the lock of %s", self.name, self._who(holder))
+                io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=LEASE_S)
+            try:
+                epoch = self._fence_and_bump(cluster, io, me)
+            except BaseException:
+                with contextlib.suppress(rados.Error):
+                    io.unlock(self.meta_object, LOCK_NAME, cookie)
+                raise
+        except rados.ObjectBusy:
+            raise PoolBusyError(f"pool {self.name} was taken by another client at the same moment") from None
+        except rados.Error as exc:
+            raise ThinblockError(f"cannot take pool {self.name}: {as_oserror(exc, 'RADOS').strerror}") from None
+        self.held_epoch = epoch
+        lease = _Lease(self, io, cookie, desc, epoch)
+        try:
+            RadosMetadata(cluster, self.ceph_pool, self.meta_object, epoch=lambda: epoch).finish_journal()
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def _fence_and_bump(self, cluster: Cluster, io: Any, me: dict[str, Any]) -> int:
+        """We hold the lock: fence the previous holder if it never let go, then take
+        the next epoch (one guarded op, so a racing taker cannot get the same one)."""
+        previous = self._owner(io)
+        with rados.ReadOpCtx() as op:
+            it, _ = io.get_omap_vals_by_keys(op, (EPOCH_KEY,))
+            io.operate_read_op(op, self.meta_object)
+            old = int(dict(it).get(EPOCH_KEY, b"0"))
+        if previous is not None and previous.get("addr") != me["addr"]:
+            log.warning("pool %s: fencing its previous holder %s", self.name, self._who(previous))
+            cluster.blocklist(str(previous["addr"]), BLOCKLIST_S)
+        with rados.WriteOpCtx() as op:
+            op.omap_cmp(EPOCH_KEY, epoch_value(old), rados.LIBRADOS_CMPXATTR_OP_EQ)
+            io.set_omap(op, (EPOCH_KEY, OWNER_KEY), (epoch_value(old + 1).encode(), json.dumps(me).encode()))
+            io.operate_write_op(op, self.meta_object)
+        return old + 1
+
+    @staticmethod
+    def _who(holder: dict[str, Any]) -> str:
+        return f"{holder.get('purpose')} on host {holder.get('host')} (pid {holder.get('pid')}, Ceph client {holder.get('addr')})"
+
+    def _busy(self, holder: dict[str, Any] | None) -> str:
+        who = self._who(holder) if holder else "a client that recorded no owner"
+        return (
+            f"pool {self.name} is held by {who}; its {LEASE_S} s lease is renewed while it lives."
+            " Wait for the lease to lapse after it stops, or pass --takeover to fence it off and take over"
+        )
+
+    def is_owned(self) -> bool:
+        io = self._io()
+        probe = uuid.uuid4().hex
+        try:
+            io.lock_exclusive(self.meta_object, LOCK_NAME, probe, desc="probe", duration=1)
+        except rados.ObjectBusy:
+            return True
+        except rados.Error:
+            return False
+        with contextlib.suppress(rados.Error):
+            io.unlock(self.meta_object, LOCK_NAME, probe)
+        return False
+
+    # ----- the layer below, restore and repair -------------------------------------
+
+    def host(self, superblock: dict[str, Any]) -> HostSpace:
+        return RadosSpace(self)
+
+    def replace_meta(self, superblock: dict[str, Any], txn: Transaction) -> None:
+        self.open_meta(readonly=False).replace(superblock, txn)
+
+    def keep_copy(self) -> str:
+        """Copy the metadata object's omap to thinblock.NAME.bad.TIME."""
+        io = self._io()
+        dest = f"{self.meta_object}.bad.{int(time.time())}"
+        meta = RadosMetadata(self.cluster(), self.ceph_pool, self.meta_object, epoch=lambda: None)
+        batch: dict[str, bytes] = {}
+
+        def flush() -> None:
+            with rados.WriteOpCtx() as op:
+                io.set_omap(op, tuple(batch), tuple(batch.values()))
+                io.operate_write_op(op, dest)
+            batch.clear()
+
+        for key, value in meta.items(""):
+            batch[key] = value
+            if len(batch) >= 1000:
+                flush()
+        if batch:
+            flush()
+        return f"Ceph object {dest} in pool {self.ceph_pool}"

@@ -1,0 +1,1 @@
+"""Ceph: the cluster connection shared by the RADOS data and metadata stores."""

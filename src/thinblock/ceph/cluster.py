@@ -1,0 +1,200 @@
+"""One connection to a Ceph cluster per process and configuration, and the one
+place where librados' errors and quirks are turned into thinblock's terms.
+
+Configuration comes from librados' usual sources: CEPH_CONF (or the default
+search path, /etc/ceph/ceph.conf), CEPH_ARGS, and the client id in CEPH_ID
+(`thinblock --ceph-conf PATH --ceph-id NAME` sets both). Every operation is
+bounded in time (rados_osd_op_timeout, rados_mon_op_timeout): an unreachable
+cluster or a stuck OSD gives one sentence, never a hang.
+
+Quirks handled here (../shared/CEPH.md): the Python binding's WriteOp.zero passes
+its two arguments to librados in the wrong order in Pacific, and a zero of length
+0 crashes the OSD, so the order is probed once per connection; writes carry
+FULL_TRY, so a full pool or quota answers EDQUOT at once instead of pausing the
+write until the op timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import rados
+
+from thinblock.errors import ThinblockError
+
+log = logging.getLogger("thinblock.ceph")
+
+OP_TIMEOUT_S = 15
+CONNECT_TIMEOUT_S = 10
+BLOCKLISTED = errno.ESHUTDOWN  # what every operation of a fenced (blocklisted) client gets
+
+_T = TypeVar("_T")
+
+
+def rados_errno(exc: BaseException) -> int:
+    """The positive errno of a librados failure (EIO when it carries none)."""
+    code = getattr(exc, "errno", None)
+    return abs(int(code)) if isinstance(code, int) and code else errno.EIO
+
+
+def as_oserror(exc: BaseException, what: str) -> OSError:
+    """A librados failure as the OSError the stores' contracts speak (ENOSPC for a
+    full cluster or quota, EIO for a fenced client, the errno otherwise)."""
+    return errno_error(rados_errno(exc), what)
+
+
+def errno_error(code: int, what: str) -> OSError:
+    """The OSError for a librados errno (see as_oserror)."""
+    if code in (errno.EDQUOT, errno.ENOSPC):
+        return OSError(errno.ENOSPC, f"{what}: the Ceph pool is full or over its quota")
+    if code == BLOCKLISTED:
+        return OSError(errno.EIO, f"{what}: this client was fenced off (blocklisted); another host took the pool over")
+    if code == errno.ETIMEDOUT:
+        return OSError(errno.EIO, f"{what}: the Ceph cluster did not answer within {OP_TIMEOUT_S} s")
+    return OSError(code, f"{what}: {os.strerror(code)}")
+
+
+class Cluster:
+    """A connected librados handle, shared by every pool of this process that uses
+    the same configuration. A fenced handle is dead for good; `reconnect` drops it."""
+
+    def __init__(self, conffile: str | None, client_id: str | None) -> None:
+        self.conffile = conffile
+        self.client_id = client_id
+        self.rados = rados.Rados(rados_id=client_id) if client_id else rados.Rados()
+        try:
+            self.rados.conf_read_file(conffile)
+        except rados.Error as exc:
+            where = conffile or "CEPH_CONF / /etc/ceph/ceph.conf"
+            raise ThinblockError(f"cannot read the Ceph configuration {where}: {exc}") from None
+        self.rados.conf_parse_env()
+        for key in ("rados_osd_op_timeout", "rados_mon_op_timeout", "client_mount_timeout"):
+            self.rados.conf_set(key, str(OP_TIMEOUT_S))
+        try:
+            self.rados.connect(timeout=CONNECT_TIMEOUT_S)
+        except rados.Error as exc:
+            self.rados.shutdown()
+            code = rados_errno(exc)
+            if code in (errno.EACCES, errno.EPERM):
+                reason = "the credentials were refused (check the client id and keyring)"
+            elif code == errno.ETIMEDOUT:
+                reason = f"no monitor answered within {CONNECT_TIMEOUT_S} s"
+            else:
+                reason = str(exc)
+            raise ThinblockError(f"cannot connect to the Ceph cluster: {reason}") from None
+        self._ioctxs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.zero_swapped: bool | None = None
+
+    @property
+    def address(self) -> str:
+        """This client's address, as the blocklist names it."""
+        return str(self.rados.get_addrs())
+
+    @property
+    def instance_id(self) -> int:
+        return int(self.rados.get_instance_id())
+
+    def ioctx(self, pool: str) -> Any:
+        """The I/O context of a Ceph pool, or one sentence if it does not exist."""
+        with self._lock:
+            io = self._ioctxs.get(pool)
+            if io is None:
+                try:
+                    io = self.rados.open_ioctx(pool)
+                except rados.ObjectNotFound:
+                    raise ThinblockError(f"there is no Ceph pool {pool!r} in the cluster") from None
+                except rados.Error as exc:
+                    raise ThinblockError(
+                        f"cannot open the Ceph pool {pool!r}: {as_oserror(exc, 'open').strerror}"
+                    ) from None
+                io.set_osdmap_full_try()
+                self._ioctxs[pool] = io
+            if self.zero_swapped is None:
+                self.zero_swapped = _probe_zero_order(io)
+            return io
+
+    def mon_command(self, command: dict[str, Any]) -> Any:
+        """A monitor command; its JSON answer, or ThinblockError with the monitor's words."""
+        ret, out, err = self.rados.mon_command(json.dumps(command), b"", timeout=OP_TIMEOUT_S)
+        if ret != 0:
+            raise ThinblockError(f"Ceph refused {command['prefix']!r}: {err or os.strerror(-ret)}")
+        return json.loads(out) if out else None
+
+    def blocklist(self, address: str, expire_s: int) -> None:
+        """Fence a client off: from the next OSD map on, everything it sends fails."""
+        self.mon_command({"prefix": "osd blocklist", "blocklistop": "add", "addr": address, "expire": float(expire_s)})
+        self.rados.wait_for_latest_osdmap()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for io in self._ioctxs.values():
+                io.close()
+            self._ioctxs.clear()
+        self.rados.shutdown()
+
+
+def _probe_zero_order(io: Any) -> bool:
+    """Whether WriteOp.zero(offset, length) reaches librados as (length, offset)."""
+    name = f"thinblock.probe.{uuid.uuid4().hex}"
+    io.write_full(name, b"AAAAAAAA")
+    try:
+        with rados.WriteOpCtx() as op:
+            op.zero(2, 4)  # both nonzero: either order is a valid request
+            io.operate_write_op(op, name)
+        got = io.read(name, 8, 0)
+    finally:
+        io.remove_object(name)
+    return bool(got == b"AAAA\0\0AA")
+
+
+def write_op_zero(cluster: Cluster, op: Any, offset: int, length: int) -> None:
+    """Add a zero of [offset, offset+length) to a WriteOp, whatever the binding's order."""
+    assert length > 0 and offset >= 0  # a zero of length 0 crashes a Pacific OSD
+    if cluster.zero_swapped:
+        op.zero(length, offset)
+    else:
+        op.zero(offset, length)
+
+
+_CLUSTERS: dict[tuple[str | None, str | None], Cluster] = {}
+_CLUSTERS_LOCK = threading.Lock()
+
+
+def connect(conffile: str | None = None, client_id: str | None = None) -> Cluster:
+    """The process's connection for this configuration (made on first use)."""
+    conffile = conffile or os.environ.get("CEPH_CONF") or None
+    client_id = client_id or os.environ.get("CEPH_ID") or None
+    key = (conffile, client_id)
+    with _CLUSTERS_LOCK:
+        cluster = _CLUSTERS.get(key)
+        if cluster is None:
+            cluster = _CLUSTERS[key] = Cluster(conffile, client_id)
+        return cluster
+
+
+def forget(cluster: Cluster) -> None:
+    """Drop a dead (fenced) connection so that the next connect() makes a new one."""
+    with _CLUSTERS_LOCK:
+        for key, known in list(_CLUSTERS.items()):
+            if known is cluster:
+                del _CLUSTERS[key]
+    try:
+        cluster.shutdown()
+    except rados.Error:
+        log.debug("shutting a dead Ceph connection down failed", exc_info=True)
+
+
+def call_rados(call: Callable[[], _T], what: str) -> _T:
+    """One librados call, its failure as OSError (see as_oserror)."""
+    try:
+        return call()
+    except rados.Error as exc:
+        raise as_oserror(exc, what) from None

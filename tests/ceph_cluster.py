@@ -1,0 +1,183 @@
+"""A real single-node Ceph cluster for the tests: 1 mon, 1 mgr, 1 bluestore OSD on
+a sparse file, no systemd, loopback only, everything under one directory. The mgr
+is there because pool quotas and `ceph df` need its statistics.
+
+    python -m tests.ceph_cluster start DIR   # prints the ceph.conf path once a write succeeded
+    python -m tests.ceph_cluster stop DIR    # OSD first, then the mon; waits on the pids
+
+scripts/test starts one for the whole suite and exports CEPH_CONF and
+THINBLOCK_TEST_CEPH_POOL; tests/conftest.py starts its own when they are unset.
+The pitfalls it avoids are in ../shared/CEPH.md (slow paxos, health warning on a
+full disk, OSD key setup, wildcard listening, pid files that vanish early).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+TEST_POOL = "thinblock-test"
+TIMEOUT = 20  # every ceph command is bounded: without a mgr some hang forever
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(*args: str, input: str | None = None) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, input=input, timeout=TIMEOUT, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return proc.stdout
+
+
+def _conf(d: Path, fsid: str, port: int) -> str:
+    return f"""[global]
+fsid = {fsid}
+mon host = v2:127.0.0.1:{port}
+ms bind msgr1 = false
+public addr = 127.0.0.1
+cluster addr = 127.0.0.1
+public network = 127.0.0.0/8
+cluster network = 127.0.0.0/8
+auth cluster required = cephx
+auth service required = cephx
+auth client required = cephx
+keyring = {d}/keyring
+log file = {d}/$name.log
+admin socket = {d}/$name.asok
+pid file = {d}/$name.pid
+run dir = {d}
+osd pool default size = 1
+osd pool default min size = 1
+osd crush chooseleaf type = 0
+mon allow pool size one = true
+mon allow pool delete = true
+mon data avail warn = 1
+mon data avail crit = 0
+paxos propose interval = 0.05
+mon warn on pool no redundancy = false
+osd objectstore = bluestore
+osd data = {d}/osd.$id
+bluestore block create = true
+bluestore block size = {8 << 30}
+osd memory target = 939524096
+bluestore cache autotune = false
+bluestore cache size = 134217728
+osd op num shards = 2
+osd op num threads per shard = 2
+rados osd op timeout = 30
+rados mon op timeout = 30
+mgr stats period = 1
+osd pool default pg autoscale mode = off
+auth allow insecure global id reclaim = false
+
+[mon.a]
+mon data = {d}/mon.a
+"""
+
+
+def start(directory: str) -> str:
+    """Start the cluster in directory (made if missing); returns its ceph.conf path."""
+    d = Path(directory).resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    fsid, port = str(uuid.uuid4()), _free_port()
+    conf = d / "ceph.conf"
+    conf.write_text(_conf(d, fsid, port))
+    c = ["-c", str(conf)]
+    keyring = str(d / "keyring")
+    _run("ceph-authtool", "--create-keyring", keyring, "--gen-key", "-n", "mon.", "--cap", "mon", "allow *")
+    _run(
+        "ceph-authtool", keyring, "--gen-key", "-n", "client.admin",
+        "--cap", "mon", "allow *", "--cap", "osd", "allow *", "--cap", "mgr", "allow *",
+    )  # fmt: skip
+    _run("monmaptool", "--create", "--addv", "a", f"[v2:127.0.0.1:{port}]", "--fsid", fsid, str(d / "monmap"))
+    _run("ceph-mon", *c, "--mkfs", "-i", "a", "--monmap", str(d / "monmap"), "--keyring", keyring)
+    _run("ceph-mon", *c, "-i", "a")
+    osd_uuid = str(uuid.uuid4())
+    secret = _run("ceph-authtool", "--gen-print-key").strip()
+    osd_id = _run("ceph", *c, "osd", "new", osd_uuid, "-i", "-", input=json.dumps({"cephx_secret": secret})).strip()
+    osd_dir = d / f"osd.{osd_id}"
+    osd_dir.mkdir(exist_ok=True)
+    (osd_dir / "keyring").write_text(f"[osd.{osd_id}]\n\tkey = {secret}\n")
+    _run("ceph-osd", *c, "-i", osd_id, "--mkfs", "--osd-uuid", osd_uuid, "--keyring", str(osd_dir / "keyring"))
+    _run("ceph-osd", *c, "-i", osd_id, "--keyring", str(osd_dir / "keyring"))
+    mgr_dir = d / "mgr.x"
+    mgr_dir.mkdir(exist_ok=True)
+    mgr_key = _run("ceph", *c, "auth", "get-or-create", "mgr.x", "mon", "allow profile mgr", "osd", "allow *")
+    (mgr_dir / "keyring").write_text(mgr_key)
+    _run("ceph-mgr", *c, "-i", "x", "--mgr-data", str(mgr_dir), "--keyring", str(mgr_dir / "keyring"))
+    _run("ceph", *c, "osd", "pool", "create", TEST_POOL, "8")
+    _run("ceph", *c, "osd", "pool", "set", TEST_POOL, "size", "1", "--yes-i-really-mean-it")
+    # Ready means a write was acknowledged (without a mgr, `ceph df` and friends hang).
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _run("rados", *c, "-p", TEST_POOL, "put", "ready-probe", str(conf))
+            _run("rados", *c, "-p", TEST_POOL, "rm", "ready-probe")
+            break
+        except (RuntimeError, subprocess.TimeoutExpired):
+            if time.monotonic() > deadline:
+                stop(directory)
+                raise
+            time.sleep(0.2)
+    return str(conf)
+
+
+def _pid(path: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        return int(path.read_text().strip())
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie still answers kill -0
+
+
+def stop(directory: str) -> None:
+    """Stop the mgr and the OSD, then the mon (an OSD without its mon waits for a timeout)."""
+    d = Path(directory).resolve()
+    pidfiles = sorted(d.glob("mgr.*.pid")) + sorted(d.glob("osd.*.pid")) + sorted(d.glob("mon.*.pid"))
+    pids = [(f, _pid(f)) for f in pidfiles]
+    for _f, pid in pids:
+        if pid is None:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    # Daemons whose pid file was already gone: find them by their conf path.
+    subprocess.run(["pkill", "-9", "-f", "--", f"-c {d}/ceph.conf"], check=False)
+
+
+def main() -> int:
+    if len(sys.argv) != 3 or sys.argv[1] not in ("start", "stop"):
+        print("usage: python -m tests.ceph_cluster start|stop DIR", file=sys.stderr)
+        return 2
+    if sys.argv[1] == "start":
+        print(start(sys.argv[2]))
+    else:
+        stop(sys.argv[2])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
