@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -59,10 +60,8 @@ def remove_rados_pool(locator: str) -> None:
     assert isinstance(location, RadosLocation)
     io = connect().ioctx(location.ceph_pool)
     rados_id = None
-    try:
+    with contextlib.suppress(Exception):  # cleaning up whatever is there
         rados_id = location.open_meta(readonly=True).superblock().get("rados_id")
-    except Exception:
-        pass
     prefixes = (location.meta_object + ".", f"thinblock_data.{rados_id}.")
     for o in list(io.list_objects()):
         if o.key == location.meta_object or o.key.startswith(prefixes):

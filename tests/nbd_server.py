@@ -19,11 +19,18 @@ __all__ = ["Server", "connect", "served_pool", "thinblock"]
 
 
 class Server:
-    """`thinblock serve POOL ...` as a child process; exports[name] -> URIs."""
+    """`thinblock serve POOL ...` as a child process; exports[name] -> URIs. Its log
+    and socket go to workdir (default: the pool directory)."""
 
-    def __init__(self, pool: str, *extra: str) -> None:
+    def __init__(self, pool: str, *extra: str, workdir: Path | None = None) -> None:
         self.pool = pool
-        self.log = Path(pool) / "serve.log"
+        work = workdir or Path(pool)
+        self.log = work / "serve.log"
+        if "--socket" in extra:
+            self.socket = str(Path(extra[extra.index("--socket") + 1]).resolve())
+        else:
+            self.socket = str((work / "nbd.sock").resolve())
+            extra = ("--socket", self.socket, *extra)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "thinblock", "serve", pool, *extra],
             stdout=subprocess.PIPE,
@@ -44,7 +51,6 @@ class Server:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError("server never became ready")
-        self.socket = str(Path(pool).resolve() / "nbd.sock")
 
     def unix_uri(self, name: str) -> str:
         return f"nbd+unix:///{name}?socket={self.socket}"
@@ -69,16 +75,16 @@ class Server:
 
 @contextmanager
 def served_pool(
-    root: Path, size: str, volumes: dict[str, str], *serve_args: str, check: bool = True
+    root: Path, size: str, volumes: dict[str, str], *serve_args: str, check: bool = True, locator: str | None = None
 ) -> Iterator[Server]:
-    """A new pool at root/pool with these volumes (name -> size), served until the block
-    ends; the server must stop cleanly without a traceback, and with check the pool
-    must pass `pool check` afterwards."""
-    pool = str(root / "pool")
+    """A new pool at root/pool (or at locator) with these volumes (name -> size), served
+    until the block ends; the server must stop cleanly without a traceback, and with
+    check the pool must pass `pool check` afterwards."""
+    pool = locator or str(root / "pool")
     thinblock("pool", "create", pool, "--size", size)
     for name, volume_size in volumes.items():
         thinblock("volume", "create", pool, name, "--size", volume_size)
-    server = Server(pool, *serve_args)
+    server = Server(pool, *serve_args, workdir=root if locator else None)
     try:
         yield server
     finally:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import new_rados_locator
 from tests.nbd_server import Server, served_pool, thinblock
 
 MiB = 1 << 20
@@ -33,9 +34,10 @@ def volume_status(pool: str, name: str) -> dict[str, Any]:
     return next(v for v in status(pool)["volumes"] if v["name"] == name)
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[Server]:
-    with served_pool(tmp_path, "20G", {"disk": "1G", "big": "16G"}, "--listen", "0") as server:
+@pytest.fixture(params=["directory", "rados"])
+def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
+    locator = new_rados_locator(request, "nbd") if request.param == "rados" else None
+    with served_pool(tmp_path, "20G", {"disk": "1G", "big": "16G"}, "--listen", "0", locator=locator) as server:
         yield server
 
 
@@ -147,7 +149,7 @@ def test_status_while_served_and_clean_stop(served: Server) -> None:
     assert volume_status(served.pool, "disk")["data_bytes"] == 2 * MiB
     assert "disk" in thinblock("volume", "list", served.pool).stdout
     # a second server on the same pool is refused with a clear message
-    second = thinblock("serve", served.pool, "--socket", str(Path(served.pool) / "other.sock"), check=False)
+    second = thinblock("serve", served.pool, "--socket", str(Path(served.socket).parent / "other.sock"), check=False)
     assert second.returncode == 1 and "already held" in second.stderr and "thinblock serve" in second.stderr
     out = served.stop()
     assert "stopped" in out

@@ -311,7 +311,7 @@ class RadosLocation(Location):
     def _busy(self, holder: dict[str, Any] | None) -> str:
         who = self._who(holder) if holder else "a client that recorded no owner"
         return (
-            f"pool {self.name} is held by {who}; its {LEASE_S} s lease is renewed while it lives."
+            f"pool {self.name} is already held by {who}; its {LEASE_S} s lease is renewed while it lives."
             " Wait for the lease to lapse after it stops, or pass --takeover to fence it off and take over"
         )
 

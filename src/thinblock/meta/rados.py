@@ -41,6 +41,7 @@ EPOCH_KEY = "x.epoch"
 OWNER_KEY = "x.owner"
 MAX_PAGE_KEY = "x.max_page_id"
 JOURNAL_KEY = "x.journal"
+BACKEND_KEYS = ("rados_id", "object_size")  # superblock keys that name the data objects
 PAGE_LIMIT = 1024  # get_omap_vals returns at most this many per call, whatever it is asked
 MAX_OP_BYTES = 8 << 20
 MAX_OP_KEYS = 8192
@@ -311,7 +312,10 @@ class RadosMetadata(MetadataStore):
         epoch = self._held_epoch()
         self.finish_journal()
         ops = self._translate(txn, fresh=True)
+        # Where this pool's data objects are is the backend's, not the dump's: keep it.
+        current = self.superblock()
         sb = {**initial_superblock(superblock), **txn.superblock}
+        sb.update({k: current[k] for k in BACKEND_KEYS if k in current})
         ops.sets.update({f"s.{k}": json.dumps(v).encode() for k, v in sb.items()})
         ops.sets.setdefault(MAX_PAGE_KEY, b"0")
         ops.ranges.insert(0, ("", "x."))  # everything but the x.* keys

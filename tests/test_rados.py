@@ -1,0 +1,411 @@
+"""Pools in a real Ceph cluster: what only the RADOS backend has. Objects and zeros,
+takeover and fencing between two real `thinblock serve` processes, a pool quota,
+the commit journal and omap paging, and bad configurations. The contract suites,
+the model test, the block contract, the crash test and the NBD client tests run
+on RADOS too (through the registries and fixtures)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import nbd
+import pytest
+import rados
+
+from tests.conftest import new_rados_locator, rados_objects, remove_rados_pool
+from tests.nbd_server import Server, thinblock
+from thinblock import Pool
+from thinblock.backends import locate
+from thinblock.backends.rados import RadosLocation
+from thinblock.ceph.cluster import connect
+from thinblock.errors import PoolBusyError, ThinblockError
+from thinblock.meta import rados as meta_rados
+from thinblock.meta.base import Transaction, VolumeRow
+from thinblock.tools.check import check_metadata
+
+MiB = 1 << 20
+LEASE = "3"  # seconds, for the servers these tests start
+
+
+def _rados_location(locator: str) -> RadosLocation:
+    location = locate(locator)
+    assert isinstance(location, RadosLocation)
+    return location
+
+
+def _data_objects(locator: str) -> list[str]:
+    location = _rados_location(locator)
+    rados_id = location.open_meta(readonly=True).superblock()["rados_id"]
+    return rados_objects(f"thinblock_data.{rados_id}.")
+
+
+def _server(locator: str, work: Path, name: str, *extra: str) -> Server:
+    os.environ["THINBLOCK_RADOS_LEASE_S"] = LEASE
+    try:
+        work.mkdir(exist_ok=True)
+        return Server(locator, "--socket", str(work / f"{name}.sock"), *extra, workdir=work)
+    finally:
+        del os.environ["THINBLOCK_RADOS_LEASE_S"]
+
+
+def _server_once_the_lease_lapses(locator: str, work: Path, name: str) -> Server:
+    deadline = time.monotonic() + float(LEASE) + 15
+    while True:
+        try:
+            return _server(locator, work, name)
+        except RuntimeError as exc:
+            assert "already held" in str(exc) and time.monotonic() < deadline, exc
+            time.sleep(0.5)
+
+
+def _handle(server: Server, export: str = "v") -> nbd.NBD:
+    h = nbd.NBD()
+    h.connect_uri(f"nbd+unix:///{export}?socket={server.socket}")
+    return h
+
+
+def test_cli_on_a_rados_pool(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Every pool command takes rados:CEPHPOOL/NAME; status shows the Ceph pool's figures."""
+    locator = new_rados_locator(request, "cli")
+    out = thinblock("pool", "create", locator, "--size", "1G", "--object-size", "1M").stdout
+    assert locator in out
+    sb = _rados_location(locator).open_meta(readonly=True).superblock()
+    assert sb["object_size"] == MiB and sb["format_version"] == 2
+    thinblock("volume", "create", locator, "v", "--size", "256M")
+    status = json.loads(thinblock("pool", "status", locator, "--json").stdout)
+    assert status["ceph_pool"] == os.environ["THINBLOCK_TEST_CEPH_POOL"]
+    assert {"ceph_pool_stored_bytes", "ceph_pool_objects", "ceph_cluster_bytes"} <= set(status), status
+    assert "Ceph pool" in thinblock("pool", "status", locator).stdout
+    with Pool.open(locator) as pool:
+        pool.volume("v").write(3 * MiB, b"\xab" * MiB)
+    thinblock("snapshot", "create", locator, "v", "s1")
+    thinblock("volume", "clone", locator, "s1", "c")
+    assert json.loads(thinblock("delta", locator, "s1", "v", "--json").stdout)["ranges"] == []
+    assert "v" in thinblock("volume", "list", locator).stdout
+    thinblock("pool", "check", locator)
+    dump = tmp_path / "dump.txt"
+    thinblock("pool", "dump", locator, "-o", str(dump))
+    thinblock("pool", "restore", locator, str(dump))
+    thinblock("pool", "repair", locator)
+    thinblock("pool", "check", locator)
+    with Pool.open(locator) as pool:
+        assert pool.volume("c").read(3 * MiB, MiB) == b"\xab" * MiB
+    refused = thinblock("pool", "create", locator, "--size", "1G", check=False)
+    assert refused.returncode == 1 and "already exists" in refused.stderr
+    bad = thinblock("pool", "create", f"{locator}x", "--size", "1G", "--object-size", "3M", check=False)
+    assert bad.returncode == 1 and "object size" in bad.stderr
+
+
+def test_zero_writes_create_no_objects(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Written zeros, WRITE_ZEROES (with and without NO_HOLE... only the metadata
+    object) and trim create no RADOS object; data does; trimming frees the objects."""
+    locator = new_rados_locator(request, "zeros")
+    thinblock("pool", "create", locator, "--size", "2G", "--object-size", "1M")
+    thinblock("volume", "create", locator, "v", "--size", "1G")
+    server = _server(locator, tmp_path, "a")
+    try:
+        h = _handle(server)
+        h.pwrite(bytes(64 * MiB), 0)  # literal zeros (detect_zeroes on)
+        h.zero(256 * MiB, 64 * MiB)
+        h.trim(64 * MiB, 128 * MiB)
+        h.flush()
+        assert _data_objects(locator) == []
+        h.pwrite(b"\x01" * (4 * MiB), 512 * MiB)
+        h.flush()
+        assert len(_data_objects(locator)) == 4
+        assert h.pread(MiB, 512 * MiB - MiB // 2)[: MiB // 2] == bytes(MiB // 2)
+        h.trim(4 * MiB, 512 * MiB)
+        h.flush()
+        time.sleep(1.5)  # freed blocks are punched after the commit that freed them
+        assert _data_objects(locator) == []
+        h.shutdown()
+    finally:
+        server.stop()
+
+
+def test_takeover_after_sigkill_serves_every_flushed_byte(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    locator = new_rados_locator(request, "kill")
+    thinblock("pool", "create", locator, "--size", "1G")
+    thinblock("volume", "create", locator, "v", "--size", "256M")
+    first = _server(locator, tmp_path, "a")
+    payload = os.urandom(3 * MiB + 4097)
+    h = _handle(first)
+    h.pwrite(payload, 5 * MiB)
+    h.flush()
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    # While its lease lives, a second server is refused, and told who holds the pool.
+    refused = thinblock("serve", locator, "--socket", str(tmp_path / "b.sock"), check=False)
+    assert refused.returncode == 1 and "already held by thinblock serve" in refused.stderr
+    assert "--takeover" in refused.stderr
+    second = _server_once_the_lease_lapses(locator, tmp_path, "b")  # it fences the dead holder
+    try:
+        assert "fencing its previous holder" in second.log.read_text()
+        h2 = _handle(second)
+        assert h2.pread(len(payload), 5 * MiB) == payload
+        h2.shutdown()
+    finally:
+        second.stop()
+
+
+def test_a_stalled_holder_is_fenced_off(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """SIGSTOP the holder, take over with --takeover, SIGCONT it: its writes and
+    flushes fail, and the new holder's view does not change."""
+    locator = new_rados_locator(request, "stall")
+    thinblock("pool", "create", locator, "--size", "1G")
+    thinblock("volume", "create", locator, "v", "--size", "256M")
+    first = _server(locator, tmp_path, "a")
+    old = _handle(first)
+    old.pwrite(b"A" * MiB, 0)
+    old.flush()
+    first.proc.send_signal(signal.SIGSTOP)
+    second = _server(locator, tmp_path, "b", "--takeover")
+    try:
+        new = _handle(second)
+        assert new.pread(MiB, 0) == b"A" * MiB
+        new.pwrite(b"B" * MiB, 0)
+        new.flush()
+        first.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.5)
+        with pytest.raises(nbd.Error) as write_error:
+            old.pwrite(b"C" * MiB, 0)
+        assert write_error.value.errno == "EIO"
+        with pytest.raises(nbd.Error):
+            old.pwrite(b"D" * 4096, 64 * MiB)
+            old.flush()
+        time.sleep(1.5)  # the fenced server's committer has had its chance
+        assert new.pread(MiB, 0) == b"B" * MiB and new.pread(4096, 64 * MiB) == bytes(4096)
+        new.flush()
+        new.shutdown()
+    finally:
+        second.stop()
+        first.proc.send_signal(signal.SIGCONT)
+        first.stop()
+    assert "fenced off" in first.log.read_text() or "taken over" in first.log.read_text()
+    with Pool.open(locator) as pool:
+        assert pool.volume("v").read(0, MiB) == b"B" * MiB
+
+
+def test_a_stale_epoch_cannot_commit(request: pytest.FixtureRequest) -> None:
+    """The epoch compare alone (no blocklist: same client) stops an old holder's commit."""
+    locator = new_rados_locator(request, "epoch")
+    Pool.create(locator, 64 * MiB, block_size=64 << 10).close()
+    old = Pool.open(locator, autocommit=False)
+    try:
+        old.create_volume("before", MiB)
+        taker = Pool.open(locator, autocommit=False, takeover=True)
+        try:
+            with pytest.raises(OSError, match="another host took the pool over"):
+                old.meta.commit(Transaction(superblock={"transaction_id": 999}))
+            assert taker.meta.superblock()["transaction_id"] != 999
+            taker.create_volume("after", MiB)
+        finally:
+            taker.close()
+    finally:
+        old._ownership.release()
+    with pytest.raises(PoolBusyError):
+        # The lock of a live holder is refused without --takeover.
+        holder = Pool.open(locator, autocommit=False)
+        try:
+            Pool.open(locator, autocommit=False)
+        finally:
+            holder.close()
+    with Pool.open(locator) as pool:
+        assert set(pool.volumes) == {"before", "after"}
+
+
+def test_large_commits_go_through_the_journal(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit bigger than one operation is journalled; one interrupted after its
+    commit point is finished by the next holder; omap listings page past 1024."""
+    locator = new_rados_locator(request, "journal")
+    location = _rados_location(locator)
+    location.create({"block_size": 4096, "size_bytes": MiB, "clean": True}, MiB, None)
+    monkeypatch.setattr(meta_rados, "MAX_OP_KEYS", 500)
+    roots = {(1, i): 10 + i for i in range(3000)}
+    pages = {10 + i: (1, bytes([i % 256]) * 4096) for i in range(3000)}
+    txn = Transaction(volumes=[VolumeRow(1, "a", MiB, "on", 1.0)], roots=dict(roots), pages=pages)  # type: ignore[arg-type]
+    meta = location.open_meta(readonly=False)
+    owner = location.own("journal test")
+    meta.commit(txn)
+    assert meta.roots(1) == {i: 10 + i for i in range(3000)}
+    assert len(list(meta.all_pages())) == 3000 and meta.max_page_id() == 3009
+    assert rados_objects(location.meta_object + ".journal") == []
+
+    # Interrupted after the commit point: the journal is recorded, not applied.
+    finish = meta_rados.RadosMetadata.finish_journal
+    calls = []
+
+    def crash(self: meta_rados.RadosMetadata) -> None:
+        calls.append(1)
+        if len(calls) == 2:  # the first call finishes an earlier journal, the second applies ours
+            raise OSError(errno.EIO, "power cut")
+        finish(self)
+
+    monkeypatch.setattr(meta_rados.RadosMetadata, "finish_journal", crash)
+    big = {20000 + i: (1, bytes(4096)) for i in range(1000)}
+    with pytest.raises(OSError, match="power cut"):
+        meta.commit(Transaction(deleted_volumes=[1], volumes=[VolumeRow(2, "b", MiB, "on", 1.0)], pages=big))  # type: ignore[arg-type]
+    assert len(rados_objects(location.meta_object + ".journal")) > 1
+    owner.release()
+    monkeypatch.undo()
+    monkeypatch.setattr(meta_rados, "MAX_OP_KEYS", 500)
+    with pytest.raises(ThinblockError, match="not yet applied"):
+        location.open_meta(readonly=True)
+    with Pool.open(locator, autocommit=False) as pool:  # the next holder applies it
+        assert set(pool.volumes) == {"b"}
+    fresh = location.open_meta(readonly=True)
+    assert [v.name for v in fresh.volumes()] == ["b"] and fresh.roots(1) == {}
+    assert rados_objects(location.meta_object + ".journal") == []
+
+
+def test_quota_gives_enospc_and_writes_resume(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A Ceph pool quota: writes fail with ENOSPC, what was flushed stays, and after
+    the quota is raised writes and flushes work again."""
+    request.getfixturevalue("ceph")
+    cluster = connect()
+    ceph_pool = f"quota-{os.getpid()}"
+    for cmd in (
+        {"prefix": "osd pool create", "pool": ceph_pool, "pg_num": 4},
+        {"prefix": "osd pool set", "pool": ceph_pool, "var": "size", "val": "1", "yes_i_really_mean_it": True},
+        {"prefix": "osd pool set-quota", "pool": ceph_pool, "field": "max_bytes", "val": str(24 * MiB)},
+    ):
+        cluster.mon_command(cmd)
+    locator = f"rados:{ceph_pool}/q"
+
+    def drop() -> None:
+        remove_rados_pool(locator)
+        cluster.mon_command(
+            {"prefix": "osd pool rm", "pool": ceph_pool, "pool2": ceph_pool, "yes_i_really_really_mean_it": True}
+        )
+
+    request.addfinalizer(drop)
+    thinblock("pool", "create", locator, "--size", "1G")
+    thinblock("volume", "create", locator, "v", "--size", "512M")
+    server = _server(locator, tmp_path, "q")
+    try:
+        h = _handle(server)
+        kept = os.urandom(4 * MiB)
+        h.pwrite(kept, 0)
+        h.flush()
+        failed = None
+        deadline = time.monotonic() + 90
+        offset = 8 * MiB
+        while failed is None and time.monotonic() < deadline:
+            try:
+                h.pwrite(os.urandom(MiB), offset)
+                offset += MiB
+            except nbd.Error as exc:
+                failed = exc
+            if offset > 400 * MiB:
+                offset = 8 * MiB
+        assert failed is not None and failed.errno == "ENOSPC", failed
+        assert h.pread(len(kept), 0) == kept
+        cluster.mon_command({"prefix": "osd pool set-quota", "pool": ceph_pool, "field": "max_bytes", "val": "0"})
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                h.pwrite(b"\x07" * MiB, 500 * MiB)
+                h.flush()
+                break
+            except nbd.Error:
+                assert time.monotonic() < deadline, "writes never resumed after the quota was lifted"
+                time.sleep(1)
+        assert h.pread(len(kept), 0) == kept and h.pread(MiB, 500 * MiB) == b"\x07" * MiB
+        h.shutdown()
+    finally:
+        server.stop()
+    with Pool.open(locator) as pool:
+        assert pool.volume("v").read(0, len(kept)) == kept
+        meta = pool.meta
+        assert check_metadata(meta) == []
+
+
+def _bounded(args: list[str], env: dict[str, str], limit: float) -> subprocess.CompletedProcess[str]:
+    start = time.monotonic()
+    proc = _run_env(args, env)
+    assert time.monotonic() - start < limit, f"{args} took too long"
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    return proc
+
+
+def _run_env(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        return thinblock(*args, check=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def test_bad_configurations_get_one_sentence_in_bounded_time(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    ceph_pool = request.getfixturevalue("ceph")
+    conf = Path(os.environ["CEPH_CONF"]).read_text()
+    # An unreachable cluster: a monitor address nothing listens on.
+    dead = tmp_path / "dead.conf"
+    dead.write_text(
+        "\n".join("mon host = v2:127.0.0.1:9" if ln.startswith("mon host") else ln for ln in conf.splitlines()) + "\n"
+    )
+    out = _bounded(["pool", "status", f"rados:{ceph_pool}/x", "--ceph-conf", str(dead)], {}, 40)
+    assert "cannot connect to the Ceph cluster" in out.stderr
+    # Wrong credentials: a key the cluster does not know.
+    keyring = tmp_path / "bad.keyring"
+    keyring.write_text("[client.admin]\n\tkey = AQBJx+5kAAAAABAAg1V1Mhpxr0J4X2SRSDsKoA==\n")
+    out = _bounded(["pool", "status", f"rados:{ceph_pool}/x"], {"CEPH_ARGS": f"--keyring {keyring}"}, 40)
+    assert "cannot connect to the Ceph cluster" in out.stderr
+    # A missing Ceph pool, and a missing thinblock pool in an existing one.
+    out = _bounded(["pool", "status", "rados:no-such-ceph-pool/x"], {}, 40)
+    assert "no Ceph pool 'no-such-ceph-pool'" in out.stderr
+    out = _bounded(["volume", "list", f"rados:{ceph_pool}/never-made"], {}, 40)
+    assert "no pool at rados:" in out.stderr
+    out = _bounded(["pool", "create", f"rados:{ceph_pool}", "--size", "1G"], {}, 40)
+    assert "expected rados:CEPHPOOL/NAME" in out.stderr
+
+
+def test_a_lost_connection_fails_writes_cleanly(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Blocklisting the serving client (as a lost, fenced connection): the server keeps
+    answering, reads of what it need not fetch work, writes and flushes fail with EIO."""
+    locator = new_rados_locator(request, "lost")
+    thinblock("pool", "create", locator, "--size", "1G")
+    thinblock("volume", "create", locator, "v", "--size", "64M")
+    server = _server(locator, tmp_path, "a")
+    try:
+        h = _handle(server)
+        h.pwrite(b"x" * MiB, 0)
+        h.flush()
+        log = server.log.read_text()
+        addr = json.loads(_owner_record(locator))["addr"]
+        connect().blocklist(addr, 600)
+        with pytest.raises(nbd.Error) as info:
+            h.pwrite(b"y" * MiB, 0)
+        assert info.value.errno == "EIO"
+        assert h.pread(4096, 32 * MiB) == bytes(4096)  # unmapped: answered from metadata
+        with pytest.raises(nbd.Error) as info:
+            h.pread(4096, 0)  # mapped: RADOS refuses the fenced client
+        assert info.value.errno == "EIO"
+        h.trim(MiB, 0)  # a metadata change, which can never be committed now
+        with pytest.raises(nbd.Error):
+            h.flush()
+        assert server.alive()
+        h.shutdown()
+        assert "Traceback" not in log
+    finally:
+        server.stop()
+        addr_rm = connect()
+        addr_rm.mon_command({"prefix": "osd blocklist", "blocklistop": "rm", "addr": addr})
+
+
+def _owner_record(locator: str) -> str:
+    location = _rados_location(locator)
+    io = connect().ioctx(location.ceph_pool)
+    with rados.ReadOpCtx() as op:
+        it, _ = io.get_omap_vals_by_keys(op, (meta_rados.OWNER_KEY,))
+        io.operate_read_op(op, location.meta_object)
+        return dict(it)[meta_rados.OWNER_KEY].decode()
