@@ -41,7 +41,7 @@ def _run(*args: str, input: str | None = None) -> str:
     return proc.stdout
 
 
-def _conf(d: Path, fsid: str, port: int) -> str:
+def _conf(d: Path, fsid: str, port: int, block_bytes: int) -> str:
     return f"""[global]
 fsid = {fsid}
 mon host = v2:127.0.0.1:{port}
@@ -70,12 +70,8 @@ mon warn on pool no redundancy = false
 osd objectstore = bluestore
 osd data = {d}/osd.$id
 bluestore block create = true
-bluestore block size = {8 << 30}
+bluestore block size = {block_bytes}
 osd memory target = 939524096
-bluestore cache autotune = false
-bluestore cache size = 134217728
-osd op num shards = 2
-osd op num threads per shard = 2
 rados osd op timeout = 30
 rados mon op timeout = 30
 mgr stats period = 1
@@ -87,13 +83,14 @@ mon data = {d}/mon.a
 """
 
 
-def start(directory: str) -> str:
-    """Start the cluster in directory (made if missing); returns its ceph.conf path."""
+def start(directory: str, block_bytes: int = 8 << 30) -> str:
+    """Start the cluster in directory (made if missing); returns its ceph.conf path.
+    block_bytes: the OSD's sparse bluestore file (it never shrinks)."""
     d = Path(directory).resolve()
     d.mkdir(parents=True, exist_ok=True)
     fsid, port = str(uuid.uuid4()), _free_port()
     conf = d / "ceph.conf"
-    conf.write_text(_conf(d, fsid, port))
+    conf.write_text(_conf(d, fsid, port, block_bytes))
     c = ["-c", str(conf)]
     keyring = str(d / "keyring")
     _run("ceph-authtool", "--create-keyring", keyring, "--gen-key", "-n", "mon.", "--cap", "mon", "allow *")

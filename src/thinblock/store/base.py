@@ -77,6 +77,13 @@ class DataStore(ABC):
     def close(self) -> None:
         """Release the store's resources."""
 
+    @property
+    def queue_depth(self) -> int:
+        """How many operations the store wants in flight: 1 for a local disk (a request
+        runs at once, on the thread that read it), more for a remote store whose
+        latency only concurrency hides."""
+        return 1
+
     # Batch verbs: a store with many operations in flight (a remote one) overrides
     # these; the defaults run one after another.
 
@@ -127,6 +134,10 @@ class FilterStore(DataStore):
 
     def capabilities(self) -> dict[str, Support]:
         return self.inner.capabilities()
+
+    @property
+    def queue_depth(self) -> int:
+        return self.inner.queue_depth
 
     def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         return self.inner.read_many(ranges)

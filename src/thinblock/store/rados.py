@@ -223,5 +223,9 @@ class RadosStore(DataStore):
     def capabilities(self) -> dict[str, Support]:
         return dict.fromkeys(OPTIONAL_VERBS, Support.NATIVE)
 
+    @property
+    def queue_depth(self) -> int:
+        return IN_FLIGHT
+
     def close(self) -> None:
         pass  # the connection is the process's, shared with the metadata store

@@ -188,11 +188,12 @@ def context_extents(export: Export, context: str, offset: int, length: int) -> l
     return extents
 
 
-def _quick(req: Request) -> bool:
+def _quick(req: Request, inline: bool) -> bool:
     """Small data requests run on the connection's reader thread; big ones, flushes and
     FUA writes (which wait for the disk) go to the worker pool, so the reader keeps
-    reading and their replies may overtake or follow others."""
-    if req.flags & c.CMD_FLAG_FUA or req.command == c.CMD_FLUSH:
+    reading and their replies may overtake or follow others. On a store that wants
+    many operations in flight (inline False: RADOS) every request goes to the pool."""
+    if not inline or req.flags & c.CMD_FLAG_FUA or req.command == c.CMD_FLUSH:
         return False
     return req.command in (c.CMD_READ, c.CMD_WRITE) and req.length <= QUICK_REQUEST_BYTES
 
@@ -268,7 +269,11 @@ class NBDServer:
         self.pool = pool
         self.catalog = PoolCatalog(pool, read_only=read_only)
         self.ssl_context = tls.context() if tls else None
-        self.executor = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="thinblock-nbd-worker")
+        depth = pool.store.queue_depth
+        self.inline_small = depth <= 1
+        self.executor = ThreadPoolExecutor(
+            max_workers=max(WORKERS, min(depth, MAX_IN_FLIGHT)), thread_name_prefix="thinblock-nbd-worker"
+        )
         self.listeners: list[socket.socket] = []
         self.unix_paths: list[tuple[str, int]] = []
         self.threads: list[threading.Thread] = []
@@ -450,7 +455,7 @@ class Session:
                     assert cost == self.reserved
                     self.reserved = 0
                 else:
-                    if not _quick(event):
+                    if not _quick(event, self.server.inline_small):
                         self._flush_batch()  # the budget may have to wait for those replies
                     if not self._take_budget(cost):
                         return "server shutting down"
@@ -461,7 +466,7 @@ class Session:
                         return "server shutting down"
                 with self._pending_mutex:
                     self.pending += 1
-                if _quick(event):
+                if _quick(event, self.server.inline_small):
                     self._work(event, cost, inline=True)  # no thread handoff for small requests
                 else:
                     self._flush_batch()

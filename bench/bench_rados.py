@@ -1,0 +1,269 @@
+"""RADOS benchmark: thinblock serving a pool in Ceph vs qemu-nbd serving an RBD image
+on the same single-node cluster, side by side in one run.
+
+    .venv/bin/python bench/bench_rados.py [--rounds 2] [--quick] [--json]
+
+It starts its own cluster (tests/ceph_cluster.py, 1 mon, 1 mgr, 1 bluestore OSD
+on a sparse file) and stops it at the end. Each round runs both peers, and the
+second round runs them in the other order (the machine is noisy). Rows:
+- fio --ioengine=nbd over a unix socket: sequential 1 MiB write and read at
+  iodepth 16, 4 KiB random write at iodepth 32, on one connection and on four;
+- 1 GiB of literal zero WRITEs to fresh space (then flush): time, and the RADOS
+  objects and bytes the peer's image holds afterwards;
+- WRITE_ZEROES with NO_HOLE over 8 GiB (both allocate: the OSD writes the zeros);
+- thinblock only: `thinblock mkfs` of 10 GiB and 100 GiB volumes, ext4 and xfs,
+  through attach (FUSE + loop) on the RADOS pool. There is no rbd or nbd kernel
+  module here, so the peer figures for mkfs are the seed's (mkfs on an rbd image:
+  ext4 10 GiB 3.7 s writing zeros, 0.6 s with WRITE_ZEROES; xfs 100 GiB 5.2 s, 1.5 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import nbd
+from tests import ceph_cluster
+
+from bench.bench_nbd import _stop, fio, progress, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+GiB = 1 << 30
+MiB = 1 << 20
+CEPH_POOL = "bench"
+EXPORT = "16G"
+
+
+def ceph(*args: str) -> str:
+    return subprocess.run(
+        ["ceph", "-c", os.environ["CEPH_CONF"], *args], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
+
+
+def objects(prefix: str) -> tuple[int, int]:
+    """(count, bytes) of the objects in the bench pool whose names start with prefix."""
+    import rados
+
+    cluster = rados.Rados(conffile=os.environ["CEPH_CONF"])
+    cluster.connect(timeout=10)
+    try:
+        io = cluster.open_ioctx(CEPH_POOL)
+        names = [o.key for o in io.list_objects() if o.key.startswith(prefix)]
+        return len(names), sum(io.stat(n)[0] for n in names)
+    finally:
+        cluster.shutdown()
+
+
+def tb(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", "thinblock", *args], check=True, capture_output=True, text=True, env=env
+    ).stdout
+
+
+class ThinblockRados:
+    name = "thinblock-rados"
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+        self.n = 0
+
+    @contextmanager
+    def start(self) -> Iterator[tuple[str, Callable[[], tuple[int, int]]]]:
+        self.n += 1
+        locator = f"rados:{CEPH_POOL}/tb{self.n}"
+        tb("pool", "create", locator, "--size", "20G")
+        tb("volume", "create", locator, "disk", "--size", EXPORT)
+        sock = str(self.scratch / f"tb{self.n}.sock")
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "thinblock", "serve", locator, "--socket", sock],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(sock, proc)
+        prefix = "thinblock_data."  # the only thinblock pool in the bench pool while it runs
+        try:
+            yield f"nbd+unix:///disk?socket={sock}", lambda: objects(prefix)
+        finally:
+            _stop(proc)
+            self._remove(locator)
+
+    @staticmethod
+    def _remove(locator: str) -> None:
+        import rados
+
+        cluster = rados.Rados(conffile=os.environ["CEPH_CONF"])
+        cluster.connect(timeout=10)
+        try:
+            io = cluster.open_ioctx(CEPH_POOL)
+            for o in list(io.list_objects()):
+                if o.key.startswith(("thinblock", f"thinblock.{locator.rsplit('/', 1)[1]}")):
+                    io.remove_object(o.key)
+        finally:
+            cluster.shutdown()
+
+
+class QemuNbdRbd:
+    name = "qemu-nbd-rbd"
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+        self.n = 0
+
+    @contextmanager
+    def start(self) -> Iterator[tuple[str, Callable[[], tuple[int, int]]]]:
+        self.n += 1
+        image = f"img{self.n}"
+        conf = os.environ["CEPH_CONF"]
+        subprocess.run(["rbd", "-c", conf, "create", f"{CEPH_POOL}/{image}", "--size", EXPORT], check=True)
+        image_id = subprocess.run(
+            ["rbd", "-c", conf, "info", f"{CEPH_POOL}/{image}", "--format", "json"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        prefix = json.loads(image_id)["block_name_prefix"] + "."
+        sock = str(self.scratch / f"q{self.n}.sock")
+        proc = subprocess.Popen(
+            [
+                "qemu-nbd", "-f", "raw", "-x", "disk", "-t", "--shared=8", "--discard=unmap", "-k", sock,
+                f"rbd:{CEPH_POOL}/{image}:conf={conf}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_for(sock, proc)
+        try:
+            yield f"nbd+unix:///disk?socket={sock}", lambda: objects(prefix)
+        finally:
+            _stop(proc)
+            subprocess.run(["rbd", "-c", conf, "rm", "--no-progress", f"{CEPH_POOL}/{image}"], check=True)
+
+
+def zeros(uri: str, held: Callable[[], tuple[int, int]], quick: bool) -> dict[str, float]:
+    r: dict[str, float] = {}
+    h = nbd.NBD()
+    h.connect_uri(uri)
+    chunk = bytes(4 * MiB)
+    total = (256 * MiB) if quick else GiB
+    start = time.perf_counter()
+    for off in range(0, total, len(chunk)):
+        h.pwrite(chunk, off)
+    h.flush()
+    r["zero_write_1GiB_s"] = time.perf_counter() - start
+    time.sleep(1.5)
+    r["zero_write_1GiB_objects"], r["zero_write_1GiB_object_bytes"] = held()
+    span = (GiB if quick else 8 * GiB) // 4
+    start = time.perf_counter()
+    for off in range(2 * GiB, 2 * GiB + 4 * span, span):
+        h.zero(span, off, nbd.CMD_FLAG_NO_HOLE)
+    h.flush()
+    r["write_zeroes_no_hole_8GiB_s"] = time.perf_counter() - start
+    h.shutdown()
+    return r
+
+
+def io_rows(uri: str, quick: bool) -> dict[str, float]:
+    seq, runtime = ("256M", 3) if quick else ("2G", 10)
+    r: dict[str, float] = {}
+    r["seq_write_1M_qd16_MiBps"] = fio(uri, "write", "1M", 16, seq)["MiBps"]
+    r["seq_read_1M_qd16_MiBps"] = fio(uri, "read", "1M", 16, seq)["MiBps"]
+    r["randwrite_4k_qd32_iops"] = fio(uri, "randwrite", "4k", 32, EXPORT, runtime)["iops"]
+    r["seq_write_1M_4conn_MiBps"] = fio(uri, "write", "1M", 16, seq, jobs=4)["MiBps"]
+    r["randwrite_4k_4conn_iops"] = fio(uri, "randwrite", "4k", 16, EXPORT, runtime, jobs=4)["iops"]
+    return r
+
+
+def mkfs_rows() -> dict[str, float]:
+    """thinblock mkfs through attach on a RADOS pool (the command's own timing of mkfs)."""
+    locator = f"rados:{CEPH_POOL}/mkfs"
+    tb("pool", "create", locator, "--size", "20G")
+    r: dict[str, float] = {}
+    try:
+        for fs in ("ext4", "xfs"):
+            for size in ("10G", "100G"):
+                name = f"{fs}{size}"
+                tb("volume", "create", locator, name, "--size", size)
+                start = time.perf_counter()
+                out = json.loads(tb("mkfs", locator, name, "-t", fs, "--json"))
+                r[f"mkfs_{fs}_{size}_s"] = out["seconds"]
+                r[f"mkfs_{fs}_{size}_with_attach_s"] = time.perf_counter() - start
+                r[f"mkfs_{fs}_{size}_pool_bytes"] = out["pool_bytes_used"]
+    finally:
+        subprocess.run(["pkill", "-f", "thinblock fuse-daemon rados:"], check=False)
+        ThinblockRados._remove(locator)
+    return r
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="/var/tmp", help="scratch directory (the cluster's files go here)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds; each other one reverses the peer order")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="tb-rados-bench-", dir=args.dir))
+    progress("starting a Ceph cluster")
+    os.environ["CEPH_CONF"] = ceph_cluster.start(str(scratch / "ceph"), block_bytes=32 << 30)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    try:
+        ceph("osd", "pool", "create", CEPH_POOL, "32")
+        ceph("osd", "pool", "set", CEPH_POOL, "size", "1", "--yes-i-really-mean-it")
+        ceph("osd", "pool", "application", "enable", CEPH_POOL, "rbd")
+        peers: list[ThinblockRados | QemuNbdRbd] = [ThinblockRados(scratch), QemuNbdRbd(scratch)]
+        for n in range(args.rounds):
+            order = peers if n % 2 == 0 else peers[::-1]
+            results: dict[str, dict[str, Any]] = {}
+            for peer in order:
+                progress(f"round {n + 1}: {peer.name}: fio")
+                with peer.start() as (uri, _held):
+                    r = io_rows(uri, args.quick)
+                progress(f"round {n + 1}: {peer.name}: zeros")
+                with peer.start() as (uri, held):
+                    r.update(zeros(uri, held, args.quick))
+                results[peer.name] = r
+            progress(f"round {n + 1}: thinblock mkfs through attach")
+            results["thinblock-rados"].update(mkfs_rows())
+            rounds.append(results)
+    finally:
+        ceph_cluster.stop(str(scratch / "ceph"))
+        shutil.rmtree(scratch, ignore_errors=True)
+    report = []
+    for results in rounds:
+        tbr, peer = results["thinblock-rados"], results["qemu-nbd-rbd"]
+        ratios = {k: tbr[k] / peer[k] for k in peer if k.endswith(("MiBps", "iops")) and peer[k]}
+        ratios.update({k: peer[k] / tbr[k] for k in peer if k.endswith("_s") and tbr[k]})  # > 1: thinblock faster
+        report.append({"results": results, "ratios_thinblock_to_qemu_nbd_rbd": ratios})
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    for n, entry in enumerate(report, 1):
+        print(f"round {n}")
+        res = entry["results"]
+        keys = sorted(set(res["thinblock-rados"]) | set(res["qemu-nbd-rbd"]))
+        for key in keys:
+            a, b = res["thinblock-rados"].get(key), res["qemu-nbd-rbd"].get(key)
+            ratio = entry["ratios_thinblock_to_qemu_nbd_rbd"].get(key)
+            fa = f"{a:,.2f}" if a is not None else "-"
+            fb = f"{b:,.2f}" if b is not None else "-"
+            print(
+                f"  {key:36} thinblock {fa:>16}  qemu-nbd-rbd {fb:>16}  ratio {ratio:.2f}"
+                if ratio
+                else f"  {key:36} thinblock {fa:>16}  qemu-nbd-rbd {fb:>16}"
+            )
+
+
+if __name__ == "__main__":
+    main()
