@@ -242,9 +242,9 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     report = []
     for results in rounds:
-        tbr, peer = results["thinblock-rados"], results["qemu-nbd-rbd"]
-        ratios = {k: tbr[k] / peer[k] for k in peer if k.endswith(("MiBps", "iops")) and peer[k]}
-        ratios.update({k: peer[k] / tbr[k] for k in peer if k.endswith("_s") and tbr[k]})  # > 1: thinblock faster
+        tbr, other = results["thinblock-rados"], results["qemu-nbd-rbd"]
+        ratios = {k: tbr[k] / other[k] for k in other if k.endswith(("MiBps", "iops")) and other[k]}
+        ratios.update({k: other[k] / tbr[k] for k in other if k.endswith("_s") and tbr[k]})  # > 1: thinblock faster
         report.append({"results": results, "ratios_thinblock_to_qemu_nbd_rbd": ratios})
     if args.json:
         print(json.dumps(report, indent=2))
