@@ -158,7 +158,13 @@ def cmd_pool_set(args: argparse.Namespace) -> None:
 def cmd_pool_check(args: argparse.Namespace) -> int:
     meta = locate(args.pool).open_meta(readonly=True)
     try:
-        problems = check_metadata(meta) + check_data_store(args.pool, meta)
+        # The walk takes many reads; a server may commit between them (a RADOS pool's
+        # omap is read page by page). Problems count only if no commit came between.
+        for _attempt in range(5):
+            before = meta.superblock().get("transaction_id")
+            problems = check_metadata(meta) + check_data_store(args.pool, meta)
+            if not problems or meta.superblock().get("transaction_id") == before:
+                break
     finally:
         meta.close()
     if args.json:
