@@ -71,12 +71,18 @@ def tb(*args: str) -> str:
     ).stdout
 
 
-class ThinblockRados:
-    name = "thinblock-rados"
+class Peer:
+    """A server under test; each start() gives a fresh 16 GiB export."""
+
+    name = ""
 
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
         self.n = 0
+
+
+class ThinblockRados(Peer):
+    name = "thinblock-rados"
 
     @contextmanager
     def start(self) -> Iterator[tuple[str, Callable[[], tuple[int, int]]]]:
@@ -98,10 +104,11 @@ class ThinblockRados:
             yield f"nbd+unix:///disk?socket={sock}", lambda: objects(prefix)
         finally:
             _stop(proc)
-            self._remove(locator)
+            self.remove_all()
 
     @staticmethod
-    def _remove(locator: str) -> None:
+    def remove_all() -> None:
+        """Remove every thinblock object from the bench pool (it holds one pool at a time)."""
         import rados
 
         cluster = rados.Rados(conffile=os.environ["CEPH_CONF"])
@@ -109,18 +116,14 @@ class ThinblockRados:
         try:
             io = cluster.open_ioctx(CEPH_POOL)
             for o in list(io.list_objects()):
-                if o.key.startswith(("thinblock", f"thinblock.{locator.rsplit('/', 1)[1]}")):
+                if o.key.startswith("thinblock"):
                     io.remove_object(o.key)
         finally:
             cluster.shutdown()
 
 
-class QemuNbdRbd:
+class QemuNbdRbd(Peer):
     name = "qemu-nbd-rbd"
-
-    def __init__(self, scratch: Path) -> None:
-        self.scratch = scratch
-        self.n = 0
 
     @contextmanager
     def start(self) -> Iterator[tuple[str, Callable[[], tuple[int, int]]]]:
@@ -203,7 +206,7 @@ def mkfs_rows() -> dict[str, float]:
                 r[f"mkfs_{fs}_{size}_pool_bytes"] = out["pool_bytes_used"]
     finally:
         subprocess.run(["pkill", "-f", "thinblock fuse-daemon rados:"], check=False)
-        ThinblockRados._remove(locator)
+        ThinblockRados.remove_all()
     return r
 
 

@@ -88,6 +88,8 @@ def start(directory: str, block_bytes: int = 8 << 30) -> str:
     block_bytes: the OSD's sparse bluestore file (it never shrinks)."""
     d = Path(directory).resolve()
     d.mkdir(parents=True, exist_ok=True)
+    if any(d.iterdir()):
+        raise RuntimeError(f"{d} is not empty: a cluster starts in a fresh directory")
     fsid, port = str(uuid.uuid4()), _free_port()
     conf = d / "ceph.conf"
     conf.write_text(_conf(d, fsid, port, block_bytes))

@@ -103,8 +103,9 @@ def test_cli_on_a_rados_pool(request: pytest.FixtureRequest, tmp_path: Path) -> 
 
 
 def test_zero_writes_create_no_objects(request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    """Written zeros, WRITE_ZEROES (with and without NO_HOLE... only the metadata
-    object) and trim create no RADOS object; data does; trimming frees the objects."""
+    """Written zeros, WRITE_ZEROES with and without NO_HOLE, and trim create no RADOS
+    object (NO_HOLE sets the space aside in the pool only); data does; trimming
+    frees the objects."""
     locator = new_rados_locator(request, "zeros")
     thinblock("pool", "create", locator, "--size", "2G", "--object-size", "1M")
     thinblock("volume", "create", locator, "v", "--size", "1G")
@@ -113,9 +114,12 @@ def test_zero_writes_create_no_objects(request: pytest.FixtureRequest, tmp_path:
         h = _handle(server)
         h.pwrite(bytes(64 * MiB), 0)  # literal zeros (detect_zeroes on)
         h.zero(256 * MiB, 64 * MiB)
+        h.zero(64 * MiB, 768 * MiB, nbd.CMD_FLAG_NO_HOLE)  # provisioned in the pool, nothing in RADOS
         h.trim(64 * MiB, 128 * MiB)
         h.flush()
         assert _data_objects(locator) == []
+        status = json.loads(thinblock("pool", "status", locator, "--json").stdout)
+        assert status["used_bytes"] >= 64 * MiB and status["below_reserves_space"] is False
         h.pwrite(b"\x01" * (4 * MiB), 512 * MiB)
         h.flush()
         assert len(_data_objects(locator)) == 4

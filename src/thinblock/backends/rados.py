@@ -18,7 +18,6 @@ Ownership follows RBD's exclusive-lock model:
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ from typing import Any
 import rados
 
 from thinblock.backends.base import Location, Ownership
-from thinblock.ceph.cluster import Cluster, as_oserror, connect
+from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, connect, rados_errno
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
@@ -91,7 +90,7 @@ class _Lease(Ownership):
                 log.error(
                     "pool %s: %s; commits will be refused if another host took over", self.location.name, self.lost
                 )
-                if isinstance(exc, rados.ObjectBusy) or getattr(exc, "errno", 0) in (errno.ESHUTDOWN, -errno.ESHUTDOWN):
+                if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
                     return  # taken over, or fenced: nothing more to renew
 
     def release(self) -> None:
@@ -117,22 +116,40 @@ class RadosSpace(NoHostSpace):
         self.location = location
 
     def below_status(self) -> dict[str, Any]:
+        """Each figure on its own: one the cluster cannot give now (a mgr not yet
+        reporting, a monitor command refused) is None, with the reason in ceph_error."""
         cluster = self.location.cluster()
-        out: dict[str, Any] = {"ceph_pool": self.location.ceph_pool}
-        try:
-            stats = cluster.ioctx(self.location.ceph_pool).get_stats()
-            out["ceph_pool_stored_bytes"] = int(stats["num_bytes"])
-            out["ceph_pool_objects"] = int(stats["num_objects"])
-            quota = cluster.mon_command(
-                {"prefix": "osd pool get-quota", "pool": self.location.ceph_pool, "format": "json"}
-            )
-            out["ceph_pool_quota_bytes"] = int(quota.get("quota_max_bytes") or 0) or None
-            out["ceph_pool_quota_objects"] = int(quota.get("quota_max_objects") or 0) or None
+        pool = self.location.ceph_pool
+        # RADOS cannot reserve space: provisioned blocks are set aside in the pool only.
+        out: dict[str, Any] = {"ceph_pool": pool, "below_reserves_space": False}
+        errors: list[str] = []
+
+        def pool_stats() -> dict[str, Any]:
+            stats = cluster.ioctx(pool).get_stats()
+            return {"ceph_pool_stored_bytes": int(stats["num_bytes"]), "ceph_pool_objects": int(stats["num_objects"])}
+
+        def quota() -> dict[str, Any]:
+            got = cluster.mon_command({"prefix": "osd pool get-quota", "pool": pool, "format": "json"})
+            return {
+                "ceph_pool_quota_bytes": int(got.get("quota_max_bytes") or 0) or None,
+                "ceph_pool_quota_objects": int(got.get("quota_max_objects") or 0) or None,
+            }
+
+        def cluster_stats() -> dict[str, Any]:
             cs = cluster.rados.get_cluster_stats()
-            out["ceph_cluster_bytes"] = int(cs["kb"]) * 1024
-            out["ceph_cluster_avail_bytes"] = int(cs["kb_avail"]) * 1024
-        except (rados.Error, ThinblockError) as exc:
-            out["ceph_error"] = str(exc)
+            return {"ceph_cluster_bytes": int(cs["kb"]) * 1024, "ceph_cluster_avail_bytes": int(cs["kb_avail"]) * 1024}
+
+        for figures, keys in (
+            (pool_stats, ("ceph_pool_stored_bytes", "ceph_pool_objects")),
+            (quota, ("ceph_pool_quota_bytes", "ceph_pool_quota_objects")),
+            (cluster_stats, ("ceph_cluster_bytes", "ceph_cluster_avail_bytes")),
+        ):
+            try:
+                out.update(figures())
+            except (rados.Error, ThinblockError, KeyError, ValueError) as exc:
+                out.update(dict.fromkeys(keys))
+                errors.append(str(exc))
+        out["ceph_error"] = "; ".join(errors) or None
         return out
 
 

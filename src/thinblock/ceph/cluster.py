@@ -22,8 +22,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import rados
 
@@ -34,8 +33,6 @@ log = logging.getLogger("thinblock.ceph")
 OP_TIMEOUT_S = 15
 CONNECT_TIMEOUT_S = 10
 BLOCKLISTED = errno.ESHUTDOWN  # what every operation of a fenced (blocklisted) client gets
-
-_T = TypeVar("_T")
 
 
 def rados_errno(exc: BaseException) -> int:
@@ -63,7 +60,8 @@ def errno_error(code: int, what: str) -> OSError:
 
 class Cluster:
     """A connected librados handle, shared by every pool of this process that uses
-    the same configuration. A fenced handle is dead for good; `reconnect` drops it."""
+    the same configuration. A fenced (blocklisted) handle is dead for good: the
+    process that held it restarts to serve again."""
 
     def __init__(self, conffile: str | None, client_id: str | None) -> None:
         self.conffile = conffile
@@ -72,8 +70,13 @@ class Cluster:
         try:
             self.rados.conf_read_file(conffile)
         except rados.Error as exc:
-            where = conffile or "CEPH_CONF / /etc/ceph/ceph.conf"
-            raise ThinblockError(f"cannot read the Ceph configuration {where}: {exc}") from None
+            if conffile is None and rados_errno(exc) == errno.ENOENT:
+                raise ThinblockError(
+                    "no Ceph configuration found: set CEPH_CONF or pass --ceph-conf PATH"
+                    " (looked for /etc/ceph/ceph.conf, ~/.ceph/config and ./ceph.conf)"
+                ) from None
+            reason = "no such file" if rados_errno(exc) == errno.ENOENT else "not a valid Ceph configuration"
+            raise ThinblockError(f"cannot read the Ceph configuration {conffile}: {reason}") from None
         self.rados.conf_parse_env()
         for key in ("rados_osd_op_timeout", "rados_mon_op_timeout", "client_mount_timeout"):
             self.rados.conf_set(key, str(OP_TIMEOUT_S))
@@ -157,7 +160,8 @@ def _probe_zero_order(io: Any) -> bool:
 
 def write_op_zero(cluster: Cluster, op: Any, offset: int, length: int) -> None:
     """Add a zero of [offset, offset+length) to a WriteOp, whatever the binding's order."""
-    assert length > 0 and offset >= 0  # a zero of length 0 crashes a Pacific OSD
+    if length <= 0 or offset < 0:
+        raise ValueError(f"zero of {length} bytes at {offset}")  # a zero of length 0 crashes a Pacific OSD
     if cluster.zero_swapped:
         op.zero(length, offset)
     else:
@@ -178,23 +182,3 @@ def connect(conffile: str | None = None, client_id: str | None = None) -> Cluste
         if cluster is None:
             cluster = _CLUSTERS[key] = Cluster(conffile, client_id)
         return cluster
-
-
-def forget(cluster: Cluster) -> None:
-    """Drop a dead (fenced) connection so that the next connect() makes a new one."""
-    with _CLUSTERS_LOCK:
-        for key, known in list(_CLUSTERS.items()):
-            if known is cluster:
-                del _CLUSTERS[key]
-    try:
-        cluster.shutdown()
-    except rados.Error:
-        log.debug("shutting a dead Ceph connection down failed", exc_info=True)
-
-
-def call_rados(call: Callable[[], _T], what: str) -> _T:
-    """One librados call, its failure as OSError (see as_oserror)."""
-    try:
-        return call()
-    except rados.Error as exc:
-        raise as_oserror(exc, what) from None

@@ -84,6 +84,14 @@ class DataStore(ABC):
         latency only concurrency hides."""
         return 1
 
+    @property
+    def reserves_space(self) -> bool:
+        """Whether preallocate and zero set real space aside in the layer below. A store
+        that cannot (RADOS has no reservation) says so here, declares the verbs NATIVE
+        and documents what they do instead; the pool's own accounting still sets the
+        space aside."""
+        return True
+
     # Batch verbs: a store with many operations in flight (a remote one) overrides
     # these; the defaults run one after another.
 
@@ -138,6 +146,10 @@ class FilterStore(DataStore):
     @property
     def queue_depth(self) -> int:
         return self.inner.queue_depth
+
+    @property
+    def reserves_space(self) -> bool:
+        return self.inner.reserves_space
 
     def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         return self.inner.read_many(ranges)

@@ -5,9 +5,12 @@ like rbd's `rbd_data.<id>.<objno>` (store/base.py's contract).
   of a short one, are zeros.
 - punch frees bytes in the cluster: an object it covers whole is removed, a tail
   is truncated, anything else is zeroed (WriteOp.zero).
-- zero and preallocate are `writesame` of a small zero pattern: the OSD writes the
-  zeros, so they take real space in the cluster without crossing the network.
-  RADOS cannot reserve space any other way.
+- RADOS has no way to reserve space for an object, so this store does not
+  (`reserves_space` is False): zero frees the bytes as punch does (the range
+  reads zero, which is all a ZEROED block needs), and preallocate does nothing.
+  Writing zeros instead would store them in the cluster, with no promise that a
+  later write finds room there either. The pool's own accounting is what sets
+  provisioned space aside (README, "Space and PROVISION on RADOS").
 - Every batch verb keeps its whole batch in flight (librados aio, at most
   IN_FLIGHT operations), so one connection's queue depth reaches the cluster.
 """
@@ -27,16 +30,10 @@ from thinblock.store.base import OPTIONAL_VERBS, DataStore, Support
 
 DEFAULT_OBJECT_SIZE = 4 << 20
 IN_FLIGHT = 64
-_PATTERN = bytes(4096)
 
 
 def _truncate(op: Any, at: int) -> None:
     op.truncate(at)
-
-
-def _write_zeros(op: Any, at: int, length: int) -> None:
-    """The OSD writes the zeros: only the pattern crosses the network."""
-    op.writesame(_PATTERN if length % len(_PATTERN) == 0 else b"\0", length, at)
 
 
 class _Batch:
@@ -201,14 +198,10 @@ class RadosStore(DataStore):
         batch.wait()
 
     def zero(self, offset: int, length: int) -> None:
-        self._writable()
-        batch = _Batch("RADOS zero")
-        for objno, within, n in self._pieces(offset, length):
-            self._operate(batch, objno, functools.partial(_write_zeros, at=within, length=n))
-        batch.wait()
+        self.punch(offset, length)  # nothing to keep: RADOS holds no reservation
 
     def preallocate(self, offset: int, length: int) -> None:
-        self.zero(offset, length)  # written zeros are the only space RADOS sets aside
+        self._writable()  # nothing to reserve in RADOS; the pool's accounting sets it aside
 
     def flush(self) -> None:
         # Each write was acknowledged once durable on the OSDs; wait for any still in flight.
@@ -226,6 +219,10 @@ class RadosStore(DataStore):
     @property
     def queue_depth(self) -> int:
         return IN_FLIGHT
+
+    @property
+    def reserves_space(self) -> bool:
+        return False
 
     def close(self) -> None:
         pass  # the connection is the process's, shared with the metadata store

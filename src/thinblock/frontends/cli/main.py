@@ -90,13 +90,17 @@ def _human_status(status: dict[str, Any]) -> str:
 
 
 def _human_ceph(status: dict[str, Any]) -> str:
-    if status.get("ceph_error"):
-        return f"Ceph pool {status['ceph_pool']}: figures unavailable ({status['ceph_error']})"
+    def size(key: str) -> str:
+        return "?" if status.get(key) is None else format_size(status[key])
+
     quota = status.get("ceph_pool_quota_bytes")
+    objects = "?" if status.get("ceph_pool_objects") is None else status["ceph_pool_objects"]
     return (
-        f"Ceph pool {status['ceph_pool']}: {format_size(status['ceph_pool_stored_bytes'])} stored in"
-        f" {status['ceph_pool_objects']} object(s), quota {format_size(quota) if quota else 'none'};"
-        f" cluster {format_size(status['ceph_cluster_avail_bytes'])} free of {format_size(status['ceph_cluster_bytes'])}"
+        f"Ceph pool {status['ceph_pool']}: {size('ceph_pool_stored_bytes')} stored in {objects} object(s),"
+        f" quota {format_size(quota) if quota else 'none'};"
+        f" cluster {size('ceph_cluster_avail_bytes')} free of {size('ceph_cluster_bytes')}"
+        + (f" (some figures unavailable: {status['ceph_error']})" if status.get("ceph_error") else "")
+        + "; provisioned space is set aside in the pool only (RADOS reserves nothing)"
     )
 
 
