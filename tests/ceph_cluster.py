@@ -75,6 +75,7 @@ osd memory target = 939524096
 rados osd op timeout = 30
 rados mon op timeout = 30
 mgr stats period = 1
+mon mgr digest period = 1
 osd pool default pg autoscale mode = off
 auth allow insecure global id reclaim = false
 

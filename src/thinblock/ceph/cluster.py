@@ -120,8 +120,6 @@ class Cluster:
                     ) from None
                 io.set_osdmap_full_try()
                 self._ioctxs[pool] = io
-            if self.zero_swapped is None:
-                self.zero_swapped = _probe_zero_order(io)
             return io
 
     def mon_command(self, command: dict[str, Any]) -> Any:
@@ -158,9 +156,20 @@ def _probe_zero_order(io: Any) -> bool:
     return bool(got == b"AAAA\0\0AA")
 
 
+def probe_zero_order(cluster: Cluster, io: Any) -> None:
+    """Learn the binding's WriteOp.zero argument order once, in io's pool (a full pool
+    refuses the probe's write: an OSError, and the caller's zero waits for later)."""
+    if cluster.zero_swapped is None:
+        try:
+            cluster.zero_swapped = _probe_zero_order(io)
+        except rados.Error as exc:
+            raise as_oserror(exc, "probing WriteOp.zero") from None
+
+
 def write_op_zero(cluster: Cluster, op: Any, offset: int, length: int) -> None:
-    """Add a zero of [offset, offset+length) to a WriteOp, whatever the binding's order."""
-    if length <= 0 or offset < 0:
+    """Add a zero of [offset, offset+length) to a WriteOp, whatever the binding's order
+    (probe_zero_order must have run)."""
+    if length <= 0 or offset < 0 or cluster.zero_swapped is None:
         raise ValueError(f"zero of {length} bytes at {offset}")  # a zero of length 0 crashes a Pacific OSD
     if cluster.zero_swapped:
         op.zero(length, offset)
