@@ -148,6 +148,10 @@ def test_takeover_after_sigkill_serves_every_flushed_byte(request: pytest.Fixtur
     refused = thinblock("serve", locator, "--socket", str(tmp_path / "b.sock"), check=False)
     assert refused.returncode == 1 and "already held by thinblock serve" in refused.stderr
     assert "--takeover" in refused.stderr
+    # An admin command finds the dead server's socket silent, and is told who holds the pool.
+    status = thinblock("pool", "status", locator, check=False)
+    assert status.returncode == 1 and "already held by thinblock serve" in status.stderr
+    assert "does not answer" in status.stderr
     second = _server_once_the_lease_lapses(locator, tmp_path, "b")  # it fences the dead holder
     try:
         assert "fencing its previous holder" in second.log.read_text()

@@ -17,7 +17,7 @@ from thinblock.admin.control import ControlClient
 from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
 from thinblock.backends import locate
 from thinblock.core.pool import Pool
-from thinblock.errors import PoolBusyError
+from thinblock.errors import PoolBusyError, ThinblockError
 
 
 class Admin(Protocol):
@@ -41,7 +41,11 @@ def open_admin(path: str) -> Iterator[Admin]:
         socket_path = os.path.join(locate(path).runtime_dir(), CONTROL_SOCKET)
         if not os.path.exists(socket_path):
             raise PoolBusyError(f"{exc}, which offers no control socket") from None
-        client = ControlClient(socket_path)
+        try:
+            client = ControlClient(socket_path)
+        except ThinblockError:
+            # A holder whose socket does not answer died or stalled: say who holds the pool.
+            raise PoolBusyError(f"{exc}; its control socket {socket_path} does not answer") from None
         try:
             yield client
         finally:
