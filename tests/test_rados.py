@@ -88,6 +88,9 @@ def test_cli_on_a_rados_pool(request: pytest.FixtureRequest, tmp_path: Path) -> 
     thinblock("volume", "clone", locator, "s1", "c")
     assert json.loads(thinblock("delta", locator, "s1", "v", "--json").stdout)["ranges"] == []
     assert "v" in thinblock("volume", "list", locator).stdout
+    # --ceph-conf before the command or after it
+    assert "v" in thinblock("--ceph-conf", os.environ["CEPH_CONF"], "volume", "list", locator).stdout
+    assert "v" in thinblock("volume", "list", locator, "--ceph-conf", os.environ["CEPH_CONF"]).stdout
     thinblock("pool", "check", locator)
     dump = tmp_path / "dump.txt"
     thinblock("pool", "dump", locator, "-o", str(dump))
@@ -369,6 +372,8 @@ def test_bad_configurations_get_one_sentence_in_bounded_time(request: pytest.Fix
     out = _bounded(["pool", "status", f"rados:{ceph_pool}/x"], {"CEPH_ARGS": f"--keyring {keyring}"}, 40)
     assert "cannot connect to the Ceph cluster" in out.stderr
     # A missing Ceph pool, and a missing thinblock pool in an existing one.
+    out = _bounded(["pool", "status", f"rados:{ceph_pool}/x", "--ceph-conf", str(tmp_path / "missing.conf")], {}, 40)
+    assert "cannot read the Ceph configuration" in out.stderr and "no such file" in out.stderr
     out = _bounded(["pool", "status", "rados:no-such-ceph-pool/x"], {}, 40)
     assert "no Ceph pool 'no-such-ceph-pool'" in out.stderr
     out = _bounded(["volume", "list", f"rados:{ceph_pool}/never-made"], {}, 40)

@@ -423,8 +423,18 @@ def cmd_mkfs(args: argparse.Namespace) -> None:
 # ----- parser --------------------------------------------------------------------------
 
 
+def _ceph_options(p: argparse.ArgumentParser, default: Any) -> None:
+    p.add_argument(
+        "--ceph-conf", metavar="PATH", default=default, help="Ceph configuration for rados: pools (default $CEPH_CONF)"
+    )
+    p.add_argument(
+        "--ceph-id", metavar="NAME", default=default, help="Ceph client id for rados: pools (default $CEPH_ID or admin)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="thinblock", description="Thin-provisioned block storage that treats zeros as free.")
+    _ceph_options(parser, default=None)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def add(group: Any, name: str, func: Callable[..., Any], help_text: str, pool: bool = True) -> _Parser:
@@ -432,8 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         if pool:
             p.add_argument("pool", metavar="POOL", help="pool directory, or rados:CEPHPOOL/NAME")
-        p.add_argument("--ceph-conf", metavar="PATH", help="Ceph configuration for rados: pools (default $CEPH_CONF)")
-        p.add_argument("--ceph-id", metavar="NAME", help="Ceph client id for rados: pools (default $CEPH_ID or admin)")
+        _ceph_options(p, default=argparse.SUPPRESS)  # given here or before the command
         return p
 
     pool_p = sub.add_parser("pool", help="create, inspect, grow and check pools", description="Pool commands.")
