@@ -33,14 +33,18 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     run = tmp_path / "run"
     monkeypatch.setenv("THINBLOCK_RUNTIME_DIR", str(run))
     yield tmp_path
-    with open("/proc/mounts") as f:
-        mounts = [line.split()[1] for line in f if str(tmp_path) in line.split()[1]]
-    for target in sorted(mounts, key=len, reverse=True):
-        subprocess.run(["umount", "-l", target], check=False)
+    # Loop devices first, while their backing files still show their paths: once the
+    # FUSE mount is gone (lazily), a loop's backing file reads as "/NAME" and no longer
+    # names this test. Then the mounts, then any daemon of this test still running.
     out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True).stdout
     for dev in json.loads(out)["loopdevices"] if out.strip() else []:
         if str(tmp_path) in (dev.get("back-file") or ""):
             subprocess.run(["losetup", "-d", dev["name"]], check=False)
+    with open("/proc/mounts") as f:
+        mounts = [line.split()[1] for line in f if str(tmp_path) in line.split()[1]]
+    for target in sorted(mounts, key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], check=False)
+    subprocess.run(["pkill", "-f", f"thinblock fuse-daemon {tmp_path}"], check=False)
 
 
 def make_pool(root: Path, *volumes: tuple[str, str], size: str = "8G") -> str:
