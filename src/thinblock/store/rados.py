@@ -11,8 +11,10 @@ like rbd's `rbd_data.<id>.<objno>` (store/base.py's contract).
   Writing zeros instead would store them in the cluster, with no promise that a
   later write finds room there either. The pool's own accounting is what sets
   provisioned space aside (README, "Space and PROVISION on RADOS").
-- Every batch verb keeps its whole batch in flight (librados aio, at most
-  IN_FLIGHT operations), so one connection's queue depth reaches the cluster.
+- A request of several pieces keeps them all in flight (librados aio, at most
+  IN_FLIGHT operations); a request of one piece is one synchronous call, on one
+  of the NBD server's `queue_depth` worker threads. Either way one connection's
+  queue depth reaches the cluster.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ IN_FLIGHT = 64
 
 def _truncate(op: Any, at: int) -> None:
     op.truncate(at)
+
+
+def _padded(data: bytes, n: int) -> bytes:
+    """What n bytes of an object read as: what it holds, then zeros past its end."""
+    return data if len(data) >= n else data + bytes(n - len(data))
 
 
 class _Batch:
@@ -116,16 +123,22 @@ class RadosStore(DataStore):
         if self.readonly:
             raise OSError(errno.EROFS, "the RADOS data store is open read-only")
 
+    def _only_piece(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, int, int] | None:
+        """The single object piece a one-range request covers, if it covers one."""
+        if len(ranges) != 1:
+            return None
+        pieces = self._pieces(*ranges[0])
+        return pieces[0] if len(pieces) == 1 else None
+
     # ----- reads -----------------------------------------------------------------
 
     def pread(self, offset: int, length: int) -> bytes:
         return self.read_many([(offset, length)])[0]
 
     def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        if len(ranges) == 1:
-            pieces_of_one = self._pieces(*ranges[0])
-            if len(pieces_of_one) == 1:
-                return [self._read_one(*pieces_of_one[0])]
+        only = self._only_piece(ranges)
+        if only is not None:
+            return [self._read_one(*only)]
         batch = _Batch("RADOS read")
         pieces: list[list[bytes]] = []
         for offset, length in ranges:
@@ -147,13 +160,12 @@ class RadosStore(DataStore):
             return bytes(n)  # never written: reads zero
         except rados.Error as exc:
             raise as_oserror(exc, "RADOS read") from None
-        return bytes(got) + bytes(n - len(got)) if len(got) < n else bytes(got)
+        return _padded(got, n)
 
     def _reader(self, batch: _Batch, slots: list[bytes], i: int, objno: int, within: int, n: int) -> Callable[[], Any]:
         def finished(completion: Any, data: bytes | None) -> None:
             code = completion.get_return_value()
-            got = data or b""
-            slots[i] = got + bytes(n - len(got)) if code >= 0 or code == -errno.ENOENT else b""
+            slots[i] = _padded(data or b"", n) if code >= 0 or code == -errno.ENOENT else b""
             batch.done(code, ok=(errno.ENOENT,))  # no object: never written, reads zero
 
         return lambda: self.io.aio_read(self.object_name(objno), n, within, oncomplete=finished)
@@ -165,22 +177,20 @@ class RadosStore(DataStore):
 
     def write_many(self, writes: Sequence[tuple[int, Sequence[bytes | memoryview]]]) -> None:
         self._writable()
-        if len(writes) == 1:
-            offset, buffers = writes[0]
-            length = sum(len(b) for b in buffers)
-            pieces_of_one = self._pieces(offset, length)
-            if len(pieces_of_one) == 1 and offset + length <= self._size:
-                objno, within, _ = pieces_of_one[0]
-                try:  # one piece, synchronously (see _read_one)
-                    self.io.write(self.object_name(objno), b"".join(buffers), within)
-                except rados.Error as exc:
-                    raise as_oserror(exc, "RADOS write") from None
-                return
+        ranges = [(offset, sum(len(b) for b in buffers)) for offset, buffers in writes]
+        if any(offset + length > self._size for offset, length in ranges):  # before any I/O
+            raise OSError(errno.ENOSPC, "write beyond the end of the RADOS data store")
+        only = self._only_piece(ranges)
+        if only is not None:
+            objno, within, _ = only
+            try:  # one piece, synchronously (see _read_one)
+                self.io.write(self.object_name(objno), b"".join(writes[0][1]), within)
+            except rados.Error as exc:
+                raise as_oserror(exc, "RADOS write") from None
+            return
         batch = _Batch("RADOS write")
         for offset, buffers in writes:
             data = b"".join(buffers)
-            if offset + len(data) > self._size:
-                raise OSError(errno.ENOSPC, "write beyond the end of the RADOS data store")
             pos = 0
             for objno, within, n in self._pieces(offset, len(data)):
                 chunk = data[pos : pos + n]
