@@ -84,9 +84,6 @@ class _Ops:
     removes: set[str] = dataclasses.field(default_factory=set)
     sets: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
-    def size(self) -> int:
-        return sum(len(k) + len(v) for k, v in self.sets.items()) + sum(len(k) for k in self.removes)
-
     def pieces(self) -> list[_Ops]:
         """The same changes in pieces that each fit one operation, removals first."""
         out = [_Ops(ranges=list(self.ranges))]
@@ -119,6 +116,13 @@ class _Ops:
 
     @classmethod
     def decode(cls, blob: bytes) -> _Ops:
+        try:
+            return cls._decode(blob)
+        except (struct.error, UnicodeDecodeError):
+            raise ThinblockError("a metadata journal object is damaged") from None
+
+    @classmethod
+    def _decode(cls, blob: bytes) -> _Ops:
         ops, pos = cls(), 0
         while pos < len(blob):
             tag = blob[pos : pos + 1]
@@ -157,6 +161,10 @@ class RadosMetadata(MetadataStore):
         self.readonly = readonly
         self._names: dict[int, str] | None = None  # volume id -> name, as committed
         self._max_page: int | None = None
+        # Whether a journal may be recorded but not applied: unknown until the first
+        # commit looks; afterwards only a commit of ours that failed past its commit
+        # point leaves one, so commits need not read the omap for it every time.
+        self._journal_maybe = True
 
     # ----- making one --------------------------------------------------------------
 
@@ -252,7 +260,8 @@ class RadosMetadata(MetadataStore):
 
     # ----- committing --------------------------------------------------------------
 
-    def _translate(self, txn: Transaction, *, fresh: bool) -> _Ops:
+    def _translate(self, txn: Transaction, *, fresh: bool) -> tuple[_Ops, dict[int, str], int]:
+        """The omap changes of txn, and the volume names and largest page id after it."""
         ops = _Ops()
         if fresh:
             names: dict[int, str] = {}
@@ -293,25 +302,26 @@ class RadosMetadata(MetadataStore):
         for index, blob in txn.refcount_pages.items():
             ops.sets[_ckey(index)] = bytes(blob)
         if txn.pages:
-            ops.sets[MAX_PAGE_KEY] = str(max(high, *txn.pages)).encode()
-        self._after = (names, max(high, *txn.pages) if txn.pages else high)
-        return ops
+            high = max(high, *txn.pages)
+            ops.sets[MAX_PAGE_KEY] = str(high).encode()
+        return ops, names, high
 
     def commit(self, txn: Transaction) -> None:
         if self.readonly:
             raise OSError(errno.EROFS, "metadata store opened read-only")
         epoch = self._held_epoch()
-        self.finish_journal()
-        ops = self._translate(txn, fresh=False)
+        if self._journal_maybe:
+            self.finish_journal()
+        ops, names, high = self._translate(txn, fresh=False)
         self._write(epoch, ops)
-        self._names, self._max_page = self._after
+        self._names, self._max_page = names, high
 
     def replace(self, superblock: dict[str, Any], txn: Transaction) -> None:
         """Restore and repair: exactly superblock and txn, replacing everything but the
         holder's keys, atomically (through the journal when it does not fit one op)."""
         epoch = self._held_epoch()
         self.finish_journal()
-        ops = self._translate(txn, fresh=True)
+        ops, _names, _high = self._translate(txn, fresh=True)
         # Where this pool's data objects are is the backend's, not the dump's: keep it.
         current = self.superblock()
         sb = {**initial_superblock(superblock), **txn.superblock}
@@ -351,12 +361,13 @@ class RadosMetadata(MetadataStore):
             raise as_oserror(exc, "metadata commit") from None
 
     def _write(self, epoch: int, ops: _Ops, *, journal: bool = False) -> None:
-        if not journal and ops.size() <= MAX_OP_BYTES and len(ops.sets) + len(ops.removes) <= MAX_OP_KEYS:
-            self._operate(epoch, ops)
+        pieces = ops.pieces()
+        if not journal and len(pieces) == 1:  # it fits one operation
+            self._operate(epoch, pieces[0])
             return
         base = f"{self.obj}.journal.{epoch}"
         names = []
-        for i, piece in enumerate(ops.pieces()):
+        for i, piece in enumerate(pieces):
             name = f"{base}.{i}"
             try:
                 self.io.write_full(name, piece.encode())
@@ -364,12 +375,14 @@ class RadosMetadata(MetadataStore):
                 raise as_oserror(exc, "metadata journal write") from None
             names.append(name)
         self._operate(epoch, _Ops(), {JOURNAL_KEY: json.dumps(names).encode()})  # the commit point
+        self._journal_maybe = True
         self.finish_journal()
 
     def finish_journal(self) -> None:
         """Apply a recorded journal (a commit that was interrupted, or just made)."""
         got = self._get([JOURNAL_KEY]).get(JOURNAL_KEY)
         if got is None:
+            self._journal_maybe = False
             return
         epoch = self._held_epoch()
         names = json.loads(got)
@@ -387,6 +400,7 @@ class RadosMetadata(MetadataStore):
                 pass
             except rados.Error as exc:
                 raise as_oserror(exc, "metadata journal removal") from None
+        self._journal_maybe = False
 
     # ----- checking and closing ------------------------------------------------------
 
