@@ -59,12 +59,11 @@ def remove_rados_pool(locator: str) -> None:
     location = locate(locator)
     assert isinstance(location, RadosLocation)
     io = connect().ioctx(location.ceph_pool)
-    rados_id = None
+    prefixes = [location.meta_object + "."]
     with contextlib.suppress(Exception):  # cleaning up whatever is there
-        rados_id = location.open_meta(readonly=True).superblock().get("rados_id")
-    prefixes = (location.meta_object + ".", f"thinblock_data.{rados_id}.")
+        prefixes.append(location.data_prefix(location.open_meta(readonly=True).superblock()) + ".")
     for o in list(io.list_objects()):
-        if o.key == location.meta_object or o.key.startswith(prefixes):
+        if o.key == location.meta_object or o.key.startswith(tuple(prefixes)):
             io.remove_object(o.key)
 
 

@@ -63,8 +63,8 @@ def _break_lock_args(instance: int, cookie: str) -> bytes:
 
 
 class _Lease(Ownership):
-    """The exclusive lock, renewed by a thread until release (or until renewing
-    fails: then this process has been taken over and `lost` says why)."""
+    """The exclusive lock, renewed by a thread until release, or until renewing fails
+    because this process was taken over or fenced (it logs why)."""
 
     def __init__(self, location: RadosLocation, io: Any, cookie: str, desc: str, epoch: int) -> None:
         self.location = location
@@ -72,7 +72,6 @@ class _Lease(Ownership):
         self.cookie = cookie
         self.desc = desc
         self.epoch = epoch
-        self.lost: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="thinblock-lease", daemon=True)
         self._thread.start()
@@ -86,9 +85,10 @@ class _Lease(Ownership):
             except rados.Error as exc:
                 if self._stop.is_set():
                     return
-                self.lost = f"renewing the lease failed: {as_oserror(exc, 'lock').strerror}"
                 log.error(
-                    "pool %s: %s; commits will be refused if another host took over", self.location.name, self.lost
+                    "pool %s: renewing the lease failed: %s; commits will be refused if another host took over",
+                    self.location.name,
+                    as_oserror(exc, "lock").strerror,
                 )
                 if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
                     return  # taken over, or fenced: nothing more to renew
@@ -229,14 +229,19 @@ class RadosLocation(Location):
             )
         return meta
 
+    @staticmethod
+    def data_prefix(superblock: dict[str, Any]) -> str:
+        """The data objects are PREFIX.OBJNO."""
+        return f"thinblock_data.{superblock['rados_id']}"
+
     def data_name(self, superblock: dict[str, Any]) -> str:
-        return f"Ceph pool {self.ceph_pool}, objects thinblock_data.{superblock.get('rados_id')}.*"
+        return f"Ceph pool {self.ceph_pool}, objects {self.data_prefix(superblock)}.*"
 
     def open_data(self, superblock: dict[str, Any], *, readonly: bool = False) -> DataStore:
         return RadosStore(
             self.cluster(),
             self.ceph_pool,
-            f"thinblock_data.{superblock['rados_id']}",
+            self.data_prefix(superblock),
             int(superblock["size_bytes"]),
             object_size=int(superblock.get("object_size") or DEFAULT_OBJECT_SIZE),
             readonly=readonly,
@@ -244,15 +249,13 @@ class RadosLocation(Location):
 
     # ----- ownership ---------------------------------------------------------------
 
-    def _owner(self, io: Any) -> dict[str, Any] | None:
+    def _holder(self, io: Any) -> tuple[dict[str, Any] | None, int]:
+        """The recorded holder (None if the last one let go) and the epoch, in one read."""
         with rados.ReadOpCtx() as op:
             it, _ = io.get_omap_vals_by_keys(op, (OWNER_KEY, EPOCH_KEY))
             io.operate_read_op(op, self.meta_object)
             got = dict(it)
-        owner = json.loads(got[OWNER_KEY]) if OWNER_KEY in got else None
-        if owner is not None:
-            owner["epoch_now"] = int(got.get(EPOCH_KEY, b"0"))
-        return owner
+        return (json.loads(got[OWNER_KEY]) if OWNER_KEY in got else None), int(got.get(EPOCH_KEY, b"0"))
 
     def own(self, purpose: str, *, takeover: bool = False) -> Ownership:
         cluster = self.cluster()
@@ -272,7 +275,7 @@ class RadosLocation(Location):
             try:
                 io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=LEASE_S)
             except rados.ObjectBusy:
-                holder = self._owner(io)
+                holder, _epoch = self._holder(io)
                 if not takeover:
                     raise PoolBusyError(self._busy(holder)) from None
                 if holder is None:
@@ -307,11 +310,7 @@ class RadosLocation(Location):
     def _fence_and_bump(self, cluster: Cluster, io: Any, me: dict[str, Any]) -> int:
         """We hold the lock: fence the previous holder if it never let go, then take
         the next epoch (one guarded op, so a racing taker cannot get the same one)."""
-        previous = self._owner(io)
-        with rados.ReadOpCtx() as op:
-            it, _ = io.get_omap_vals_by_keys(op, (EPOCH_KEY,))
-            io.operate_read_op(op, self.meta_object)
-            old = int(dict(it).get(EPOCH_KEY, b"0"))
+        previous, old = self._holder(io)
         if previous is not None and previous.get("addr") != me["addr"]:
             log.warning("pool %s: fencing its previous holder %s", self.name, self._who(previous))
             cluster.blocklist(str(previous["addr"]), BLOCKLIST_S)

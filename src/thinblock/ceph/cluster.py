@@ -9,7 +9,7 @@ cluster or a stuck OSD gives one sentence, never a hang.
 
 Quirks handled here (../shared/CEPH.md): the Python binding's WriteOp.zero passes
 its two arguments to librados in the wrong order in Pacific, and a zero of length
-0 crashes the OSD, so the order is probed once per connection; writes carry
+0 crashes the OSD, so the order is probed once per connection, on first use; writes carry
 FULL_TRY, so a full pool or quota answers EDQUOT at once instead of pausing the
 write until the op timeout.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import threading
 import uuid
@@ -27,8 +26,6 @@ from typing import Any
 import rados
 
 from thinblock.errors import ThinblockError
-
-log = logging.getLogger("thinblock.ceph")
 
 OP_TIMEOUT_S = 15
 CONNECT_TIMEOUT_S = 10
@@ -64,8 +61,6 @@ class Cluster:
     process that held it restarts to serve again."""
 
     def __init__(self, conffile: str | None, client_id: str | None) -> None:
-        self.conffile = conffile
-        self.client_id = client_id
         self.rados = rados.Rados(rados_id=client_id) if client_id else rados.Rados()
         try:
             self.rados.conf_read_file(conffile)
@@ -133,13 +128,6 @@ class Cluster:
         """Fence a client off: from the next OSD map on, everything it sends fails."""
         self.mon_command({"prefix": "osd blocklist", "blocklistop": "add", "addr": address, "expire": float(expire_s)})
         self.rados.wait_for_latest_osdmap()
-
-    def shutdown(self) -> None:
-        with self._lock:
-            for io in self._ioctxs.values():
-                io.close()
-            self._ioctxs.clear()
-        self.rados.shutdown()
 
 
 def _probe_zero_order(io: Any) -> bool:
