@@ -41,8 +41,7 @@ def _rados_location(locator: str) -> RadosLocation:
 
 def _data_objects(locator: str) -> list[str]:
     location = _rados_location(locator)
-    rados_id = location.open_meta(readonly=True).superblock()["rados_id"]
-    return rados_objects(f"thinblock_data.{rados_id}.")
+    return rados_objects(location.data_prefix(location.open_meta(readonly=True).superblock()) + ".")
 
 
 def _server(locator: str, work: Path, name: str, *extra: str) -> Server:
@@ -250,11 +249,9 @@ def test_large_commits_go_through_the_journal(request: pytest.FixtureRequest, mo
 
     # Interrupted after the commit point: the journal is recorded, not applied.
     finish = meta_rados.RadosMetadata.finish_journal
-    calls = []
 
     def crash(self: meta_rados.RadosMetadata) -> None:
-        calls.append(1)
-        if len(calls) == 2:  # the first call finishes an earlier journal, the second applies ours
+        if self.journal_pending():  # past the commit point, before anything of it is applied
             raise OSError(errno.EIO, "power cut")
         finish(self)
 
@@ -273,6 +270,55 @@ def test_large_commits_go_through_the_journal(request: pytest.FixtureRequest, mo
     fresh = location.open_meta(readonly=True)
     assert [v.name for v in fresh.volumes()] == ["b"] and fresh.roots(1) == {}
     assert rados_objects(location.meta_object + ".journal") == []
+
+
+class _FailingJournalWrites:
+    """An I/O context whose journal object writes fail (EIO), the rest passed through."""
+
+    def __init__(self, io: object) -> None:
+        self._io = io
+
+    def write_full(self, name: str, data: bytes) -> None:
+        raise rados.Error("injected", errno=errno.EIO)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._io, name)
+
+
+def test_a_journal_that_cannot_be_written_changes_nothing(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large commit whose journal write fails, before its commit point, leaves the
+    metadata exactly as it was; the same transaction commits afterwards."""
+    locator = new_rados_locator(request, "journalfail")
+    location = _rados_location(locator)
+    location.create({"block_size": 4096, "size_bytes": MiB, "clean": True}, MiB, None)
+    monkeypatch.setattr(meta_rados, "MAX_OP_KEYS", 100)
+    meta = location.open_meta(readonly=False)
+    owner = location.own("journal failure test")
+    try:
+        meta.commit(
+            Transaction(volumes=[VolumeRow(1, "a", MiB, "on", 1.0)], roots={(1, 0): 10}, pages={10: (1, bytes(4096))})
+        )
+        before = (meta.superblock(), meta.volumes(), sorted(meta.all_roots()), sorted(meta.all_pages()))
+        big = Transaction(
+            superblock={"transaction_id": 7},
+            volumes=[VolumeRow(2, "b", MiB, "on", 1.0)],
+            roots={(2, i): 100 + i for i in range(500)},
+            pages={100 + i: (1, bytes([i % 256]) * 4096) for i in range(500)},
+        )
+        real_io = meta.io
+        meta.io = _FailingJournalWrites(real_io)
+        with pytest.raises(OSError) as info:
+            meta.commit(big)
+        assert info.value.errno == errno.EIO
+        meta.io = real_io
+        assert (meta.superblock(), meta.volumes(), sorted(meta.all_roots()), sorted(meta.all_pages())) == before
+        assert not meta.journal_pending()
+        meta.commit(big)
+        assert [v.name for v in meta.volumes()] == ["a", "b"] and len(meta.roots(2)) == 500
+    finally:
+        owner.release()
 
 
 def test_quota_gives_enospc_and_writes_resume(request: pytest.FixtureRequest, tmp_path: Path) -> None:
@@ -402,6 +448,9 @@ def test_a_lost_connection_fails_writes_cleanly(request: pytest.FixtureRequest, 
         assert h.pread(4096, 32 * MiB) == bytes(4096)  # unmapped: answered from metadata
         with pytest.raises(nbd.Error) as info:
             h.pread(4096, 0)  # mapped: RADOS refuses the fenced client
+        assert info.value.errno == "EIO"
+        with pytest.raises(nbd.Error) as info:
+            h.pwrite(b"z" * (4 * MiB), 8 * MiB)  # over two objects: the aio batch path fails the same way
         assert info.value.errno == "EIO"
         h.trim(MiB, 0)  # a metadata change, which can never be committed now
         with pytest.raises(nbd.Error):
