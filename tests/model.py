@@ -251,3 +251,18 @@ class Model:
             else:
                 runs.append([e - s, v.states[b]])
         return [(n, st) for n, st in runs]
+
+    def guaranteed(self, name: str, offset: int, length: int) -> list[tuple[int, bool]]:
+        """Writes never fail for space: mapped blocks of a writable volume whose
+        reservation covers its whole size."""
+        v = self.volumes[name]
+        covered = v.kind == "volume" and v.reserve != 0 and v.reserve_blocks() >= len(v.states)
+        runs: list[list[int | bool]] = []
+        for b, s, e in v.segments(offset, length):
+            sure = covered and v.states[b] != UNMAPPED
+            if runs and runs[-1][1] == sure:
+                runs[-1][0] += e - s  # type: ignore[operator]
+            else:
+                runs.append([e - s, sure])
+        return [(int(n), bool(g)) for n, g in runs]
+

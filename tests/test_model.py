@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import random
 import shutil
@@ -94,7 +95,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ----- helpers ----------------------------------------------------------------
 
-    def _both(self, name: str, impl, model, touched: tuple[str, int, int] | None = None) -> None:
+    def _both(self, name: str, impl, model, touched: tuple[str, int, int] | None = None) -> int | None:
         """Run an operation on both; they must agree on success or on the errno.
 
         With a fault armed (rule `with_fault`), the layer below may fail during the
@@ -123,9 +124,10 @@ class PoolMachine(RuleBasedStateMachine):
         if fault is not None and fault.fired and error is not None:
             assert before is not None
             self._after_fault(name, error, before, touched)
-            return
+            return None  # the layer below failed: no promise covers that
         assert error is None or isinstance(error, OpError), f"{name}: {error!r}"
         assert got == expected, f"{name}: implementation errno {got}, model errno {expected}"
+        return got
 
     def _after_fault(self, name: str, error: OSError, before: Model, touched: tuple[str, int, int] | None) -> None:
         self.faults_fired += 1
@@ -166,13 +168,20 @@ class PoolMachine(RuleBasedStateMachine):
         return offset, length
 
     def _mutate(self, what: str, name: str, impl, model, touched: tuple[str, int, int] | None = None) -> None:
-        """A write-type verb: snapshots refuse it with EPERM and change nothing."""
+        """A write-type verb: snapshots refuse it with EPERM and change nothing. One into
+        a range the pool reports guaranteed must never fail with ENOSPC."""
         if self.model.volumes[name].kind == "snapshot":
             self._fault = None
             with pytest.raises(ReadOnlyError):
                 impl()
             return
-        self._both(what, impl, model, touched)
+        guaranteed = False
+        if touched is not None and touched[2]:
+            runs = self.pool.volume(name).guaranteed_status(touched[1], touched[2])
+            assert runs == self.model.guaranteed(name, touched[1], touched[2]), f"{name}: guaranteed ranges"
+            guaranteed = all(sure for _n, sure in runs)
+        got = self._both(what, impl, model, touched)
+        assert not (guaranteed and got == errno.ENOSPC), f"{what} {touched}: reported guaranteed, got ENOSPC"
 
     def _maybe_fault(self, data: st.DataObject) -> None:
         """A third of the data operations run with the layer below failing at one of its calls."""

@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from thinblock.core.pool import Pool
 
 _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
-_BACKED = 1 << 2  # in _status_runs' keys, beside the state: a write there finds space
 _P = ParamSpec("_P")
 
 
@@ -598,54 +597,46 @@ class Volume:
 
     def block_status(self, offset: int, length: int) -> list[tuple[int, BlockState]]:
         """(length, state) runs covering [offset, offset+length), equal neighbours merged."""
-        return [(n, BlockState(key)) for n, key in self._status_runs(offset, length, backed=False)]
-
-    def allocation_status(self, offset: int, length: int) -> list[tuple[int, BlockState, bool]]:
-        """block_status plus, per run, whether a write there is sure to find space.
-
-        This is where the NBD rule "a write to a range reported allocated (not HOLE)
-        never fails with ENOSPC" is kept: a mapped block this volume shares with a
-        snapshot or clone needs a fresh dblock on its first write, so it counts as
-        backed only when the volume's reservation has set aside enough for every
-        block it shares. UNMAPPED blocks are never backed.
-        """
-        runs = self._status_runs(offset, length, backed=True)
-        return [(n, BlockState(key & ~_BACKED), bool(key & _BACKED)) for n, key in runs]
-
-    def _status_runs(self, offset: int, length: int, *, backed: bool) -> list[tuple[int, int]]:
         self._check(offset, length, write=False)
         bs = self.pool.block_size
         runs: Runs[int] = Runs()
         add = runs.add
         pos = offset
         with self.pool.lock:
-            refcounts = self.pool.space.refcounts
-            row = self.row
-            # Every shared block is covered when the set-aside can copy them all.
-            covered = (
-                self.readonly
-                or not backed
-                or (
-                    row.reserve_bytes != 0
-                    and self.pool.set_aside(self) >= row.data_blocks + row.zeroed_blocks - self.owned_blocks
-                )
-            )
             for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
                 seg_off = vblock * bs + start
                 if seg_off > pos:
                     add(seg_off - pos, _UNMAPPED)
-                key = entry_state(entry)
-                if (
-                    backed
-                    and entry
-                    and (covered or (refcounts[entry_dblock(entry)] == 1 and not self._shares_page(vblock)))
-                ):
-                    key |= _BACKED
-                add(end - start, key)
+                add(end - start, entry_state(entry))
                 pos = seg_off + end - start
         if pos < offset + length:
             add(offset + length - pos, _UNMAPPED)
-        return runs.pairs()
+        return [(n, BlockState(key)) for n, key in runs.pairs()]
+
+    def guaranteed_status(self, offset: int, length: int) -> list[tuple[int, bool]]:
+        """(length, guaranteed) runs: whether a write there can never fail for lack of
+        pool space, now or after any snapshot taken later (the one place that rule lives).
+
+        Only a reservation that covers the whole volume gives that: the pool then keeps
+        set aside enough to write every block of the volume once more, and a snapshot
+        it cannot cover is refused (create_snapshot). A block the volume holds alone
+        today is no guarantee without it, because a snapshot may share it at any
+        moment, after which its next write needs a fresh block. Mapped blocks only;
+        read-only volumes take no writes, so nothing is reported guaranteed there.
+        """
+        self._check(offset, length, write=False)
+        with self.pool.lock:
+            covered = self.fully_reserved()
+        if not covered:
+            return [(length, False)] if length else []
+        return Runs((n, state is not BlockState.UNMAPPED) for n, state in self.block_status(offset, length)).pairs()
+
+    def fully_reserved(self) -> bool:
+        """The reservation covers every block of the volume (call under the pool lock)."""
+        if self.readonly or not self.row.reserve_bytes:
+            return False
+        n_blocks = -(-self.row.size_bytes // self.pool.block_size)
+        return self.pool.reserve_target(self) >= n_blocks
 
     def usage(self) -> tuple[int, int]:
         """(exclusive, shared) mapped blocks: shared ones are also held by another

@@ -4,8 +4,8 @@ An NBD connection and a FUSE file handle are both one client's use of one
 volume. Both open an `Export`, which counts the client (removal and rollback
 refuse while any is open), refuses writes to read-only exports, clips reads at
 the end of the volume, says what errno a failure is, and turns block states
-into the two views clients ask for: allocation (NBD base:allocation's HOLE and
-ZERO) and data (SEEK_DATA/SEEK_HOLE). The frontends only translate protocols.
+into the views clients ask for: allocation (NBD base:allocation's HOLE and ZERO),
+the space guarantee (thinblock:guaranteed) and data (SEEK_DATA/SEEK_HOLE). The frontends only translate protocols.
 """
 
 from __future__ import annotations
@@ -98,14 +98,22 @@ class Export:
     # ----- what clients are told about allocation -------------------------------------
 
     def allocation(self, offset: int, length: int) -> list[tuple[int, bool, bool]]:
-        """(length, hole, zero) runs. zero: the range reads zeros (UNMAPPED, ZEROED).
-        hole: not allocated, i.e. a write there could fail with ENOSPC: UNMAPPED, and a
-        mapped block a write would have to copy without space set aside for it
-        (Volume.allocation_status keeps that rule)."""
-        runs: Runs[tuple[bool, bool]] = Runs()
-        for n, state, backed in self.volume.allocation_status(offset, length):
-            runs.add(n, (state is BlockState.UNMAPPED or not backed, state is not BlockState.DATA))
+        """(length, hole, zero) runs, as qemu-nbd and rbd report them: every mapped block
+        is allocated (hole clear), shared or not; zero: the range reads zeros (UNMAPPED,
+        ZEROED). Which ranges are sure to take writes on a full pool is a separate
+        question, answered by guaranteed()."""
+        runs = Runs(
+            (n, (state is BlockState.UNMAPPED, state is not BlockState.DATA))
+            for n, state in self.volume.block_status(offset, length)
+        )
         return [(n, hole, zero) for n, (hole, zero) in runs.pairs()]
+
+    def guaranteed(self, offset: int, length: int) -> list[tuple[int, bool]]:
+        """(length, guaranteed) runs: a write there never fails with ENOSPC
+        (Volume.guaranteed_status keeps that rule); never on a read-only export."""
+        if self.read_only:
+            return [(length, False)] if length else []
+        return self.volume.guaranteed_status(offset, length)
 
     def data_runs(self, offset: int, length: int) -> list[tuple[int, bool]]:
         """(length, is_data) runs for SEEK_DATA/SEEK_HOLE: only DATA may read non-zero."""

@@ -22,6 +22,7 @@ import queue
 import socket
 import ssl
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -68,6 +69,10 @@ LARGE_REQUEST_BYTES = 1 << 20
 # thinblock:changed:SNAPSHOT - bit 0 set: the range differs from the snapshot.
 CHANGED_PREFIX = "thinblock:changed:"
 STATE_CHANGED = 1
+# thinblock:guaranteed - bit 0 set: a write to the range never fails with ENOSPC
+# (the "other context" base:allocation's HOLE rule defers to; see the README).
+GUARANTEED = "thinblock:guaranteed"
+STATE_GUARANTEED = 1
 
 _ERRNO_TO_NBD = {
     errno.EPERM: c.EPERM,
@@ -102,12 +107,13 @@ class PoolCatalog:
             name=vol.name,
             size_bytes=vol.size_bytes,
             read_only=self.read_only or vol.readonly,
-            description=f"thinblock volume {vol.name}",
+            description=describe(self.pool, vol),
             min_block=1,
             preferred_block=min(self.pool.block_size, 1 << 16),
             max_payload=c.MAX_PAYLOAD_BYTES,
             meta_contexts=(
                 BASE_ALLOCATION,
+                GUARANTEED,
                 *(CHANGED_PREFIX + name for name, v in sorted(self.pool.volumes.items()) if v.row.kind == "snapshot"),
             ),
         )
@@ -127,6 +133,16 @@ class PoolCatalog:
                 volumes = [v for v in self.pool.volumes.values() if v.row.kind == "volume"]
                 return volumes[0] if len(volumes) == 1 else None
             return self.pool.volumes.get(name)
+
+
+def describe(pool: Pool, vol: Volume) -> str:
+    """An export's description: a snapshot says of which volume and when it was taken."""
+    if vol.row.kind != "snapshot":
+        return f"thinblock volume {vol.name}"
+    origin = pool.volume_by_id(vol.row.origin_id)
+    taken = vol.row.created
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(taken)) if taken else "at an unknown time"
+    return f"thinblock snapshot {vol.name} of {origin.name if origin else 'a removed volume'}, taken {when}"
 
 
 def execute(conn: ServerConnection, vol: Export, req: Request) -> list[bytes]:
@@ -170,6 +186,8 @@ def context_extents(export: Export, context: str, offset: int, length: int) -> l
             (n, (c.STATE_HOLE if hole else 0) | (c.STATE_ZERO if zero else 0))
             for n, hole, zero in export.allocation(offset, length)
         ]
+    if context == GUARANTEED:
+        return [(n, STATE_GUARANTEED if sure else 0) for n, sure in export.guaranteed(offset, length)]
     vol = export.volume
     snapshot = vol.pool.volumes.get(context.removeprefix(CHANGED_PREFIX))
     if snapshot is None:
