@@ -234,7 +234,7 @@ def test_no_enospc_where_guaranteed_under_concurrent_snapshots(tmp_path: Path) -
             def body() -> None:
                 try:
                     fn(*args)
-                except BaseException as exc:  # noqa: BLE001 - reported by the test
+                except BaseException as exc:  # reported by the test thread
                     errors.append(exc)
                     stop.set()
 
