@@ -265,4 +265,3 @@ class Model:
             else:
                 runs.append([e - s, sure])
         return [(int(n), bool(g)) for n, g in runs]
-
