@@ -261,7 +261,7 @@ class Model:
         for b, s, e in v.segments(offset, length):
             sure = covered and v.states[b] != UNMAPPED
             if runs and runs[-1][1] == sure:
-                runs[-1][0] += e - s  # type: ignore[operator]
+                runs[-1][0] += e - s
             else:
                 runs.append([e - s, sure])
         return [(int(n), bool(g)) for n, g in runs]

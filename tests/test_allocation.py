@@ -15,7 +15,7 @@ import random
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import nbd
@@ -138,7 +138,12 @@ def test_guaranteed_context_is_offered_and_follows_the_reservation(served: Serve
     listing.set_opt_mode(True)
     listing.connect_uri(served.unix_uri("vm"))
     offered: list[str] = []
-    listing.opt_list_meta_context(lambda name: offered.append(name) or 0)
+
+    def offer(name: str) -> int:
+        offered.append(name)
+        return 0
+
+    listing.opt_list_meta_context(offer)
     assert GUARANTEED in offered and "base:allocation" in offered
     listing.opt_abort()
 
@@ -230,7 +235,7 @@ def test_no_enospc_where_guaranteed_under_concurrent_snapshots(tmp_path: Path) -
                             admin.call("volume_remove", name=victim, kind="snapshot")
                     time.sleep(0.2)
 
-        def guarded(fn, *args) -> threading.Thread:  # type: ignore[no-untyped-def]
+        def guarded(fn: Callable[..., None], *args: object) -> threading.Thread:
             def body() -> None:
                 try:
                     fn(*args)
