@@ -151,9 +151,38 @@ def test_volume_with_data_never_gets_the_hint(env: Path) -> None:
     dev = thinblock("attach", pool, "v").stdout.strip()
     sh("dd", "if=/dev/urandom", f"of={dev}", "bs=64K", "count=1", "seek=1000", "oflag=direct", "status=none")
     thinblock("detach", dev)
-    result = json.loads(thinblock("mkfs", pool, "v", "--json").stdout)
+    result = json.loads(thinblock("mkfs", pool, "v", "--force", "--json").stdout)
     assert result["prezeroed_hint"] is False and result["storage_was_zero"] is False
     assert "assume_storage_prezeroed" not in " ".join(result["command"])
+
+
+@pytest.mark.parametrize("fs", ["ext4", "xfs"])
+def test_mkfs_refuses_a_volume_that_holds_data(env: Path, fs: str) -> None:
+    """Both filesystems refuse alike, naming what they found, unless --force."""
+    pool = make_pool(env, ("raw", "1G"), ("hasxfs", "1G"), ("hasext4", "1G"))
+    dev = thinblock("attach", pool, "raw").stdout.strip()
+    sh("dd", "if=/dev/urandom", f"of={dev}", "bs=64K", "count=3", "seek=100", "oflag=direct", "status=none")
+    thinblock("detach", dev)
+    thinblock("mkfs", pool, "hasxfs", "-t", "xfs", "--", "-L", "keepme")
+    thinblock("mkfs", pool, "hasext4", "-t", "ext4")
+    before = {v["name"]: v["data_bytes"] for v in json.loads(thinblock("volume", "list", pool, "--json").stdout)}
+    for name, found in (
+        ("raw", "holds 196608 bytes of data (192K)"),
+        ("hasxfs", "holds a filesystem signature: xfs labelled 'keepme'"),
+        ("hasext4", "holds a filesystem signature: ext4 (blkid)"),
+    ):
+        refused = thinblock("mkfs", pool, name, "-t", fs, check=False)
+        assert refused.returncode == 1 and found in refused.stderr and "--force" in refused.stderr, refused.stderr
+    after = {v["name"]: v["data_bytes"] for v in json.loads(thinblock("volume", "list", pool, "--json").stdout)}
+    assert after == before  # nothing was written
+    dev = thinblock("attach", pool, "hasxfs").stdout.strip()
+    assert sh("blkid", "-o", "value", "-s", "LABEL", dev).stdout.strip() == "keepme"
+    thinblock("detach", dev)
+    assert json.loads(thinblock("attach", "--list", "--json").stdout) == []  # refusing detached again
+    thinblock("mkfs", pool, "hasxfs", "-t", fs, "--force")
+    dev = thinblock("attach", pool, "hasxfs").stdout.strip()
+    assert sh("blkid", "-o", "value", "-s", "TYPE", dev).stdout.strip() == fs
+    thinblock("detach", dev)
 
 
 def test_zero_writes_through_the_loop_device_use_no_space(env: Path) -> None:

@@ -400,7 +400,7 @@ def cmd_detach(args: argparse.Namespace) -> None:
 def cmd_mkfs(args: argparse.Namespace) -> None:
     from thinblock.frontends.fuse.mkfs import format_volume
 
-    result = format_volume(args.pool, args.name, args.type, args.extra)
+    result = format_volume(args.pool, args.name, args.type, args.extra, force=args.force)
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -410,7 +410,7 @@ def cmd_mkfs(args: argparse.Namespace) -> None:
         else (
             "known zero (mkfs.xfs has no prezeroed hint)"
             if result["storage_was_zero"]
-            else "holds data: formatting normally"
+            else "holds data: formatting normally (--force)"
         )
     )
     print(f"{args.name}: {hint}")
@@ -545,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("name", metavar="NAME")
     p.add_argument("-t", "--type", default="ext4", choices=("ext4", "xfs"), help="filesystem (default ext4)")
+    p.add_argument("-f", "--force", action="store_true", help="format even a volume that holds data (destroys it)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(sub, "fuse-daemon", cmd_fuse_daemon, "internal: the FUSE daemon started by attach")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")

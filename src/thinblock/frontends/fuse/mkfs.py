@@ -4,7 +4,9 @@ If no block of the volume holds data (all UNMAPPED or ZEROED), the storage is
 known to read zero and mke2fs gets `-E assume_storage_prezeroed=1` (it then
 skips zeroing inode tables and the journal). mkfs.xfs has no such hint; the
 pool makes its discards and zeroing cheap anyway. The hint is never passed
-when any block holds data.
+when any block holds data, and then the volume is formatted only with --force:
+the same guard for both filesystems, naming what blkid found (or how many
+bytes of data), instead of mke2fs's and mkfs.xfs's different ones.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from thinblock.core.pool import read_status
 from thinblock.errors import ThinblockError
 from thinblock.frontends.fuse.attach import _pool_dir, attach, detach, list_attached
+from thinblock.sizes import format_size
 
 
 def _volume_status(pool: str, volume: str) -> tuple[dict[str, Any], int]:
@@ -32,7 +35,29 @@ def _volume_status(pool: str, volume: str) -> tuple[dict[str, Any], int]:
     return vol, int(status["used_bytes"])
 
 
-def format_volume(pool: str, volume: str, fstype: str, extra: list[str]) -> dict[str, Any]:
+def _signature(device: str) -> str | None:
+    """What blkid's low-level probe finds on the device (a filesystem, a partition table...)."""
+    proc = subprocess.run(
+        ["blkid", "-p", "-o", "export", device], capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL
+    )
+    fields = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    if "TYPE" in fields:
+        label = f" labelled {fields['LABEL']!r}" if fields.get("LABEL") else ""
+        return f"a {fields.get('USAGE', 'filesystem')} signature: {fields['TYPE']}{label}"
+    if "PTTYPE" in fields:
+        return f"a partition table: {fields['PTTYPE']}"
+    return None
+
+
+def _refuse_data(volume: str, device: str, data_bytes: int) -> None:
+    found = _signature(device) or f"{data_bytes} bytes of data ({format_size(data_bytes)})"
+    raise ThinblockError(
+        f"volume {volume} holds {found} (blkid): formatting would destroy it; use --force to format it anyway"
+    )
+
+
+def format_volume(pool: str, volume: str, fstype: str, extra: list[str], *, force: bool = False) -> dict[str, Any]:
+    """Format a volume; one that holds any data is refused unless force (both filesystems alike)."""
     if fstype not in ("ext4", "xfs"):
         raise ThinblockError(f"unsupported filesystem type {fstype!r}: use ext4 or xfs")
     real = os.path.realpath(pool)
@@ -41,15 +66,18 @@ def format_volume(pool: str, volume: str, fstype: str, extra: list[str]) -> dict
     try:
         vol, used_before = _volume_status(pool, volume)
         prezeroed = vol["data_bytes"] == 0
+        if not prezeroed and not force:
+            _refuse_data(volume, device, int(vol["data_bytes"]))
+        # The check above is the guard; the formatters' own (which differ) are then overridden.
         if fstype == "ext4":
-            cmd = ["mke2fs", "-t", "ext4", "-F"]
+            cmd = ["mke2fs", "-t", "ext4", *(["-F"] if force else [])]
             if prezeroed:
                 cmd += ["-E", "assume_storage_prezeroed=1"]
             cmd += [*extra, device]
         else:
-            cmd = ["mkfs.xfs", *extra, device]
+            cmd = ["mkfs.xfs", *(["-f"] if force else []), *extra, device]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
         elapsed = time.perf_counter() - start
         if proc.returncode != 0:
             raise ThinblockError(f"{cmd[0]} failed: {proc.stderr.strip() or proc.stdout.strip()}")
