@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,45 @@ from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
 
 BACKENDS = ["sparse", "loop", "emulated", "memory", "rados"]
+
+
+def _kernel_and_daemons() -> set[str]:
+    """Loop devices, thinblock FUSE mounts and thinblock server/daemon processes, as words."""
+    found = set()
+    out = subprocess.run(["losetup", "--list", "--noheadings", "-O", "NAME,BACK-FILE"], capture_output=True, text=True)
+    found |= {f"loop device {line.strip()}" for line in out.stdout.splitlines() if line.strip()}
+    with open("/proc/mounts") as f:
+        found |= {f"FUSE mount {line.split()[1]}" for line in f if line.split()[2] == "fuse.thinblock"}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in args if a]
+        if state != "Z" and "thinblock" in words and ({"serve", "fuse-daemon"} & set(words)):
+            found.add(f"process {pid}: {' '.join(words)}")
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_leaks() -> Iterator[None]:
+    """The whole run leaves no loop device, FUSE mount or thinblock process behind,
+    whether its tests passed or failed; a leak fails the run (and is cleaned up)."""
+    before = _kernel_and_daemons()
+    yield
+    deadline = time.monotonic() + 10  # daemons told to stop may still be committing
+    while (leaked := _kernel_and_daemons() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for item in sorted(leaked):
+        if item.startswith("loop device "):
+            subprocess.run(["losetup", "-d", item.split()[2]], check=False)
+        elif item.startswith("FUSE mount "):
+            subprocess.run(["umount", "-l", item.split()[2]], check=False)
+        else:
+            with contextlib.suppress(OSError):
+                os.kill(int(item.split()[1].rstrip(":")), 9)
+    assert not leaked, "the test run leaked: " + "; ".join(sorted(leaked))
 
 
 @pytest.fixture(scope="session")

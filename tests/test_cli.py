@@ -6,6 +6,8 @@ import json
 import os
 import sqlite3
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,10 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def tb(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    """The CLI; with ok=False it must fail cleanly: exit 1 and a message."""
+    """The CLI; with ok=False it must fail cleanly: exit 1 (failed) or 2 (usage) and a message."""
     proc = thinblock(*args, check=ok)
     if not ok:
-        assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+        assert proc.returncode in (1, 2), (proc.returncode, proc.stdout, proc.stderr)
         assert "error" in proc.stderr
     return proc
 
@@ -52,7 +54,7 @@ def test_pool_lifecycle(pool_dir: str) -> None:
     assert "vm1" in human and "used 2M" in human
     tb("pool", "grow", pool_dir, "--size", "128M")
     assert json.loads(tb("pool", "status", pool_dir, "--json").stdout)["size_bytes"] == 128 << 20
-    tb("volume", "resize", pool_dir, "vm1", "--size", "512K")
+    tb("volume", "resize", pool_dir, "vm1", "--size", "512K", "--allow-shrink")
     vols = {v["name"]: v for v in json.loads(tb("volume", "list", pool_dir, "--json").stdout)}
     assert vols["vm1"]["size_bytes"] == 512 << 10 and vols["vm1"]["mapped_bytes"] == 512 << 10
     tb("volume", "set", pool_dir, "vm1", "--detect-zeroes", "off")
@@ -197,3 +199,105 @@ def test_format_1_pool_is_upgraded_on_first_write_open(pool_dir: str) -> None:
     listing = json.loads(tb("volume", "list", pool_dir, "--json").stdout)
     assert [(v["name"], v["kind"], v["origin"], v["reserve"]) for v in listing] == [("old", "volume", None, 0)]
     tb("pool", "check", pool_dir)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["pool"], 2, "a command is required: thinblock pool --help"),
+        ([], 2, "a command is required"),
+        (["volume", "frobnicate", "{pool}"], 2, "invalid choice"),
+        (["volume", "create", "{pool}", "v"], 2, "--size"),
+        (["volume", "create", "{pool}", "v", "--size", "1X"], 2, "invalid size '1X'"),
+        (["pool", "create", "{tmp}/p2", "--size", "1K"], 1, "invalid pool size 1K"),
+        (["volume", "create", "{pool}", "v", "--size", "1000"], 1, "invalid volume size 1000B"),
+        (["volume", "resize", "{pool}", "nope", "--size", "1G"], 1, "'nope'"),
+        (["pool", "status", "{tmp}/missing"], 1, "no pool at {tmp}/missing"),
+        (["serve", "{tmp}/missing"], 1, "no pool at {tmp}/missing"),
+    ],
+)
+def test_exit_status_and_messages_name_the_object(
+    pool_dir: str, tmp_path: Path, args: list[str], code: int, words: str
+) -> None:
+    """2 for a command line argparse cannot parse, 1 for a command that ran and failed."""
+    proc = thinblock(*[a.format(tmp=tmp_path, pool=pool_dir) for a in args], check=False)
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert words.format(tmp=tmp_path) in proc.stderr, proc.stderr
+    assert proc.stderr.count("Traceback") == 0
+
+
+def test_version() -> None:
+    from thinblock import __version__
+
+    assert tb("--version").stdout.strip() == f"thinblock {__version__}"
+
+
+@pytest.mark.parametrize("args", [["volume", "list", "{pool}"], ["pool", "status", "{pool}", "--json"], ["--help"]])
+def test_a_closed_stdout_ends_quietly(pool_dir: str, args: list[str]) -> None:
+    for i in range(40):
+        tb("volume", "create", pool_dir, f"v{i}", "--size", "1G")
+    cmd = " ".join([sys.executable, "-m", "thinblock", *[a.format(pool=pool_dir) for a in args]])
+    proc = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {cmd} | head -c 1 >/dev/null; echo status ${{PIPESTATUS[0]}} >&2"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] in ("status 141", "status 0"), proc.stderr
+
+
+def test_absent_settings_show_as_none_and_sizes_in_human_units(pool_dir: str) -> None:
+    out = tb("pool", "set", pool_dir, "--low-water", "10").stdout
+    assert "autogrow: none" in out and "on_low_water: none" in out and "low_water_percent: 10%" in out
+    assert "None" not in out
+    out = tb("pool", "set", pool_dir, "--autogrow", "64M:1G").stdout
+    assert "autogrow: 64M steps up to 1G" in out
+
+
+def test_shrinking_needs_allow_shrink_and_no_clients(pool_dir: str, tmp_path: Path) -> None:
+    from tests.nbd_server import Server, connect
+
+    tb("volume", "create", pool_dir, "v", "--size", "4M")
+    with Pool.open(pool_dir) as pool:
+        pool.volume("v").write(3 << 20, b"keep" * 1024)
+    refused = tb("volume", "resize", pool_dir, "v", "--size", "1M", ok=False)
+    assert refused.returncode == 1 and "--allow-shrink" in refused.stderr and "4M to 1M" in refused.stderr
+    tb("volume", "resize", pool_dir, "v", "--size", "8M")  # growing needs nothing
+    server = Server(pool_dir, workdir=tmp_path)
+    try:
+        h = connect(server, "v")
+        busy = tb("volume", "resize", pool_dir, "v", "--size", "1M", "--allow-shrink", ok=False)
+        assert "cannot shrink volume v: it is open by 1 client(s)" in busy.stderr
+        busy = tb("volume", "remove", pool_dir, "v", ok=False)
+        assert "cannot remove volume v: it is open by 1 client(s)" in busy.stderr
+        assert h.pread(4, 3 << 20) == b"keep"
+        h.shutdown()
+        time.sleep(0.2)
+        tb("volume", "resize", pool_dir, "v", "--size", "1M", "--allow-shrink")
+    finally:
+        server.stop()
+    listing = json.loads(tb("volume", "list", pool_dir, "--json").stdout)
+    assert [(v["name"], v["size_bytes"], v["mapped_bytes"]) for v in listing] == [("v", 1 << 20, 0)]
+
+
+def test_removing_a_snapshot_with_dependents_says_what_happens_to_them(pool_dir: str) -> None:
+    tb("volume", "create", pool_dir, "vm", "--size", "1M")
+    with Pool.open(pool_dir) as pool:
+        pool.volume("vm").write(0, b"a" * (64 << 10))
+    tb("snapshot", "create", pool_dir, "vm", "s1")
+    tb("snapshot", "create", pool_dir, "s1", "s1b")
+    tb("volume", "clone", pool_dir, "s1", "c1")
+    out = tb("snapshot", "remove", pool_dir, "s1").stdout
+    assert "removed snapshot s1" in out
+    assert "its dependents keep all their data and now have no origin: c1 (volume), s1b (snapshot)" in out
+    with Pool.open(pool_dir) as pool:
+        assert pool.volume("c1").read(0, 1) == b"a" and pool.volume("s1b").read(0, 1) == b"a"
+    report = json.loads(tb("snapshot", "remove", pool_dir, "s1b", "--json").stdout)
+    assert report == {"name": "s1b", "kind": "snapshot", "freed_bytes": 0, "dependents": []}
+    report = json.loads(tb("volume", "remove", pool_dir, "c1", "--json").stdout)
+    assert report["dependents"] == [] and report["freed_bytes"] == 0  # vm still holds the block
+    report = json.loads(tb("volume", "remove", pool_dir, "vm", "--json").stdout)
+    assert report["freed_bytes"] == 64 << 10
+    listing = json.loads(tb("volume", "list", pool_dir, "--json").stdout)
+    assert listing == []

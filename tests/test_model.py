@@ -341,7 +341,11 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), size=sizes())
     def resize(self, data: st.DataObject, size: int) -> None:
         name = self._pick(data, "volume")
-        self._both("resize", lambda: self.pool.resize_volume(name, size), lambda: self.model.resize(name, size))
+        self._both(
+            "resize",
+            lambda: self.pool.resize_volume(name, size, allow_shrink=True),
+            lambda: self.model.resize(name, size),
+        )
 
     @precondition(lambda self: self._has("volume"))
     @rule(data=st.data(), detect=st.sampled_from(["off", "on", "unmap"]))

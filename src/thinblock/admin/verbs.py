@@ -64,7 +64,9 @@ VERBS: dict[str, Callable[..., Any]] = {
         pool.create_volume(name, size_bytes, detect_zeroes=detect_zeroes)
     ),
     "volume_remove": lambda pool, name, kind=None: pool.remove_volume(name, kind=kind),
-    "volume_resize": lambda pool, name, size_bytes: pool.resize_volume(name, size_bytes),
+    "volume_resize": lambda pool, name, size_bytes, allow_shrink=False: pool.resize_volume(
+        name, size_bytes, allow_shrink=allow_shrink
+    ),
     "volume_set": _volume_set,
     "volume_clone": lambda pool, snapshot, name: pool.volume_info(clone(pool, snapshot, name)),
     "volume_rollback": lambda pool, name, snapshot: rollback(pool, name, snapshot),

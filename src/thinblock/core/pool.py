@@ -55,7 +55,9 @@ def validate_name(name: str) -> None:
 
 def validate_volume_size(size_bytes: int) -> None:
     if size_bytes <= 0 or size_bytes % SECTOR_BYTES:
-        raise ThinblockError(f"invalid volume size {size_bytes}: must be a positive multiple of {SECTOR_BYTES} bytes")
+        raise ThinblockError(
+            f"invalid volume size {format_size(size_bytes)}: must be a positive multiple of {SECTOR_BYTES} bytes"
+        )
     if size_bytes > MAX_VOLUME_BYTES:
         raise ThinblockError(
             f"volume size {format_size(size_bytes)} is beyond the largest thinblock supports ({format_size(MAX_VOLUME_BYTES)})"
@@ -223,7 +225,8 @@ class Pool(CommitPipeline, SpaceAccounts):
             raise ThinblockError("a pool in a sparse file needs --size")
         if size_bytes < block_size or size_bytes % block_size:
             raise ThinblockError(
-                f"invalid pool size {size_bytes}: must be a positive multiple of the block size ({format_size(block_size)})"
+                f"invalid pool size {format_size(size_bytes)}: must be a positive multiple of the block size"
+                f" ({format_size(block_size)}), at least one block"
             )
         superblock = {
             "block_size": block_size,
@@ -348,18 +351,24 @@ class Pool(CommitPipeline, SpaceAccounts):
         row.data_blocks, row.zeroed_blocks, row.pinned_blocks = src.data_blocks, src.zeroed_blocks, src.pinned_blocks
         self.mark_volume_dirty(vol)
 
-    def remove_volume(self, name: str, *, kind: str | None = None) -> None:
+    def remove_volume(self, name: str, *, kind: str | None = None) -> dict[str, Any]:
         """Remove a volume or snapshot (any order): pages and dblocks lose one
-        reference; space returns when the last goes."""
+        reference; space returns when the last goes. Returns what happened, including
+        the dependents (snapshots of it, clones of it): they keep every byte, and
+        their origin becomes none."""
         with self.quiesced(name, kind=kind) as vol, self.lock:
             self.refuse_if_busy(vol, "remove")
+            used_before = self.space.used_blocks
             self.release_root(vol)
             del self.volumes[name]
             vol.removed = True
-            for other in self.volumes.values():
+            dependents = []
+            for other in sorted(self.volumes.values(), key=lambda v: v.name):
                 if other.row.origin_id == vol.row.id:  # lineage ends here; the blocks stay shared
                     other.row.origin_id = None
                     self.mark_volume_dirty(other)
+                    dependents.append({"name": other.name, "kind": other.row.kind, "origin": None})
+            freed = used_before - self.space.used_blocks
             self._dirty_volumes.discard(vol)
             self._touched = {t for t in self._touched if t[0] is not vol}
             self._dirty_roots = {r for r in self._dirty_roots if r[0] != vol.row.id}
@@ -367,6 +376,7 @@ class Pool(CommitPipeline, SpaceAccounts):
             self.dirty = True
             self.recount_owned()
         self.commit()
+        return {"name": name, "kind": vol.row.kind, "freed_bytes": freed * self.block_size, "dependents": dependents}
 
     def refuse_if_busy(self, vol: Volume, what: str) -> None:
         if vol.users:
@@ -381,10 +391,19 @@ class Pool(CommitPipeline, SpaceAccounts):
             self.release_page(vol.root.pop(page_index))
             self.mark_root_dirty(vol, page_index)
 
-    def resize_volume(self, name: str, size_bytes: int) -> None:
+    def resize_volume(self, name: str, size_bytes: int, *, allow_shrink: bool = False) -> None:
+        """Grow a volume, or shrink it (discarding the cut-off part) when allow_shrink
+        and no client has it open: like rbd resize, a shrink must be asked for."""
         validate_volume_size(size_bytes)
         with self.quiesced(name, kind="volume") as vol:
             with self.lock:
+                if size_bytes < vol.size_bytes:
+                    if not allow_shrink:
+                        raise ThinblockError(
+                            f"shrinking volume {name} from {format_size(vol.size_bytes)} to {format_size(size_bytes)}"
+                            " discards everything past the new end: pass --allow-shrink to do it"
+                        )
+                    self.refuse_if_busy(vol, "shrink")
                 if vol.row.reserve_bytes == RESERVE_FULL and size_bytes > vol.size_bytes:
                     extra = reserve_blocks(RESERVE_FULL, size_bytes, self.block_size) - self.reserve_target(vol)
                     self.check_reservable(vol, self.set_aside(vol) + extra, "grow")

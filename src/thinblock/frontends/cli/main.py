@@ -1,5 +1,7 @@
 """`thinblock` command line. Every command is a thin wrapper around a library
-call; errors are printed as one sentence with exit status 1, never a traceback.
+call; errors are printed as one sentence, never a traceback. Exit status: 0 done,
+1 the command ran and failed, 2 the command line was wrong (argparse's usage
+convention), 141 standard output was closed early (as if killed by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from thinblock import __version__
 from thinblock.admin.access import open_admin
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
@@ -21,12 +24,17 @@ from thinblock.tools.check import check_data_store, check_metadata
 DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-pool"))
 
 
+EXIT_FAILED, EXIT_USAGE, EXIT_PIPE = 1, 2, 128 + 13
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but bad input exits 1 like every other thinblock error."""
+    """argparse, with usage errors as one thinblock sentence (exit 2)."""
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(1, f"{self.prog}: error: {message}\n")
+        if "required: COMMAND" in message:
+            message = f"a command is required: {self.prog} --help lists them"
+        self.exit(EXIT_USAGE, f"thinblock: error: {self.prog}: {message}\n")
 
 
 def _size(text: str) -> int:
@@ -156,7 +164,18 @@ def cmd_pool_grow(args: argparse.Namespace) -> None:
 def cmd_pool_set(args: argparse.Namespace) -> None:
     changes = _given(args, "when_full", "low_water", "on_low_water", "autogrow")
     settings = _admin(args.pool, "pool_set", **changes)
-    _emit(args, settings, lambda s: "\n".join(f"{k}: {v}" for k, v in s.items()))
+    _emit(args, settings, _human_settings)
+
+
+def _human_settings(settings: dict[str, Any]) -> str:
+    def show(key: str, value: Any) -> str:
+        if value is None:
+            return "none"
+        if key == "autogrow":
+            return f"{format_size(value['step_bytes'])} steps up to {format_size(value['max_bytes'])}"
+        return f"{value:g}%" if key == "low_water_percent" else str(value)
+
+    return "\n".join(f"{k}: {show(k, v)}" for k, v in settings.items())
 
 
 def cmd_pool_check(args: argparse.Namespace) -> int:
@@ -234,13 +253,20 @@ def cmd_volume_list(args: argparse.Namespace) -> None:
     _emit(args, _admin(args.pool, "volume_list"), _human_volumes)
 
 
+def _human_removal(r: dict[str, Any]) -> str:
+    lines = [f"removed {r['kind']} {r['name']}; {format_size(r['freed_bytes'])} returned to the pool"]
+    if r["dependents"]:
+        names = ", ".join(f"{d['name']} ({d['kind']})" for d in r["dependents"])
+        lines.append(f"its dependents keep all their data and now have no origin: {names}")
+    return "\n".join(lines)
+
+
 def cmd_volume_remove(args: argparse.Namespace) -> None:
-    _admin(args.pool, "volume_remove", name=args.name, kind="volume")
-    print(f"removed volume {args.name}")
+    _emit(args, _admin(args.pool, "volume_remove", name=args.name, kind="volume"), _human_removal)
 
 
 def cmd_volume_resize(args: argparse.Namespace) -> None:
-    _admin(args.pool, "volume_resize", name=args.name, size_bytes=args.size)
+    _admin(args.pool, "volume_resize", name=args.name, size_bytes=args.size, allow_shrink=args.allow_shrink)
     print(f"volume {args.name} is now {format_size(args.size)}")
 
 
@@ -272,8 +298,7 @@ def cmd_snapshot_list(args: argparse.Namespace) -> None:
 
 
 def cmd_snapshot_remove(args: argparse.Namespace) -> None:
-    _admin(args.pool, "volume_remove", name=args.name, kind="snapshot")
-    print(f"removed snapshot {args.name}")
+    _emit(args, _admin(args.pool, "volume_remove", name=args.name, kind="snapshot"), _human_removal)
 
 
 def cmd_delta(args: argparse.Namespace) -> None:
@@ -336,14 +361,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
             server = NBDServer(pool, read_only=args.read_only, tls=tls)
         except (OSError, ValueError) as exc:
             raise ThinblockError(f"cannot load TLS certificate/key: {exc}") from None
+        where = f"unix socket {socket_path}"
         try:
             server.listen_unix(socket_path)
-            bound = (tcp[0], server.listen_tcp(*tcp)) if tcp else None
+            bound = None
+            if tcp:
+                where = f"TCP {tcp[0]}:{tcp[1]}"
+                bound = (tcp[0], server.listen_tcp(*tcp))
             host = MountHost(pool)
+            where = f"the control socket of pool {args.pool}"
             control = ControlServer(pool, {"fuse_mount": host.mount})
         except OSError as exc:
             server.close()
-            raise ThinblockError(f"cannot listen: {exc.strerror or exc}") from None
+            raise ThinblockError(f"cannot listen on {where}: {exc.strerror or exc}") from None
         for uri in export_uris(sorted(pool.volumes), socket_path=socket_path, tcp=bound, tls=tls is not None):
             print(f"export {uri}", flush=True)
         print(f"ready: serving {len(pool.volumes)} volume(s) of {args.pool}", flush=True)
@@ -382,7 +412,7 @@ def cmd_attach(args: argparse.Namespace) -> None:
             print(json.dumps(rows, indent=2))
         else:
             for a in rows:
-                state = "" if a["daemon_alive"] else "  (daemon dead: I/O fails; detach to clean up)"
+                state = "" if a["state"] == "attached" else f"  ({a['state']}: I/O fails; detach cleans up)"
                 print(f"{a['device']}  {a['pool']}  {a['volume']}{state}")
         return
     if not args.pool or not args.name:
@@ -414,9 +444,11 @@ def cmd_mkfs(args: argparse.Namespace) -> None:
         )
     )
     print(f"{args.name}: {hint}")
+    used = result["pool_bytes_used"]  # negative when the format discarded more than it wrote
+    change = f"pool space used {format_size(used)}" if used >= 0 else f"pool space freed {format_size(-used)}"
     print(
-        f"{' '.join(result['command'])}: {result['seconds']:.2f} s, pool space used "
-        f"{format_size(result['pool_bytes_used'])} ({result['percent_of_volume']:.3f}% of the volume)"
+        f"{' '.join(result['command'])}: {result['seconds']:.2f} s, {change}; the volume maps "
+        f"{format_size(result['volume_mapped_bytes'])} ({result['percent_of_volume']:.3f}% of it)"
     )
 
 
@@ -435,7 +467,8 @@ def _ceph_options(p: argparse.ArgumentParser, default: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="thinblock", description="Thin-provisioned block storage that treats zeros as free.")
     _ceph_options(parser, default=None)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"thinblock {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
     def add(group: Any, name: str, func: Callable[..., Any], help_text: str, pool: bool = True) -> _Parser:
         p: _Parser = group.add_parser(name, help=help_text, description=help_text)
@@ -446,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     pool_p = sub.add_parser("pool", help="create, inspect, grow and check pools", description="Pool commands.")
-    pool_sub = pool_p.add_subparsers(dest="pool_command", required=True, parser_class=_Parser)
+    pool_sub = pool_p.add_subparsers(dest="pool_command", metavar="COMMAND", required=True, parser_class=_Parser)
     p = add(pool_sub, "create", cmd_pool_create, "create a pool in a directory")
     p.add_argument("--size", type=_size, help="pool size, e.g. 10G (default with --data: the device size)")
     p.add_argument("--block-size", type=_size, default=DEFAULT_BLOCK_SIZE, help="block size, 4K..16M (default 64K)")
@@ -475,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     vol_p = sub.add_parser("volume", help="create, list, remove and resize volumes", description="Volume commands.")
-    vol_sub = vol_p.add_subparsers(dest="volume_command", required=True, parser_class=_Parser)
+    vol_sub = vol_p.add_subparsers(dest="volume_command", metavar="COMMAND", required=True, parser_class=_Parser)
     p = add(vol_sub, "create", cmd_volume_create, "create a thin volume")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--size", type=_size, required=True, help="virtual size, e.g. 100G (may exceed the pool)")
@@ -486,9 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(vol_sub, "remove", cmd_volume_remove, "remove a volume; its space returns to the pool")
     p.add_argument("name", metavar="NAME")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(vol_sub, "resize", cmd_volume_resize, "grow or shrink a volume (shrinking discards the cut-off part)")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--size", type=_size, required=True, help="new virtual size")
+    p.add_argument(
+        "--allow-shrink", action="store_true", help="allow a smaller size (refused while clients have it open)"
+    )
     p = add(vol_sub, "set", cmd_volume_set, "change a volume's settings")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--detect-zeroes", choices=("off", "on", "unmap"), help="zero-write handling")
@@ -504,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("snapshot", metavar="SNAPSHOT")
 
     snap_p = sub.add_parser("snapshot", help="create, list and remove snapshots", description="Snapshot commands.")
-    snap_sub = snap_p.add_subparsers(dest="snapshot_command", required=True, parser_class=_Parser)
+    snap_sub = snap_p.add_subparsers(dest="snapshot_command", metavar="COMMAND", required=True, parser_class=_Parser)
     p = add(snap_sub, "create", cmd_snapshot_create, "take a read-only snapshot (instant; blocks are shared)")
     p.add_argument("volume", metavar="VOLUME", help="a volume or a snapshot")
     p.add_argument("name", metavar="SNAPSHOT")
@@ -513,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(snap_sub, "remove", cmd_snapshot_remove, "remove a snapshot; space returns when nothing shares it")
     p.add_argument("name", metavar="SNAPSHOT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = add(sub, "delta", cmd_delta, "byte ranges that differ between two volumes/snapshots (metadata only)")
     p.add_argument("source", metavar="FROM")
@@ -577,9 +615,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["CEPH_ID"] = args.ceph_id
     try:
         result = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (| head -1): stop quietly, as tools killed by SIGPIPE do.
+        # Later flushes (at exit) must not fail again, so stdout goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
     except (ThinblockError, OpError) as exc:
         print(f"thinblock: error: {exc.strerror if isinstance(exc, OpError) else exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
     return int(result or 0)

@@ -33,6 +33,7 @@ class Attachment:
     volume: str
     daemon_pid: int
     daemon_alive: bool
+    state: str  # "attached"; "daemon dead" or "mount gone": I/O fails, detach cleans up
 
 
 def _pool_dir(pool: str) -> Path:
@@ -52,19 +53,44 @@ def is_mounted(path: Path | str) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """The process runs (a zombie, killed but not yet reaped, is dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 def _loops() -> list[tuple[str, str]]:
     """(device, backing file) for every loop device."""
-    out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True, check=False).stdout
+    return [(device, back) for device, back, _dev in _loops_with_dev()]
+
+
+def _loops_with_dev() -> list[tuple[str, str, str]]:
+    """(device, backing file, "major:minor" of the backing file's filesystem) for every
+    loop device. Once a FUSE mount is gone (a daemon killed, a lazy unmount) the
+    backing file's path reads "/NAME", but its filesystem still names the mount."""
+    out = subprocess.run(
+        ["losetup", "--json", "--list", "-O", "NAME,BACK-FILE,BACK-MAJ:MIN"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
     if not out.strip():
         return []
-    return [(d["name"], d.get("back-file") or "") for d in json.loads(out)["loopdevices"]]
+    return [
+        (d["name"], d.get("back-file") or "", str(d.get("back-maj:min") or "").strip())
+        for d in json.loads(out)["loopdevices"]
+    ]
+
+
+def _mount_dev(mnt: Path) -> str:
+    st = os.stat(mnt)
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
 def _backing(device: str) -> str:
@@ -103,7 +129,7 @@ def _start_daemon(pool: str, pdir: Path) -> None:
             pid = int(client.call("fuse_mount", mountpoint=str(mnt))["pid"])
         finally:
             client.close()
-        info = {"pid": pid, "pool": locate(pool).key(), "mnt": str(mnt), "hosted": True}
+        info = {"pid": pid, "pool": locate(pool).key(), "mnt": str(mnt), "hosted": True, "dev": _mount_dev(mnt)}
         (pdir / "daemon.json").write_text(json.dumps(info))
         return
     log = open(pdir / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
@@ -125,7 +151,8 @@ def _start_daemon(pool: str, pdir: Path) -> None:
             proc.kill()
             raise ThinblockError(f"the FUSE daemon for {pool} did not come up")
         time.sleep(0.05)
-    (pdir / "daemon.json").write_text(json.dumps({"pid": proc.pid, "pool": locate(pool).key(), "mnt": str(mnt)}))
+    info = {"pid": proc.pid, "pool": locate(pool).key(), "mnt": str(mnt), "dev": _mount_dev(mnt)}
+    (pdir / "daemon.json").write_text(json.dumps(info))
 
 
 def attach(pool: str, volume: str) -> str:
@@ -172,17 +199,31 @@ def _cleanup_dead(pdir: Path) -> None:
 
 
 def list_attached() -> list[Attachment]:
+    """Every loop device bound to a thinblock volume, with its daemon's state: one whose
+    daemon died or whose mount went away is listed too, so that it can be detached."""
+    return [a for a, _pdir in _attachments()]
+
+
+def _attachments() -> list[tuple[Attachment, Path]]:
     out = []
-    loops = _loops()
+    loops = _loops_with_dev()
     for info_file in sorted(RUNTIME_DIR.glob("*/daemon.json")):
         info = _daemon_info(info_file.parent)
         if info is None:
             continue
         mnt = str(info["mnt"])
         pid = int(info["pid"])  # type: ignore[call-overload]
-        for device, back in loops:
-            if back.startswith(mnt + "/"):
-                out.append(Attachment(device, str(info["pool"]), back[len(mnt) + 1 :], pid, _alive(pid)))
+        alive = _alive(pid)
+        mounted = is_mounted(mnt)
+        for device, back, dev in loops:
+            if back.startswith(mnt + "/") and mounted:
+                volume = back[len(mnt) + 1 :]
+            elif info.get("dev") and dev == info["dev"]:
+                volume = os.path.basename(back)  # the mount is gone, the device still holds its file
+            else:
+                continue
+            state = "attached" if alive and mounted else "daemon dead" if not alive else "mount gone"
+            out.append((Attachment(device, str(info["pool"]), volume, pid, alive, state), info_file.parent))
     return out
 
 
@@ -192,11 +233,14 @@ def _mounted_at(device: str) -> str | None:
 
 
 def detach(device: str) -> None:
-    """Remove the loop device, then the pool's FUSE mount when no loop device uses it."""
+    """Remove the loop device, then the pool's FUSE mount when no loop device uses it
+    (a dead daemon's leftovers too)."""
     backing = _backing(device)
-    pdir = Path(backing).parent.parent
-    if not str(backing).startswith(str(RUNTIME_DIR) + "/") or not (pdir / "daemon.json").exists():
+    real = os.path.realpath(device)
+    found = [pdir for a, pdir in _attachments() if os.path.realpath(a.device) == real]
+    if not found:
         raise ThinblockError(f"{device} is not a thinblock device (backing file {backing})")
+    pdir = found[0]
     where = _mounted_at(device)
     if where:
         raise ThinblockError(f"{device} is mounted at {where}: unmount it first")
@@ -207,10 +251,20 @@ def detach(device: str) -> None:
     deadline = time.monotonic() + 10
     while Path(f"/sys/block/{name}/loop/backing_file").exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # the kernel lets go of the file once the last opener closes
-    mnt = str(pdir / "mnt")
-    if any(back.startswith(mnt + "/") for _dev, back in _loops()):
+    if any(pdir == other for _a, other in _attachments()):
         return  # another volume of this pool is still attached
     _stop_daemon(pdir)
+
+
+def detach_all_under(mountpoint: str) -> list[str]:
+    """Detach every loop device whose file is under mountpoint (a mount about to end).
+    A device still open (a mounted filesystem) is released by the kernel when closed."""
+    gone = []
+    for device, back in _loops():
+        if back.startswith(mountpoint.rstrip("/") + "/"):
+            subprocess.run(["losetup", "--detach", device], capture_output=True, check=False)
+            gone.append(device)
+    return gone
 
 
 def _stop_daemon(pdir: Path) -> None:

@@ -194,6 +194,11 @@ class _FUSE(mfusepy.FUSE):  # type: ignore[misc]
         return self.operations.lseek(decoded, offset, whence, fh)  # type: ignore[no-any-return]
 
 
+# Worker threads for FUSE requests: the loop device keeps up to its queue depth in
+# flight; more threads than that only wait on the volume's range locks.
+FUSE_MAX_THREADS = 16
+
+
 def mount(pool: Pool, mountpoint: str, *, foreground: bool = True) -> None:
     """Serve the pool's volumes at mountpoint until unmounted (blocks)."""
     _FUSE(
@@ -204,4 +209,8 @@ def mount(pool: Pool, mountpoint: str, *, foreground: bool = True) -> None:
         subtype="thinblock",
         direct_io=True,
         default_permissions=True,
+        # Both given explicitly: left unset, libfuse 3.14 hands its loop the unset idle
+        # limit (-1) and logs "Ignoring invalid max threads value" at every mount.
+        max_threads=FUSE_MAX_THREADS,
+        max_idle_threads=FUSE_MAX_THREADS,
     )

@@ -19,7 +19,7 @@ from typing import Any
 
 from thinblock.core.pool import Pool
 from thinblock.errors import ThinblockError
-from thinblock.frontends.fuse.attach import is_mounted
+from thinblock.frontends.fuse.attach import detach_all_under, is_mounted
 from thinblock.frontends.fuse.fs import mount
 
 log = logging.getLogger("thinblock.fuse")
@@ -59,11 +59,15 @@ class MountHost:
         log.info("hosted FUSE mount at %s ended", mountpoint)
 
     def close(self) -> None:
-        """Unmount everything hosted (lazily: loop devices still attached then get I/O errors)."""
+        """Unmount everything hosted. Loop devices on it are detached first: the server
+        is going, and a device bound to a file that no longer exists would outlive it
+        (one still open, by a mounted filesystem, goes when it is closed)."""
         with self.lock:
             threads = dict(self.threads)
         for mountpoint, thread in threads.items():
             if thread.is_alive():
+                for device in detach_all_under(mountpoint):
+                    log.warning("detached %s: its volume's server is stopping", device)
                 busy = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, check=False)
                 if busy.returncode != 0:
                     log.warning("%s is still in use (attached loop devices): unmounting lazily", mountpoint)

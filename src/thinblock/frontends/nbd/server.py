@@ -21,6 +21,7 @@ import os
 import queue
 import socket
 import ssl
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -303,7 +304,10 @@ class NBDServer:
         self.large_budget = ByteBudget(LARGE_BUDGET_BYTES)
 
     def listen_unix(self, path: str) -> None:
+        """Listen at path, replacing a stale socket there; anything else is refused."""
         with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise FileExistsError(errno.EEXIST, "something other than a socket is there; not replacing it")
             os.unlink(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(path)
