@@ -259,3 +259,32 @@ def test_no_enospc_where_guaranteed_under_concurrent_snapshots(tmp_path: Path) -
         assert counts["guaranteed_writes"] > 200, counts
         assert counts["snapshots"] > 5, counts
         assert counts["other_enospc"] > 0, counts  # the pool really was full
+
+
+def test_rbd_style_snapshot_names_and_descriptions(served: Server) -> None:
+    h = connect(served, "vm")
+    h.pwrite(b"s" * BS, 0)
+    h.flush()
+    before = time.time()
+    out = thinblock("snapshot", "create", served.pool, "vm@s1").stdout
+    assert "created snapshot vm@s1 of vm" in out
+    thinblock("snapshot", "create", served.pool, "vm@s1", "flat")  # flat names work as before
+    listing = {v["name"]: v for v in json.loads(thinblock("snapshot", "list", served.pool, "--json").stdout)}
+    assert listing["vm@s1"]["origin"] == "vm" and listing["flat"]["origin"] == "vm@s1"
+    got = run("qemu-io", "-f", "raw", "-r", "-c", "read -P 0x73 0 64k", served.unix_uri("vm@s1")).stdout
+    assert "read 65536/65536" in got
+    exports = {
+        e["export-name"]: e
+        for e in json.loads(run("nbdinfo", "--list", "--json", served.unix_uri("")).stdout)["exports"]
+    }
+    assert exports["vm"]["description"] == "thinblock volume vm"
+    desc = exports["vm@s1"]["description"]
+    assert desc.startswith("thinblock snapshot vm@s1 of vm, taken ") and desc.endswith(" UTC"), desc
+    taken = time.mktime(time.strptime(desc.split("taken ")[1], "%Y-%m-%d %H:%M:%S UTC")) - time.timezone
+    assert before - 2 <= taken <= time.time() + 1
+    bad = thinblock("volume", "create", served.pool, "vm@x", "--size", "1M", check=False)
+    assert bad.returncode == 1 and "invalid volume name 'vm@x'" in bad.stderr
+    usage = thinblock("snapshot", "create", served.pool, "vm", check=False)
+    assert usage.returncode == 2 and "VOLUME@SNAP" in usage.stderr
+    thinblock("snapshot", "remove", served.pool, "flat")
+    thinblock("snapshot", "remove", served.pool, "vm@s1")

@@ -47,6 +47,11 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     subprocess.run(["pkill", "-f", f"thinblock fuse-daemon {tmp_path}"], check=False)
 
 
+def _loop_files() -> list[tuple[str, str]]:
+    out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True).stdout
+    return [(d["name"], d.get("back-file") or "") for d in json.loads(out)["loopdevices"]] if out.strip() else []
+
+
 def make_pool(root: Path, *volumes: tuple[str, str], size: str = "8G") -> str:
     pool = str(root / "pool")
     thinblock("pool", "create", pool, "--size", size)
@@ -228,7 +233,15 @@ def test_dead_daemon_gives_io_errors_and_detach_cleans_up(env: Path) -> None:
     time.sleep(0.5)
     read = sh("dd", f"if={dev}", "of=/dev/null", "bs=4K", "count=1", "iflag=direct", "status=none", ok=False)
     assert read.returncode != 0
+    (listed,) = json.loads(thinblock("attach", "--list", "--json").stdout)
+    assert (listed["device"], listed["volume"], listed["daemon_alive"]) == (dev, "v", False)
+    assert listed["state"] == "daemon dead"
+    assert "daemon dead: I/O fails; detach cleans up" in thinblock("attach", "--list").stdout
+    # Even with the dead mount gone, the device is still found (attach recorded it).
+    sh("umount", "-l", json.loads(info.read_text())["mnt"])
+    assert [a["device"] for a in json.loads(thinblock("attach", "--list", "--json").stdout)] == [dev]
     thinblock("detach", dev)
+    assert not any(d == dev for d, _b in _loop_files())
     assert json.loads(thinblock("attach", "--list", "--json").stdout) == []
     assert thinblock("pool", "check", pool).returncode == 0
 
@@ -312,3 +325,22 @@ def test_attach_and_mkfs_on_a_served_pool(env: Path) -> None:
         out = server.stop()
     assert "stopped" in out and "Traceback" not in server.log.read_text()
     sh("e2fsck", "-fn", thinblock("attach", pool, "fresh").stdout.strip())
+
+
+def test_stopping_a_server_detaches_the_devices_on_its_mount(env: Path) -> None:
+    """A served pool's attached devices do not outlive the server: it detaches them."""
+    from tests.nbd_server import Server
+
+    pool = make_pool(env, ("vm", "1G"))
+    thinblock("snapshot", "create", pool, "vm", "snap")
+    server = Server(pool)
+    try:
+        devices = [thinblock("attach", pool, name).stdout.strip() for name in ("vm", "snap")]
+        assert sh("blockdev", "--getro", devices[1]).stdout.strip() == "1"
+    finally:
+        server.stop()
+    assert "detached" in server.log.read_text()
+    bound = {d for d, _b in _loop_files()}
+    assert not bound & set(devices), bound
+    assert json.loads(thinblock("attach", "--list", "--json").stdout) == []
+    assert not any("fuse.thinblock" in line for line in Path("/proc/mounts").read_text().splitlines())

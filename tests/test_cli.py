@@ -301,3 +301,25 @@ def test_removing_a_snapshot_with_dependents_says_what_happens_to_them(pool_dir:
     assert report["freed_bytes"] == 64 << 10
     listing = json.loads(tb("volume", "list", pool_dir, "--json").stdout)
     assert listing == []
+
+
+def test_listen_errors_name_the_socket_and_the_port(pool_dir: str, tmp_path: Path) -> None:
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    sock = str(tmp_path / "nbd.sock")
+    try:
+        proc = tb("serve", pool_dir, "--socket", sock, "--listen", f"127.0.0.1:{port}", ok=False)
+        assert f"cannot listen on TCP 127.0.0.1:{port}: Address already in use" in proc.stderr
+    finally:
+        busy.close()
+    proc = tb("serve", pool_dir, "--socket", str(tmp_path / "no" / "dir.sock"), ok=False)
+    assert f"cannot listen on unix socket {tmp_path}/no/dir.sock: No such file or directory" in proc.stderr
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    proc = tb("serve", pool_dir, "--socket", str(precious), ok=False)
+    assert f"unix socket {precious}" in proc.stderr and "not a socket" in proc.stderr
+    assert precious.read_text() == "keep me"

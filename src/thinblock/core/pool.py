@@ -44,12 +44,17 @@ MAX_VOLUME_BYTES = (1 << 63) - MAX_BLOCK_SIZE
 DETECT_ZEROES = ("off", "on", "unmap")
 log = logging.getLogger("thinblock.pool")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
+# Snapshots may also use '@', so that they can be named like rbd's (vm1@s1); volume
+# names never contain it, so VOLUME@SNAP cannot be mistaken for a volume.
+_SNAPSHOT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+@-]{0,127}$")
 
 
-def validate_name(name: str) -> None:
-    if not _NAME_RE.match(name):
+def validate_name(name: str, kind: str = "volume") -> None:
+    if not (_SNAPSHOT_NAME_RE if kind == "snapshot" else _NAME_RE).match(name):
+        extra = ", '@'" if kind == "snapshot" else ""
         raise ThinblockError(
-            f"invalid volume name {name!r}: use 1-128 letters, digits, '_', '.', '+', '-', not starting with '.', '+' or '-'"
+            f"invalid {kind} name {name!r}: use 1-128 letters, digits, '_', '.', '+', '-'{extra},"
+            " not starting with '.', '+' or '-'"
         )
 
 
@@ -318,10 +323,12 @@ class Pool(CommitPipeline, SpaceAccounts):
                 raise ThinblockError(f"no {kind or 'volume'} {name!r} in pool {self.path}")
             yield vol
 
-    def add_volume(self, name: str, size_bytes: int, detect_zeroes: str, *, sharing: Volume | None = None) -> Volume:
+    def add_volume(
+        self, name: str, size_bytes: int, detect_zeroes: str, *, sharing: Volume | None = None, kind: str = "volume"
+    ) -> Volume:
         """A new, empty volume row; with `sharing`, holding that volume's contents (see share_contents).
         The name is checked before any page reference is taken."""
-        self.check_new_name(name)
+        self.check_new_name(name, kind)
         row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time())
         self._next_volume_id += 1
         vol = Volume(self, row, {})
@@ -331,9 +338,9 @@ class Pool(CommitPipeline, SpaceAccounts):
             self.share_contents(vol, sharing)
         return vol
 
-    def check_new_name(self, name: str) -> None:
+    def check_new_name(self, name: str, kind: str = "volume") -> None:
         """A name a new volume or snapshot may take, or ThinblockError."""
-        validate_name(name)
+        validate_name(name, kind)
         if name in self.volumes:
             raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
 

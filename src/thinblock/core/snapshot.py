@@ -22,12 +22,12 @@ from thinblock.meta.base import reserve_blocks
 def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
     """A read-only snapshot of a volume or of another snapshot."""
     with pool.quiesced(source, exclusive=False) as vol, pool.lock:
-        pool.check_new_name(name)  # a bad name is refused before a reservation is weighed
+        pool.check_new_name(name, "snapshot")  # a bad name is refused before a reservation is weighed
         # The snapshot shares everything the volume owned: its set-aside grows to
         # the whole reservation, which the pool must be able to hold.
         if vol.row.reserve_bytes:
             pool.check_reservable(vol, pool.reserve_target(vol), "snapshot")
-        snap = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, sharing=vol)
+        snap = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, sharing=vol, kind="snapshot")
         snap.row.kind = "snapshot"
         snap.row.origin_id = vol.row.id
         snap.readonly = True

@@ -27,6 +27,10 @@ DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-poo
 EXIT_FAILED, EXIT_USAGE, EXIT_PIPE = 1, 2, 128 + 13
 
 
+class UsageError(ThinblockError):
+    """A command line argparse accepted but that makes no sense (exit 2, like argparse's)."""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with usage errors as one thinblock sentence (exit 2)."""
 
@@ -273,7 +277,7 @@ def cmd_volume_resize(args: argparse.Namespace) -> None:
 def cmd_volume_set(args: argparse.Namespace) -> None:
     changes = _given(args, "detect_zeroes", "reserve", "low_water", "on_low_water")
     if not changes:
-        raise ThinblockError("nothing to change: give --detect-zeroes, --reserve, --low-water or --on-low-water")
+        raise UsageError("nothing to change: give --detect-zeroes, --reserve, --low-water or --on-low-water")
     info = _admin(args.pool, "volume_set", name=args.name, **changes)
     _emit(args, info, lambda i: f"volume {i['name']} updated")
 
@@ -289,8 +293,15 @@ def cmd_volume_rollback(args: argparse.Namespace) -> None:
 
 
 def cmd_snapshot_create(args: argparse.Namespace) -> None:
-    info = _admin(args.pool, "snapshot_create", volume=args.volume, name=args.name)
-    _emit(args, info, lambda i: f"created snapshot {i['name']} of {args.volume}")
+    source, name = args.volume, args.name
+    if name is None:
+        # rbd's form: VOLUME@SNAP names the snapshot "VOLUME@SNAP", taken of VOLUME.
+        source, at, snap = args.volume.rpartition("@")
+        if not at or not source or not snap:
+            raise UsageError("snapshot create needs VOLUME SNAPSHOT, or VOLUME@SNAP")
+        name = args.volume
+    info = _admin(args.pool, "snapshot_create", volume=source, name=name)
+    _emit(args, info, lambda i: f"created snapshot {i['name']} of {source}")
 
 
 def cmd_snapshot_list(args: argparse.Namespace) -> None:
@@ -342,7 +353,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise ThinblockError(str(exc)) from None
     if bool(args.tls_cert) != bool(args.tls_key):
-        raise ThinblockError("--tls-cert and --tls-key go together")
+        raise UsageError("--tls-cert and --tls-key go together")
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
     socket_path = os.path.abspath(args.socket or os.path.join(locate(args.pool).runtime_dir(), "nbd.sock"))
     stop = threading.Event()
@@ -416,7 +427,7 @@ def cmd_attach(args: argparse.Namespace) -> None:
                 print(f"{a['device']}  {a['pool']}  {a['volume']}{state}")
         return
     if not args.pool or not args.name:
-        raise ThinblockError("attach needs POOL and NAME (or --list)")
+        raise UsageError("attach needs POOL and NAME (or --list)")
     print(attach(args.pool, args.name))
 
 
@@ -543,8 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     snap_p = sub.add_parser("snapshot", help="create, list and remove snapshots", description="Snapshot commands.")
     snap_sub = snap_p.add_subparsers(dest="snapshot_command", metavar="COMMAND", required=True, parser_class=_Parser)
     p = add(snap_sub, "create", cmd_snapshot_create, "take a read-only snapshot (instant; blocks are shared)")
-    p.add_argument("volume", metavar="VOLUME", help="a volume or a snapshot")
-    p.add_argument("name", metavar="SNAPSHOT")
+    p.add_argument("volume", metavar="VOLUME", help="a volume or a snapshot; or VOLUME@SNAP, rbd's form")
+    p.add_argument("name", metavar="SNAPSHOT", nargs="?", help="the snapshot's name (default with VOLUME@SNAP: that)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(snap_sub, "list", cmd_snapshot_list, "list snapshots")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -623,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_PIPE
     except (ThinblockError, OpError) as exc:
         print(f"thinblock: error: {exc.strerror if isinstance(exc, OpError) else exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILED
     except KeyboardInterrupt:
         return 130
     return int(result or 0)

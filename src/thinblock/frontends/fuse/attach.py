@@ -67,30 +67,27 @@ def _alive(pid: int) -> bool:
 
 def _loops() -> list[tuple[str, str]]:
     """(device, backing file) for every loop device."""
-    return [(device, back) for device, back, _dev in _loops_with_dev()]
-
-
-def _loops_with_dev() -> list[tuple[str, str, str]]:
-    """(device, backing file, "major:minor" of the backing file's filesystem) for every
-    loop device. Once a FUSE mount is gone (a daemon killed, a lazy unmount) the
-    backing file's path reads "/NAME", but its filesystem still names the mount."""
-    out = subprocess.run(
-        ["losetup", "--json", "--list", "-O", "NAME,BACK-FILE,BACK-MAJ:MIN"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
+    out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True, check=False).stdout
     if not out.strip():
         return []
-    return [
-        (d["name"], d.get("back-file") or "", str(d.get("back-maj:min") or "").strip())
-        for d in json.loads(out)["loopdevices"]
-    ]
+    return [(d["name"], d.get("back-file") or "") for d in json.loads(out)["loopdevices"]]
 
 
-def _mount_dev(mnt: Path) -> str:
-    st = os.stat(mnt)
-    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+def _record(pdir: Path) -> dict[str, str]:
+    """device -> volume for the loop devices attach bound on this pool's mount. Once the
+    mount is gone (a daemon killed, a lazy unmount) a device's backing file reads
+    "/NAME" and the kernel can no longer say which filesystem it was on; this record
+    still can."""
+    try:
+        return dict(json.loads((pdir / "devices.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_record(pdir: Path, record: dict[str, str]) -> None:
+    tmp = pdir / "devices.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(pdir / "devices.json")
 
 
 def _backing(device: str) -> str:
@@ -129,7 +126,7 @@ def _start_daemon(pool: str, pdir: Path) -> None:
             pid = int(client.call("fuse_mount", mountpoint=str(mnt))["pid"])
         finally:
             client.close()
-        info = {"pid": pid, "pool": locate(pool).key(), "mnt": str(mnt), "hosted": True, "dev": _mount_dev(mnt)}
+        info = {"pid": pid, "pool": locate(pool).key(), "mnt": str(mnt), "hosted": True}
         (pdir / "daemon.json").write_text(json.dumps(info))
         return
     log = open(pdir / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
@@ -151,7 +148,7 @@ def _start_daemon(pool: str, pdir: Path) -> None:
             proc.kill()
             raise ThinblockError(f"the FUSE daemon for {pool} did not come up")
         time.sleep(0.05)
-    info = {"pid": proc.pid, "pool": locate(pool).key(), "mnt": str(mnt), "dev": _mount_dev(mnt)}
+    info = {"pid": proc.pid, "pool": locate(pool).key(), "mnt": str(mnt)}
     (pdir / "daemon.json").write_text(json.dumps(info))
 
 
@@ -187,7 +184,9 @@ def attach(pool: str, volume: str) -> str:
     )
     if proc.returncode != 0:
         raise ThinblockError(f"losetup failed: {proc.stderr.strip()}")
-    return proc.stdout.strip()
+    device = proc.stdout.strip()
+    _write_record(pdir, {**_record(pdir), device: volume})
+    return device
 
 
 def _cleanup_dead(pdir: Path) -> None:
@@ -206,24 +205,26 @@ def list_attached() -> list[Attachment]:
 
 def _attachments() -> list[tuple[Attachment, Path]]:
     out = []
-    loops = _loops_with_dev()
+    loops = _loops()
     for info_file in sorted(RUNTIME_DIR.glob("*/daemon.json")):
-        info = _daemon_info(info_file.parent)
+        pdir = info_file.parent
+        info = _daemon_info(pdir)
         if info is None:
             continue
         mnt = str(info["mnt"])
         pid = int(info["pid"])  # type: ignore[call-overload]
         alive = _alive(pid)
         mounted = is_mounted(mnt)
-        for device, back, dev in loops:
-            if back.startswith(mnt + "/") and mounted:
-                volume = back[len(mnt) + 1 :]
-            elif info.get("dev") and dev == info["dev"]:
-                volume = os.path.basename(back)  # the mount is gone, the device still holds its file
+        record = _record(pdir)
+        for device, back in loops:
+            if back.startswith(mnt + "/"):
+                volume, lost = back[len(mnt) + 1 :], not mounted
+            elif device in record and back == "/" + record[device]:
+                volume, lost = record[device], True  # the mount is gone, the device still holds its file
             else:
                 continue
-            state = "attached" if alive and mounted else "daemon dead" if not alive else "mount gone"
-            out.append((Attachment(device, str(info["pool"]), volume, pid, alive, state), info_file.parent))
+            state = "daemon dead" if not alive else "mount gone" if lost else "attached"
+            out.append((Attachment(device, str(info["pool"]), volume, pid, alive, state), pdir))
     return out
 
 
@@ -237,10 +238,10 @@ def detach(device: str) -> None:
     (a dead daemon's leftovers too)."""
     backing = _backing(device)
     real = os.path.realpath(device)
-    found = [pdir for a, pdir in _attachments() if os.path.realpath(a.device) == real]
+    found = [(a.device, pdir) for a, pdir in _attachments() if os.path.realpath(a.device) == real]
     if not found:
         raise ThinblockError(f"{device} is not a thinblock device (backing file {backing})")
-    pdir = found[0]
+    found_device, pdir = found[0]
     where = _mounted_at(device)
     if where:
         raise ThinblockError(f"{device} is mounted at {where}: unmount it first")
@@ -251,6 +252,7 @@ def detach(device: str) -> None:
     deadline = time.monotonic() + 10
     while Path(f"/sys/block/{name}/loop/backing_file").exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # the kernel lets go of the file once the last opener closes
+    _write_record(pdir, {d: v for d, v in _record(pdir).items() if d != found_device})
     if any(pdir == other for _a, other in _attachments()):
         return  # another volume of this pool is still attached
     _stop_daemon(pdir)
@@ -264,6 +266,9 @@ def detach_all_under(mountpoint: str) -> list[str]:
         if back.startswith(mountpoint.rstrip("/") + "/"):
             subprocess.run(["losetup", "--detach", device], capture_output=True, check=False)
             gone.append(device)
+    pdir = Path(mountpoint).parent
+    if gone and (pdir / "devices.json").exists():
+        _write_record(pdir, {d: v for d, v in _record(pdir).items() if d not in gone})
     return gone
 
 
