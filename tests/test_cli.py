@@ -321,5 +321,5 @@ def test_listen_errors_name_the_socket_and_the_port(pool_dir: str, tmp_path: Pat
     precious = tmp_path / "precious.txt"
     precious.write_text("keep me")
     proc = tb("serve", pool_dir, "--socket", str(precious), ok=False)
-    assert f"unix socket {precious}" in proc.stderr and "not a socket" in proc.stderr
+    assert f"unix socket {precious}: something other than a socket is there" in proc.stderr
     assert precious.read_text() == "keep me"
