@@ -24,9 +24,12 @@ def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
     with pool.quiesced(source, exclusive=False) as vol, pool.lock:
         pool.check_new_name(name, "snapshot")  # a bad name is refused before a reservation is weighed
         # The snapshot shares everything the volume owned: its set-aside grows to
-        # the whole reservation, which the pool must be able to hold.
+        # the whole reservation, which the pool must be able to hold. That is also
+        # what keeps a fully reserved volume's thinblock:guaranteed ranges true: a
+        # snapshot that cannot set the space aside is refused, never taken.
         if vol.row.reserve_bytes:
-            pool.check_reservable(vol, pool.reserve_target(vol), "snapshot")
+            why = " to keep every write to it sure of space" if vol.fully_reserved() else ""
+            pool.check_reservable(vol, pool.reserve_target(vol), "snapshot", why=why)
         snap = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, sharing=vol, kind="snapshot")
         snap.row.kind = "snapshot"
         snap.row.origin_id = vol.row.id

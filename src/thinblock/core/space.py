@@ -85,7 +85,7 @@ class SpaceAccounts:
         if self.owned_stale:
             self.recount_owned()
 
-    def check_reservable(self, vol: Volume, new_set_aside: int, what: str, freed: int = 0) -> None:
+    def check_reservable(self, vol: Volume, new_set_aside: int, what: str, freed: int = 0, why: str = "") -> None:
         """Refuse (ENOSPC, nothing changed) when vol's set-aside cannot grow to new_set_aside."""
         self._fresh_owned()
         extra = new_set_aside - self.set_aside(vol)
@@ -93,7 +93,7 @@ class SpaceAccounts:
         if extra > available:
             raise NoSpaceError(
                 f"cannot {what} {vol.name}: its reservation needs {format_size(extra * self.block_size)} more"
-                f" set aside and the pool has {format_size(max(0, available) * self.block_size)} unreserved free"
+                f" set aside{why}, and the pool has {format_size(max(0, available) * self.block_size)} unreserved free"
             )
 
     def set_reserve(self, name: str, reserve_bytes: int) -> None:
