@@ -219,6 +219,8 @@ def test_attach_errors_and_list(env: Path) -> None:
     listed = {(a["device"], a["volume"]) for a in json.loads(thinblock("attach", "--list", "--json").stdout)}
     assert listed == {(da, "a"), (db, "b")}
     assert thinblock("detach", "/dev/null", check=False).returncode == 1
+    (log,) = (env / "run").glob("*/daemon.log")
+    assert "Ignoring invalid max threads" not in log.read_text()  # libfuse is configured fully
     thinblock("detach", da)
     thinblock("detach", db)
     assert json.loads(thinblock("attach", "--list", "--json").stdout) == []

@@ -611,13 +611,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # The reader went away (| head -1): stop quietly, as tools killed by SIGPIPE do.
+        # Later flushes (at exit) must not fail again, so stdout goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+
+
+def _run(argv: list[str]) -> int:
     # Everything after "--" belongs to the program thinblock runs (mkfs), not to us.
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors: flushed here, inside main's guard
+        sys.stdout.flush()
+        return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
     args.extra = extra
     # librados reads these; the FUSE daemon that attach starts inherits them.
     if args.ceph_conf:
@@ -627,11 +640,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = args.func(args)
         sys.stdout.flush()
-    except BrokenPipeError:
-        # The reader went away (| head -1): stop quietly, as tools killed by SIGPIPE do.
-        # Later flushes (at exit) must not fail again, so stdout goes to /dev/null.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_PIPE
     except (ThinblockError, OpError) as exc:
         print(f"thinblock: error: {exc.strerror if isinstance(exc, OpError) else exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILED
