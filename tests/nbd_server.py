@@ -15,7 +15,7 @@ import nbd
 
 from tests.cli import ROOT, thinblock
 
-__all__ = ["Server", "connect", "served_pool", "thinblock"]
+__all__ = ["Server", "connect", "offered_contexts", "served_pool", "thinblock"]
 
 
 class Server:
@@ -105,3 +105,19 @@ def connect(
         h.set_strict_mode(0)  # let bad requests reach the server
     h.connect_uri(server.unix_uri(name))
     return h
+
+
+def offered_contexts(server: Server, name: str) -> list[str]:
+    """The metadata contexts an export offers to an empty LIST_META_CONTEXT query."""
+    listing = nbd.NBD()
+    listing.set_opt_mode(True)
+    listing.connect_uri(server.unix_uri(name))
+    offered: list[str] = []
+
+    def offer(context: str) -> int:
+        offered.append(context)
+        return 0
+
+    listing.opt_list_meta_context(offer)
+    listing.opt_abort()
+    return offered

@@ -21,7 +21,7 @@ from pathlib import Path
 import nbd
 import pytest
 
-from tests.nbd_server import Server, connect, served_pool, thinblock
+from tests.nbd_server import Server, connect, offered_contexts, served_pool, thinblock
 from tests.test_snapshots_nbd import extents
 from thinblock.admin.access import open_admin
 
@@ -134,18 +134,8 @@ def test_base_allocation_flags(served: Server) -> None:
 
 
 def test_guaranteed_context_is_offered_and_follows_the_reservation(served: Server) -> None:
-    listing = nbd.NBD()
-    listing.set_opt_mode(True)
-    listing.connect_uri(served.unix_uri("vm"))
-    offered: list[str] = []
-
-    def offer(name: str) -> int:
-        offered.append(name)
-        return 0
-
-    listing.opt_list_meta_context(offer)
+    offered = offered_contexts(served, "vm")
     assert GUARANTEED in offered and "base:allocation" in offered
-    listing.opt_abort()
 
     h = connect(served, "vm", (GUARANTEED,))
     assert h.can_meta_context(GUARANTEED)

@@ -14,7 +14,7 @@ from pathlib import Path
 import nbd
 import pytest
 
-from tests.nbd_server import Server, connect, served_pool, thinblock
+from tests.nbd_server import Server, connect, offered_contexts, served_pool, thinblock
 
 BS = 64 << 10
 MiB = 1 << 20
@@ -118,18 +118,8 @@ def test_changed_context_matches_delta_and_model(served: Server) -> None:
         rebuilt[o : o + n] = b.pread(n, o)
     assert bytes(rebuilt) == bytes(model)
     # Unknown snapshots are not offered.
-    listing = nbd.NBD()
-    listing.set_opt_mode(True)
-    listing.connect_uri(served.unix_uri("disk"))
-    offered: list[str] = []
-
-    def offer(name: str) -> int:
-        offered.append(name)
-        return 0
-
-    listing.opt_list_meta_context(offer)
+    offered = offered_contexts(served, "disk")
     assert ctx in offered and "thinblock:changed:disk" not in offered
-    listing.opt_abort()
 
 
 def _fill(server: Server) -> None:

@@ -20,7 +20,10 @@ def parse_size(text: str) -> int:
 
 
 def format_size(n_bytes: int) -> str:
-    """The shortest exact form when there is one (`64K`), else one decimal (`1.5G`)."""
+    """The shortest exact form when there is one (`64K`), else one decimal (`1.5G`);
+    a negative figure (a difference) keeps its sign and its unit (`-936M`)."""
+    if n_bytes < 0:
+        return "-" + format_size(-n_bytes)
     for unit in ("E", "P", "T", "G", "M", "K"):
         scale = _UNITS[unit]
         if n_bytes >= scale:
