@@ -109,7 +109,7 @@ class Thinblock(Peer):
         )
         sock = str(pool / "nbd.sock")
         port = free_port()
-        args = ["--listen", str(port)] if transport == "tcp" else []
+        args = ["--listen", str(port), "--insecure"] if transport == "tcp" else []
         proc = subprocess.Popen(
             [*tb, "serve", str(pool), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

@@ -138,7 +138,7 @@ def test_pool_held_without_control_socket_is_refused_clearly(pool_dir: str) -> N
     with Pool.open(pool_dir) as pool:
         pool.create_volume("live", 1 << 30).write(0, b"x" * 4096)
         pool.commit()
-        proc = tb("volume", "create", pool_dir, "other", "--size", "1G", ok=False)
+        proc = tb("volume", "create", pool_dir, "other", "--size", "1G", "--wait", "0.5", ok=False)
         assert "already held" in proc.stderr and str(os.getpid()) in proc.stderr
         assert "no control socket" in proc.stderr
         assert tb("pool", "check", pool_dir).returncode == 0  # check reads the last commit, lock-free
@@ -312,7 +312,7 @@ def test_listen_errors_name_the_socket_and_the_port(pool_dir: str, tmp_path: Pat
     port = busy.getsockname()[1]
     sock = str(tmp_path / "nbd.sock")
     try:
-        proc = tb("serve", pool_dir, "--socket", sock, "--listen", f"127.0.0.1:{port}", ok=False)
+        proc = tb("serve", pool_dir, "--socket", sock, "--listen", f"127.0.0.1:{port}", "--insecure", ok=False)
         assert f"cannot listen on TCP 127.0.0.1:{port}: Address already in use" in proc.stderr
     finally:
         busy.close()

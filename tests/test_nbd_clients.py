@@ -37,7 +37,9 @@ def volume_status(pool: str, name: str) -> dict[str, Any]:
 @pytest.fixture(params=["directory", "rados"])
 def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
     locator = new_rados_locator(request, "nbd") if request.param == "rados" else None
-    with served_pool(tmp_path, "20G", {"disk": "1G", "big": "16G"}, "--listen", "0", locator=locator) as server:
+    with served_pool(
+        tmp_path, "20G", {"disk": "1G", "big": "16G"}, "--listen", "0", "--insecure", locator=locator
+    ) as server:
         yield server
 
 

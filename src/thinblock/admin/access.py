@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -32,25 +33,49 @@ class LocalAdmin:
         return run_verb(self.pool, verb, args)
 
 
-@contextlib.contextmanager
-def open_admin(path: str) -> Iterator[Admin]:
-    """Administer the pool at path: directly, or through the server that holds it."""
+DEFAULT_WAIT_S = 60.0
+
+
+def wait_s() -> float:
+    """How long a command waits for its turn on a busy pool (--wait, THINBLOCK_WAIT_S)."""
     try:
-        pool = Pool.open(path, autocommit=False, purpose="thinblock admin command")
-    except PoolBusyError as exc:
-        socket_path = os.path.join(locate(path).runtime_dir(), CONTROL_SOCKET)
-        if not os.path.exists(socket_path):
-            raise PoolBusyError(f"{exc}, which offers no control socket") from None
+        return max(0.0, float(os.environ.get("THINBLOCK_WAIT_S", DEFAULT_WAIT_S)))
+    except ValueError:
+        return DEFAULT_WAIT_S
+
+
+@contextlib.contextmanager
+def open_admin(path: str, *, wait: float | None = None) -> Iterator[Admin]:
+    """Administer the pool at path: directly, or through the server that holds it.
+
+    When another process holds the pool and offers no control socket (another
+    command, or a server still starting), wait for it up to `wait` seconds, the way
+    LVM commands wait for their lock; then fail naming the holder."""
+    deadline = time.monotonic() + (wait_s() if wait is None else wait)
+    pause = 0.02
+    while True:
         try:
-            client = ControlClient(socket_path)
-        except ThinblockError:
-            # A holder whose socket does not answer died or stalled: say who holds the pool.
-            raise PoolBusyError(f"{exc}; its control socket {socket_path} does not answer") from None
-        try:
-            yield client
-        finally:
-            client.close()
-        return
+            pool = Pool.open(path, autocommit=False, purpose="thinblock admin command")
+            break
+        except PoolBusyError as exc:
+            socket_path = os.path.join(locate(path).runtime_dir(), CONTROL_SOCKET)
+            if os.path.exists(socket_path):
+                try:
+                    client = ControlClient(socket_path)
+                except ThinblockError:
+                    # A holder whose socket does not answer died or stalled: say who holds the pool.
+                    raise PoolBusyError(f"{exc}; its control socket {socket_path} does not answer") from None
+                try:
+                    yield client
+                finally:
+                    client.close()
+                return
+            if time.monotonic() >= deadline:
+                waited = f"; waited {wait_s() if wait is None else wait:g} s (--wait)"
+                holder = ", which offers no control socket" if "already held" in str(exc) else ""
+                raise PoolBusyError(f"{exc}{holder}{waited}") from None
+            time.sleep(pause)
+            pause = min(0.25, pause * 2)
     try:
         yield LocalAdmin(pool)
     finally:

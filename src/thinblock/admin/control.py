@@ -20,10 +20,12 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
+from thinblock.admin.schema import validate
+from thinblock.admin.verbs import CONTROL_SOCKET, VERBS, run_verb
 from thinblock.core.pool import Pool
 from thinblock.errors import (
     NoSpaceError,
@@ -34,6 +36,7 @@ from thinblock.errors import (
     ReadOnlyError,
     ThinblockError,
 )
+from thinblock.listen import ACCEPT_RETRY, bind_unix
 
 log = logging.getLogger("thinblock.control")
 MAX_LINE = 1 << 20
@@ -42,36 +45,49 @@ _ERRORS: dict[int, type[OpError]] = {
 }
 
 
+IDLE_CLIENT_S = 300.0  # a control client silent this long is dropped
+
+
 class ControlServer:
     def __init__(self, pool: Pool, extra_verbs: dict[str, Callable[..., Any]] | None = None) -> None:
         """extra_verbs: what only this process can do (a server hosting FUSE mounts)."""
         self.pool = pool
         self.extra_verbs = extra_verbs or {}
         self.path = os.path.join(pool.location.runtime_dir(), CONTROL_SOCKET)
-        # We hold the pool lock, so a socket file left here is a dead server's.
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            self.sock.bind(self.path)
-        finally:
-            os.umask(old)
+        # We hold the pool lock, so a socket left here is a dead server's: replace it.
+        # Only the pool's owner may connect (0600).
+        self._closed = False
+        self.sock = bind_unix(self.path, live_ok=True)
         self.sock.listen(16)
         self._thread = threading.Thread(target=self._accept_loop, name="thinblock-control", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
+        pause = 0.0
         while True:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self._closed or exc.errno not in ACCEPT_RETRY:
+                    return  # closed
+                if not pause:
+                    log.error("control socket cannot accept (%s): retrying until it clears", exc.strerror)
+                pause = min(1.0, pause * 2 or 0.05)
+                time.sleep(pause)
+                continue
+            pause = 0.0
+            conn.settimeout(IDLE_CLIENT_S)  # a client that connects and says nothing lets go
             threading.Thread(target=self._serve, args=(conn,), name="thinblock-control-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rb") as rfile:
-            while line := rfile.readline(MAX_LINE + 1):
+            while True:
+                try:
+                    line = rfile.readline(MAX_LINE + 1)
+                except OSError:
+                    return  # idle too long, or gone
+                if not line:
+                    return
                 reply = self._handle(line)
                 try:
                     conn.sendall(json.dumps(reply).encode() + b"\n")
@@ -84,18 +100,20 @@ class ControlServer:
                 raise ThinblockError("control request too long or not terminated by a newline")
             try:
                 request = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ThinblockError(f"control request is not JSON: {exc}") from None
+            except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
+                raise ThinblockError(f"control request is not JSON: {str(exc)[:100]}") from None
             if not isinstance(request, dict) or not isinstance(request.get("verb"), str):
                 raise ThinblockError('a control request is {"verb": ..., "args": {...}}')
             args = request.get("args") or {}
             if not isinstance(args, dict):
                 raise ThinblockError("control request args must be an object")
-            log.info("control: %s %s", request["verb"], json.dumps(args)[:200])
-            extra = self.extra_verbs.get(request["verb"])
-            if extra is not None:
-                return {"ok": extra(**args)}
-            return {"ok": run_verb(self.pool, request["verb"], args)}
+            verb = request["verb"]
+            extra = self.extra_verbs.get(verb)
+            if extra is None and verb not in VERBS:
+                raise ThinblockError(f"unknown administration verb {verb[:60]!r}")
+            validate(verb, args)
+            log.info("control: %s %s", verb, json.dumps(args)[:200])
+            return {"ok": extra(**args) if extra is not None else run_verb(self.pool, verb, args)}
         except OpError as exc:
             return {"error": exc.strerror or str(exc), "errno": exc.errno}
         except PoolBusyError as exc:
@@ -107,6 +125,7 @@ class ControlServer:
             return {"error": f"internal error: {exc}"}
 
     def close(self) -> None:
+        self._closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -114,21 +133,43 @@ class ControlServer:
             os.unlink(self.path)
 
 
-class ControlClient:
-    """The admin.Admin interface over a server's control socket."""
+def control_timeout_s() -> float:
+    """How long a control call may take before the CLI gives up on the server
+    (THINBLOCK_CONTROL_TIMEOUT_S, default 120 s: a big snapshot or dump still fits)."""
+    try:
+        return max(0.1, float(os.environ.get("THINBLOCK_CONTROL_TIMEOUT_S", "120")))
+    except ValueError:
+        return 120.0
 
-    def __init__(self, path: str) -> None:
+
+class ControlClient:
+    """The admin.Admin interface over a server's control socket. Every call is
+    bounded: a server that does not answer is reported, never waited on forever."""
+
+    def __init__(self, path: str, timeout_s: float | None = None) -> None:
+        self.path = path
+        self.timeout_s = control_timeout_s() if timeout_s is None else timeout_s
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(min(self.timeout_s, 10.0))
         try:
             self.sock.connect(path)
         except OSError as exc:
             self.sock.close()
             raise ThinblockError(f"the pool is held by a server whose control socket {path} refuses: {exc}") from None
+        self.sock.settimeout(self.timeout_s)
         self.rfile = self.sock.makefile("rb")
 
     def call(self, verb: str, **args: Any) -> Any:
-        self.sock.sendall(json.dumps({"verb": verb, "args": args}).encode() + b"\n")
-        line = self.rfile.readline()
+        try:
+            self.sock.sendall(json.dumps({"verb": verb, "args": args}).encode() + b"\n")
+            line = self.rfile.readline()
+        except TimeoutError:
+            raise ThinblockError(
+                f"the server holding the pool did not answer {verb} on its control socket {self.path}"
+                f" within {self.timeout_s:g} s (THINBLOCK_CONTROL_TIMEOUT_S)"
+            ) from None
+        except OSError as exc:
+            raise ThinblockError(f"the control socket {self.path} failed: {exc.strerror or exc}") from None
         if not line:
             raise ThinblockError("the server closed its control socket without replying")
         reply = json.loads(line)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from thinblock.admin.schema import validate
 from thinblock.core.delta import delta_dict
 from thinblock.core.pool import Pool
 from thinblock.core.snapshot import clone, create_snapshot, rollback
@@ -79,10 +80,6 @@ def run_verb(pool: Pool, verb: str, args: dict[str, Any]) -> Any:
     """Run one verb on an open pool (locally, or for a control-socket client)."""
     func = VERBS.get(verb)
     if func is None:
-        raise ThinblockError(f"unknown administration verb {verb!r}")
-    try:
-        return func(pool, **args)
-    except TypeError as exc:
-        if "argument" in str(exc):  # a client sent the wrong arguments: its error, not ours
-            raise ThinblockError(f"bad arguments for {verb}: {exc}") from None
-        raise
+        raise ThinblockError(f"unknown administration verb {verb[:60]!r}")
+    validate(verb, args)  # types and ranges first: a bad request changes nothing
+    return func(pool, **args)

@@ -85,3 +85,8 @@ class Location(ABC):
     @abstractmethod
     def keep_copy(self) -> str:
         """Repair: keep a copy of the current metadata; returns where it went."""
+
+    def local_paths(self, superblock: dict[str, Any]) -> list[str]:
+        """Local files and directories holding the pool's bytes, which only its owner
+        should be able to read (pool check warns otherwise); none for remote pools."""
+        return []

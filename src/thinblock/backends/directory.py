@@ -1,5 +1,10 @@
 """The embedded default: a pool directory with a sparse data file (or a raw
-device it names) and SQLite metadata, owned through a flock on POOL/lock.
+device it names) and SQLite metadata, owned through a lock on POOL/lock.
+
+Every file is created private (privacy.py). The lock is an open-file-description
+write lock (F_OFD_SETLK): only a process that can open POOL/lock for writing (its
+owner) can take it, so no other user can hold a pool hostage with flock() on a
+file it may read, and closing some other descriptor of the file never drops it.
 
 This module is the only one that knows the pool directory's file names; the
 SQLite specifics stay in meta/sqlite.py.
@@ -12,6 +17,7 @@ import errno
 import fcntl
 import os
 import shutil
+import struct
 import sys
 from typing import Any
 
@@ -19,6 +25,7 @@ from thinblock.backends.base import Location, Ownership
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.sqlite import DB_NAME, SqliteMetadata
+from thinblock.privacy import PRIVATE_DIR, create_private_file, make_private_dir
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
@@ -26,6 +33,43 @@ from thinblock.store.hostspace import SLACK_FILE, HostSpace, beyond_file_limit, 
 
 DATA_FILE = "data"
 LOCK_FILE = "lock"
+
+
+# struct flock on Linux: l_type, l_whence (short), l_start, l_len (off_t), l_pid (pid_t).
+_FLOCK = "hh4xqqi4x"
+
+
+def _ofd_lock(fd: int, kind: int) -> bool:
+    """Take (F_WRLCK) or drop (F_UNLCK) the whole-file OFD lock; False if another holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, 0, 0, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _ofd_locked(fd: int) -> bool:
+    """Whether some open file description holds a lock on the file."""
+    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    return bool(struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK)
+
+
+def _describe_holder(record: str) -> str:
+    """Who the lock file says holds the pool, checked against the running processes:
+    the process that takes the lock writes its pid and purpose there."""
+    pid_text, _, purpose = record.partition(" ")
+    if not pid_text.isdigit():
+        return "already held by another thinblock process (pid unknown)"
+    pid = int(pid_text)
+    if os.path.exists(f"/proc/{pid}"):
+        return f"already held by another thinblock process (pid {pid}, {purpose or 'thinblock'})"
+    return (
+        f"locked, but not by a live thinblock process: pid {pid} ({purpose or 'thinblock'}), which its"
+        " lock file names, has exited, so some other process keeps the lock file open with the lock"
+        " (fuser shows which)"
+    )
 
 
 class _Flock(Ownership):
@@ -60,17 +104,20 @@ class DirLocation(Location):
         made_dir = self._made_dir = not os.path.exists(self.path)
         made: list[str] = []
         try:
-            os.makedirs(self.path, exist_ok=True)
+            if not make_private_dir(self.path) and os.stat(self.path).st_uid == os.geteuid():
+                os.chmod(self.path, PRIVATE_DIR)  # an existing directory becomes the pool's: private
             if device is None:
                 data_file = os.path.join(self.path, DATA_FILE)
-                with open(data_file, "xb") as f:
-                    made.append(data_file)
-                    try:
-                        f.truncate(size_bytes)
-                    except OSError as exc:
-                        if exc.errno == errno.EFBIG:
-                            raise beyond_file_limit(size_bytes, self.path) from None
-                        raise
+                fd = create_private_file(data_file)
+                made.append(data_file)
+                try:
+                    os.ftruncate(fd, size_bytes)
+                except OSError as exc:
+                    if exc.errno == errno.EFBIG:
+                        raise beyond_file_limit(size_bytes, self.path) from None
+                    raise
+                finally:
+                    os.close(fd)
             else:
                 # Allocatable blocks must read zero (see spacemap): clear the device once.
                 store = FallbackStore(FileStore(device))
@@ -107,17 +154,21 @@ class DirLocation(Location):
             raise ThinblockError(f"no pool at {self.path}: not a directory")
         if not os.path.exists(self.db):
             raise ThinblockError(f"no pool at {self.path}: {DB_NAME} is missing")
+        if os.path.islink(self.db):
+            raise ThinblockError(f"pool {self.path}: {DB_NAME} is a symlink; refusing to follow it")
         return SqliteMetadata.open(self.db, readonly=readonly)
 
     def data_name(self, superblock: dict[str, Any]) -> str:
         return str(superblock.get("data_path") or os.path.join(self.path, DATA_FILE))
 
     def open_data(self, superblock: dict[str, Any], *, readonly: bool = False) -> DataStore:
-        return FileStore(self.data_name(superblock), readonly=readonly)
+        # The pool's own file is never reached through a symlink; a --data path the
+        # user named (often /dev/disk/by-id/...) may be one.
+        return FileStore(self.data_name(superblock), readonly=readonly, follow=bool(superblock.get("data_path")))
 
     def _lock_fd(self) -> int:
         try:
-            return os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+            return create_private_file(os.path.join(self.path, LOCK_FILE), exclusive=False)
         except OSError as exc:
             raise ThinblockError(f"cannot open pool {self.path} for writing: {exc.strerror}") from None
 
@@ -125,31 +176,24 @@ class DirLocation(Location):
         if not os.path.isdir(self.path):
             raise ThinblockError(f"no pool at {self.path}: not a directory")
         fd = self._lock_fd()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        if not _ofd_lock(fd, fcntl.F_WRLCK):
+            holder = _describe_holder(os.pread(fd, 200, 0).decode(errors="replace").strip())
             os.close(fd)
             hint = ": --takeover is for pools in Ceph; stop that process instead" if takeover else ""
-            raise PoolBusyError(
-                f"pool {self.path} is already held by another thinblock process (pid {holder}){hint}"
-            ) from None
+            raise PoolBusyError(f"pool {self.path} is {holder}{hint}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {purpose or ' '.join(sys.argv[:2])}".strip().encode() + b"\n", 0)
         return _Flock(fd)
 
     def is_owned(self) -> bool:
         try:
-            fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDONLY)
+            fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
+            return _ofd_locked(fd)
         finally:
-            os.close(fd)  # closing releases the probe's lock
-        return False
+            os.close(fd)
 
     def host(self, superblock: dict[str, Any]) -> HostSpace:
         return HostSpace(
@@ -162,7 +206,7 @@ class DirLocation(Location):
         """Build the new database beside the old one, then rename it over it."""
         tmp = self.db + ".restore"
         for leftover in (tmp, tmp + "-wal", tmp + "-shm"):
-            if os.path.exists(leftover):
+            if os.path.lexists(leftover):
                 os.unlink(leftover)
         meta = SqliteMetadata.create(tmp, superblock)
         try:
@@ -180,7 +224,14 @@ class DirLocation(Location):
         finally:
             os.close(dirfd)
 
+    def local_paths(self, superblock: dict[str, Any]) -> list[str]:
+        names = [DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LOCK_FILE, SLACK_FILE]
+        paths = [self.path, self.data_name(superblock), *(os.path.join(self.path, n) for n in names)]
+        return [p for p in paths if os.path.lexists(p)]
+
     def keep_copy(self) -> str:
         backup = self.db + ".bad"
+        if os.path.lexists(backup):
+            os.unlink(backup)
         SqliteMetadata.copy_database(self.db, backup)
         return backup

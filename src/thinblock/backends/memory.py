@@ -14,6 +14,7 @@ from thinblock.backends.base import Location, Ownership
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.memory import MemoryMetadata, MemoryMetaState
+from thinblock.privacy import make_private_dir
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
 from thinblock.store.memory import MemoryStore
@@ -60,7 +61,7 @@ class MemoryLocation(Location):
 
     def runtime_dir(self) -> str:
         path = os.path.join(tempfile.gettempdir(), f"thinblock-memory-{os.getpid()}-{self.slot}")
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        make_private_dir(path)  # its sockets are the owner's alone
         return path
 
     def exists(self) -> bool:

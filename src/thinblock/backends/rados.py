@@ -36,6 +36,7 @@ from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, connect, ra
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
+from thinblock.privacy import make_private_dir
 from thinblock.sizes import format_size
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
@@ -187,7 +188,7 @@ class RadosLocation(Location):
             "/run/thinblock" if os.access("/run", os.W_OK) else f"/tmp/thinblock-{os.getuid()}"
         )
         path = os.path.join(base, "rados", self.ceph_pool, self.pool_name)
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        make_private_dir(path)  # its sockets are the owner's alone
         return path
 
     def exists(self) -> bool:

@@ -27,6 +27,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow, initial_superblock
+from thinblock.privacy import touch_private
 
 DB_NAME = "metadata.sqlite"
 
@@ -122,6 +123,7 @@ class SqliteMetadata(MetadataStore):
 
     @classmethod
     def _create(cls, path: str, superblock: dict[str, object]) -> SqliteMetadata:
+        touch_private(path)  # SQLite gives its -wal and -shm files the database's mode
         conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
@@ -245,6 +247,7 @@ class SqliteMetadata(MetadataStore):
     @staticmethod
     def copy_database(path: str, dest: str) -> None:
         """A consistent copy of the database at path (repair keeps one)."""
+        touch_private(dest)
         with sqlite3.connect(path) as src, sqlite3.connect(dest) as dst:
             src.backup(dst)
 

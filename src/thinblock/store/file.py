@@ -47,11 +47,15 @@ _MODES = {
 class FileStore(DataStore):
     """A sparse regular file (the default) or a raw block device."""
 
-    def __init__(self, path: str, *, readonly: bool = False) -> None:
+    def __init__(self, path: str, *, readonly: bool = False, follow: bool = True) -> None:
+        """follow=False: a symlink at path is refused (a pool's own data file)."""
         self.path = path
         try:
-            self._fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+            flags = (os.O_RDONLY if readonly else os.O_RDWR) | (0 if follow else os.O_NOFOLLOW)
+            self._fd = os.open(path, flags)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ThinblockError(f"cannot open data store {path}: it is a symlink, refused") from exc
             raise ThinblockError(f"cannot open data store {path}: {exc.strerror}") from exc
         self.is_block_device = stat.S_ISBLK(os.fstat(self._fd).st_mode)
         if self.is_block_device:

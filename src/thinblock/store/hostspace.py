@@ -22,6 +22,7 @@ import os
 import threading
 
 from thinblock.errors import ThinblockError
+from thinblock.privacy import create_private_file
 from thinblock.sizes import format_size
 from thinblock.store.file import fallocate
 
@@ -82,7 +83,7 @@ class HostSpace:
         the host has not got the room."""
         with self._lock:
             try:
-                fd = os.open(self.slack_path, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = create_private_file(self.slack_path, exclusive=False)
             except OSError as exc:
                 log.error("cannot create metadata slack %s: %s", self.slack_path, exc.strerror)
                 self.slack_released = True

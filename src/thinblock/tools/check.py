@@ -7,6 +7,8 @@ sentences for a person; an empty list means the pool is consistent.
 
 from __future__ import annotations
 
+import os
+import stat
 from array import array
 from collections import Counter
 
@@ -16,6 +18,7 @@ from thinblock.core.pool import check_data_size
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
+from thinblock.privacy import open_to_others
 
 
 def check_metadata(meta: MetadataStore) -> list[str]:
@@ -24,6 +27,23 @@ def check_metadata(meta: MetadataStore) -> list[str]:
         return _check(meta)
     except (CorruptionError, ValueError, KeyError, TypeError) as exc:
         return [f"metadata cannot be read: {exc}"]
+
+
+def check_privacy(locator: str | Location, meta: MetadataStore) -> list[str]:
+    """Warnings, not problems: pool files or directories other users can get at. Anyone
+    who can read them can read every volume (the pool's owner is the trust boundary)."""
+    try:
+        paths = locate(locator).local_paths(meta.superblock())
+    except (CorruptionError, ThinblockError):
+        return []
+    warnings = []
+    for path in paths:
+        how = open_to_others(path)
+        if how is not None:
+            mode = stat.S_IMODE(os.lstat(path).st_mode)
+            fix = "700" if os.path.isdir(path) else "600"
+            warnings.append(f"{path} is {how} by other users (mode {mode:04o}): chmod {fix} {path}")
+    return warnings
 
 
 def check_data_store(locator: str | Location, meta: MetadataStore) -> list[str]:

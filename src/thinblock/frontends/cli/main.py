@@ -19,7 +19,7 @@ from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.errors import OpError, PoolBusyError, ThinblockError
 from thinblock.sizes import format_size, parse_size
-from thinblock.tools.check import check_data_store, check_metadata
+from thinblock.tools.check import check_data_store, check_metadata, check_privacy
 
 DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-pool"))
 
@@ -192,10 +192,12 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
             problems = check_metadata(meta) + check_data_store(args.pool, meta)
             if not problems or meta.superblock().get("transaction_id") == before:
                 break
+        warnings = check_privacy(args.pool, meta)
     finally:
         meta.close()
+    _warn(warnings)
     if args.json:
-        print(json.dumps({"ok": not problems, "problems": problems}, indent=2))
+        print(json.dumps({"ok": not problems, "problems": problems, "warnings": warnings}, indent=2))
     elif problems:
         print(f"pool {args.pool} has {len(problems)} problem(s):")
         for problem in problems:
@@ -341,11 +343,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """Serve every volume over NBD until SIGINT/SIGTERM, then commit and stop."""
     import logging
     import signal
+    import ssl
     import threading
 
     from thinblock.admin.control import ControlServer
     from thinblock.frontends.fuse.host import MountHost
-    from thinblock.frontends.nbd.server import NBDServer, TLSConfig, export_uris, parse_listen
+    from thinblock.frontends.nbd.authz import Authz
+    from thinblock.frontends.nbd.server import Limits, NBDServer, TLSConfig, export_uris, parse_listen
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -354,7 +358,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ThinblockError(str(exc)) from None
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
+    if args.tls_psk:
+        # nbdkit's --tls-psk needs TLS-PSK key exchange, which Python's ssl module only
+        # offers from 3.13 (SSLContext.set_psk_server_callback); Debian 12 has 3.11.
+        if not hasattr(ssl.SSLContext, "set_psk_server_callback"):
+            raise ThinblockError(
+                "--tls-psk is not available: this Python's ssl module has no TLS-PSK support"
+                " (it comes with Python 3.13); use --tls-cert/--tls-key with --tls-ca and --tls-authz"
+            )
+        raise ThinblockError("--tls-psk is not implemented yet: use client certificates and --tls-authz")
+    if args.tls_authz and not args.tls_ca:
+        raise UsageError("--tls-authz needs --tls-ca: it names client certificates, which only a CA makes required")
+    if tcp and not args.tls_cert and not args.insecure:
+        raise UsageError(
+            f"TCP without TLS lets anyone who can reach {tcp[0]}:{tcp[1]} read and write every volume:"
+            " give --tls-cert and --tls-key (and --tls-ca), or --insecure to serve it anyway"
+        )
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
+    authz = Authz.load(args.tls_authz) if args.tls_authz else None
+    socket_mode = _octal_mode(args.socket_mode)
+    socket_gid = _group_id(args.socket_group) if args.socket_group else None
+    if args.max_connections < 1 or args.handshake_timeout <= 0 or args.idle_timeout <= 0:
+        raise UsageError("--max-connections must be at least 1, and the timeouts more than 0 seconds")
+    limits = Limits(args.max_connections, args.handshake_timeout, min(args.handshake_timeout, args.idle_timeout))
     socket_path = os.path.abspath(args.socket or os.path.join(locate(args.pool).runtime_dir(), "nbd.sock"))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -369,12 +395,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise
     with pool:
         try:
-            server = NBDServer(pool, read_only=args.read_only, tls=tls)
+            server = NBDServer(pool, read_only=args.read_only, tls=tls, authz=authz, limits=limits)
         except (OSError, ValueError) as exc:
             raise ThinblockError(f"cannot load TLS certificate/key: {exc}") from None
+        if tcp and tls is None:
+            logging.getLogger("thinblock.nbd").warning(
+                "serving TCP %s:%d without TLS (--insecure): anyone who can reach it can read and write every volume",
+                *tcp,
+            )
         where = f"unix socket {socket_path}"
         try:
-            server.listen_unix(socket_path)
+            server.listen_unix(socket_path, mode=socket_mode, gid=socket_gid)
             bound = None
             if tcp:
                 where = f"TCP {tcp[0]}:{tcp[1]}"
@@ -394,6 +425,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
         host.close()
         server.close()
     print("stopped", flush=True)
+
+
+def _octal_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise UsageError(f"invalid --socket-mode {text!r}: an octal mode such as 0660") from None
+    if not 0 <= mode <= 0o777 or mode & 0o111:
+        raise UsageError(f"invalid --socket-mode {text!r}: read/write bits only, such as 0600 or 0660")
+    if mode & 0o006:
+        raise UsageError(f"--socket-mode {text}: a socket others may use lets every local user read every volume")
+    return mode
+
+
+def _group_id(name: str) -> int:
+    import grp
+
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise UsageError(f"invalid --socket-group {name!r}: no such group") from None
 
 
 def cmd_fuse_daemon(args: argparse.Namespace) -> None:
@@ -466,7 +518,24 @@ def cmd_mkfs(args: argparse.Namespace) -> None:
 # ----- parser --------------------------------------------------------------------------
 
 
-def _ceph_options(p: argparse.ArgumentParser, default: Any) -> None:
+def _wait_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid --wait {text!r}: seconds, such as 30 or 0") from None
+    if not 0 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"invalid --wait {text!r}: from 0 to 86400 seconds")
+    return value
+
+
+def _common_options(p: argparse.ArgumentParser, default: Any) -> None:
+    p.add_argument(
+        "--wait",
+        type=_wait_seconds,
+        metavar="SECONDS",
+        default=default,
+        help="how long to wait while another command holds the pool (default 60)",
+    )
     p.add_argument(
         "--ceph-conf", metavar="PATH", default=default, help="Ceph configuration for rados: pools (default $CEPH_CONF)"
     )
@@ -477,7 +546,7 @@ def _ceph_options(p: argparse.ArgumentParser, default: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="thinblock", description="Thin-provisioned block storage that treats zeros as free.")
-    _ceph_options(parser, default=None)
+    _common_options(parser, default=None)
     parser.add_argument("--version", action="version", version=f"thinblock {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
@@ -486,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         if pool:
             p.add_argument("pool", metavar="POOL", help="pool directory, or rados:CEPHPOOL/NAME")
-        _ceph_options(p, default=argparse.SUPPRESS)  # given here or before the command
+        _common_options(p, default=argparse.SUPPRESS)  # given here or before the command
         return p
 
     pool_p = sub.add_parser("pool", help="create, inspect, grow and check pools", description="Pool commands.")
@@ -576,6 +645,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
     p.add_argument("--tls-ca", metavar="FILE", help="CA for client certificates (then they are required)")
     p.add_argument(
+        "--tls-authz", metavar="FILE", help="client certificates allowed in: lines NAME rw|ro EXPORTS|* (see README)"
+    )
+    p.add_argument("--tls-psk", metavar="FILE", help="not available: Python 3.11's ssl has no TLS-PSK (see README)")
+    p.add_argument(
+        "--insecure", action="store_true", help="allow TCP without TLS (anyone reaching it has every volume)"
+    )
+    p.add_argument("--socket-mode", default="0600", metavar="MODE", help="unix socket mode (default 0600: owner only)")
+    p.add_argument("--socket-group", metavar="GROUP", help="unix socket group, e.g. kvm (with --socket-mode 0660)")
+    p.add_argument("--max-connections", type=int, default=256, metavar="N", help="clients at once (default 256)")
+    p.add_argument(
+        "--handshake-timeout", type=float, default=30.0, metavar="S", help="seconds to negotiate (default 30)"
+    )
+    p.add_argument(
+        "--idle-timeout", type=float, default=10.0, metavar="S", help="silence allowed while negotiating (default 10)"
+    )
+    p.add_argument(
         "--takeover", action="store_true", help="rados: pools: fence off the live holder and serve (see README)"
     )
 
@@ -637,6 +722,8 @@ def _run(argv: list[str]) -> int:
         os.environ["CEPH_CONF"] = os.path.abspath(args.ceph_conf)
     if args.ceph_id:
         os.environ["CEPH_ID"] = args.ceph_id
+    if args.wait is not None:
+        os.environ["THINBLOCK_WAIT_S"] = str(args.wait)
     try:
         result = args.func(args)
         sys.stdout.flush()

@@ -22,6 +22,7 @@ from pathlib import Path
 from thinblock.admin.verbs import CONTROL_SOCKET
 from thinblock.backends import locate
 from thinblock.errors import ThinblockError
+from thinblock.privacy import PRIVATE_DIR, create_private_file, make_private_dir
 
 RUNTIME_DIR = Path(os.environ.get("THINBLOCK_RUNTIME_DIR", "/run/thinblock"))
 
@@ -37,8 +38,12 @@ class Attachment:
 
 
 def _pool_dir(pool: str) -> Path:
-    key = hashlib.sha1(locate(pool).key().encode()).hexdigest()[:12]
-    return RUNTIME_DIR / key
+    return runtime_dir_for(locate(pool).key())
+
+
+def runtime_dir_for(key: str) -> Path:
+    """The runtime directory of the pool whose location key this is; its mount is `mnt`."""
+    return RUNTIME_DIR / hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 def _mounts() -> list[tuple[str, str]]:
@@ -85,9 +90,17 @@ def _record(pdir: Path) -> dict[str, str]:
 
 
 def _write_record(pdir: Path, record: dict[str, str]) -> None:
-    tmp = pdir / "devices.json.tmp"
-    tmp.write_text(json.dumps(record))
-    tmp.replace(pdir / "devices.json")
+    _write_private(pdir / "devices.json", record)
+
+
+def _write_private(path: Path, value: object) -> None:
+    """JSON at path, replaced atomically, 0600 like every runtime file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    with os.fdopen(create_private_file(str(tmp)), "w") as f:
+        f.write(json.dumps(value))
+    tmp.replace(path)
 
 
 def _backing(device: str) -> str:
@@ -115,7 +128,10 @@ def _served_by(pool: str) -> str | None:
 
 def _start_daemon(pool: str, pdir: Path) -> None:
     mnt = pdir / "mnt"
-    mnt.mkdir(parents=True, exist_ok=True)
+    for private in (RUNTIME_DIR, pdir):  # only the pool's owner may look inside
+        if not make_private_dir(str(private)) and private.stat().st_uid == os.geteuid():
+            private.chmod(PRIVATE_DIR)  # made wider by an older thinblock
+    make_private_dir(str(mnt))
     sock = _served_by(pool)
     if sock is not None:
         # `thinblock serve` holds the pool: it mounts the volumes itself (fuse/host.py).
@@ -127,9 +143,10 @@ def _start_daemon(pool: str, pdir: Path) -> None:
         finally:
             client.close()
         info = {"pid": pid, "pool": locate(pool).key(), "mnt": str(mnt), "hosted": True}
-        (pdir / "daemon.json").write_text(json.dumps(info))
+        _write_private(pdir / "daemon.json", info)
         return
-    log = open(pdir / "daemon.log", "ab")  # noqa: SIM115 - handed to the child
+    log = os.fdopen(create_private_file(str(pdir / "daemon.log"), exclusive=False), "ab")
+    log.seek(0, os.SEEK_END)
     proc = subprocess.Popen(
         [sys.executable, "-m", "thinblock", "fuse-daemon", locate(pool).key(), str(mnt)],
         stdin=subprocess.DEVNULL,
@@ -149,7 +166,7 @@ def _start_daemon(pool: str, pdir: Path) -> None:
             raise ThinblockError(f"the FUSE daemon for {pool} did not come up")
         time.sleep(0.05)
     info = {"pid": proc.pid, "pool": locate(pool).key(), "mnt": str(mnt)}
-    (pdir / "daemon.json").write_text(json.dumps(info))
+    _write_private(pdir / "daemon.json", info)
 
 
 def attach(pool: str, volume: str) -> str:

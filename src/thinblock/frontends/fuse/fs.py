@@ -64,7 +64,7 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
     def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
         base = {"st_uid": 0, "st_gid": 0, "st_atime": self.started, "st_mtime": self.started, "st_ctime": self.started}
         if path == "/":
-            return {**base, "st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2, "st_size": 0}
+            return {**base, "st_mode": stat.S_IFDIR | 0o700, "st_nlink": 2, "st_size": 0}
         vol = self._volume(path)
         row = vol.row
         mode = 0o400 if vol.readonly else 0o600

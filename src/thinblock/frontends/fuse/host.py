@@ -19,7 +19,7 @@ from typing import Any
 
 from thinblock.core.pool import Pool
 from thinblock.errors import ThinblockError
-from thinblock.frontends.fuse.attach import detach_all_under, is_mounted
+from thinblock.frontends.fuse.attach import detach_all_under, is_mounted, runtime_dir_for
 from thinblock.frontends.fuse.fs import mount
 
 log = logging.getLogger("thinblock.fuse")
@@ -34,6 +34,11 @@ class MountHost:
     def mount(self, mountpoint: str) -> dict[str, Any]:
         """Mount the pool's volumes at mountpoint (an existing empty directory)."""
         mountpoint = os.path.realpath(mountpoint)
+        own = os.path.realpath(runtime_dir_for(self.pool.location.key()) / "mnt")
+        if mountpoint != own:
+            # A control client names the place, but only this pool's runtime mount point
+            # is allowed: never a directory of the client's choosing.
+            raise ThinblockError(f"fuse_mount mounts this pool's volumes only at {own}, not at {mountpoint}")
         with self.lock:
             thread = self.threads.get(mountpoint)
             if thread is not None and thread.is_alive() and is_mounted(mountpoint):

@@ -52,9 +52,16 @@ class ExportInfo:
 
 
 class ExportCatalog(Protocol):
+    """The exports a client may see. lookup raises ExportRefused for an export that
+    exists but that this client may not use (the server's authorisation)."""
+
     def list_exports(self) -> list[ExportInfo]: ...
 
     def lookup(self, name: str) -> ExportInfo | None: ...
+
+
+class ExportRefused(Exception):
+    """This client may not use the export: REP_ERR_POLICY with the message."""
 
 
 class Phase(Enum):
@@ -376,7 +383,11 @@ class ServerConnection:
         except (ValueError, UnicodeDecodeError) as exc:
             self._error(option, c.REP_ERR_INVALID, f"malformed {'GO' if option == c.OPT_GO else 'INFO'}: {exc}")
             return None
-        export = self.catalog.lookup(name)
+        try:
+            export = self.catalog.lookup(name)
+        except ExportRefused as exc:
+            self._error(option, c.REP_ERR_POLICY, str(exc))
+            return None
         if export is None:
             self._error(option, c.REP_ERR_UNKNOWN, f"no export named {name!r}")
             return None
@@ -402,7 +413,10 @@ class ServerConnection:
             name = data.decode("utf-8")
         except UnicodeDecodeError:
             return Closed("export name is not UTF-8", clean=False)
-        export = self.catalog.lookup(name)
+        try:
+            export = self.catalog.lookup(name)
+        except ExportRefused as exc:
+            return Closed(f"refused export {name!r}: {exc}", clean=False)
         if export is None:
             return Closed(f"client asked for unknown export {name!r}", clean=False)
         self._outbuf += struct.pack(">QH", export.size_bytes, self._transmission_flags(export))
@@ -439,7 +453,11 @@ class ServerConnection:
         except (ValueError, UnicodeDecodeError) as exc:
             self._error(option, c.REP_ERR_INVALID, f"malformed meta context request: {exc}")
             return None
-        export = self.catalog.lookup(name)
+        try:
+            export = self.catalog.lookup(name)
+        except ExportRefused as exc:
+            self._error(option, c.REP_ERR_POLICY, str(exc))
+            return None
         if export is None:
             self._error(option, c.REP_ERR_UNKNOWN, f"no export named {name!r}")
             return None

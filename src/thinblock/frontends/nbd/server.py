@@ -21,7 +21,6 @@ import os
 import queue
 import socket
 import ssl
-import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from thinblock.core.volume import Volume
 from thinblock.errors import OpError
 from thinblock.frontends.export import Export, errno_of
 from thinblock.frontends.nbd import constants as c
+from thinblock.frontends.nbd.authz import Authz, GrantedCatalog
 from thinblock.frontends.nbd.protocol import (
     BASE_ALLOCATION,
     Closed,
@@ -46,6 +46,8 @@ from thinblock.frontends.nbd.protocol import (
     Transmission,
 )
 from thinblock.iovec import IOV_MAX, write_all
+from thinblock.listen import ACCEPT_RETRY, bind_unix
+from thinblock.privacy import PRIVATE_FILE
 
 log = logging.getLogger("thinblock.nbd")
 
@@ -281,13 +283,32 @@ def request_cost(req: Request) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one client may hold: a connection slot, and time to negotiate."""
+
+    max_connections: int = 256
+    handshake_s: float = 30.0  # from connect to the first request, TLS included
+    idle_s: float = 10.0  # silence allowed between two negotiation messages
+
+
 class NBDServer:
     """Serves every volume of an open pool over NBD."""
 
-    def __init__(self, pool: Pool, *, read_only: bool = False, tls: TLSConfig | None = None) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        *,
+        read_only: bool = False,
+        tls: TLSConfig | None = None,
+        authz: Authz | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         self.pool = pool
         self.catalog = PoolCatalog(pool, read_only=read_only)
         self.ssl_context = tls.context() if tls else None
+        self.authz = authz
+        self.limits = limits or Limits()
         depth = pool.store.queue_depth
         self.inline_small = depth <= 1
         self.executor = ThreadPoolExecutor(
@@ -303,14 +324,10 @@ class NBDServer:
         self.budget = ByteBudget(SERVER_BUDGET_BYTES)
         self.large_budget = ByteBudget(LARGE_BUDGET_BYTES)
 
-    def listen_unix(self, path: str) -> None:
-        """Listen at path, replacing a stale socket there; anything else is refused."""
-        with contextlib.suppress(FileNotFoundError):
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
-                raise FileExistsError(errno.EEXIST, "something other than a socket is there; not replacing it")
-            os.unlink(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(path)
+    def listen_unix(self, path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None) -> None:
+        """Listen at path (mode 0600 unless shared with a group), replacing a dead
+        server's socket there; anything else there is refused (privacy.bind_unix)."""
+        sock = bind_unix(path, mode=mode, gid=gid)
         self.unix_paths.append((path, os.stat(path).st_ino))
         self._listen(sock)
 
@@ -330,17 +347,39 @@ class NBDServer:
         thread.start()
 
     def _accept_loop(self, listener: socket.socket) -> None:
+        pause = 0.0  # while accept() fails for want of descriptors or memory
+        refused_logged = 0.0
         while not self.stopping.is_set():
             try:
                 sock, _addr = listener.accept()
-            except OSError:
-                return  # the listener was closed: shutting down
+            except OSError as exc:
+                if self.stopping.is_set() or exc.errno not in ACCEPT_RETRY:
+                    return  # the listener was closed: shutting down
+                if not pause:
+                    log.error("cannot accept connections (%s): retrying until it clears", exc.strerror)
+                pause = min(1.0, pause * 2 or 0.05)
+                self.stopping.wait(pause)
+                continue
+            if pause:
+                log.info("accepting connections again")
+                pause = 0.0
+            with self.lock:
+                full = len(self.sessions) >= self.limits.max_connections
+                if not full:
+                    self._next_id += 1
+                    session = Session(self, sock, self._next_id)
+                    self.sessions.add(session)
+            if full:
+                if time.monotonic() - refused_logged > 5:
+                    refused_logged = time.monotonic()
+                    log.warning(
+                        "refused a connection: %d clients connected, the limit (--max-connections)",
+                        self.limits.max_connections,
+                    )
+                sock.close()
+                continue
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self.lock:
-                self._next_id += 1
-                session = Session(self, sock, self._next_id)
-                self.sessions.add(session)
             session.start()
 
     def close(self) -> None:
@@ -417,11 +456,17 @@ class Session:
     def _run(self) -> None:
         log.info("%s: connected", self.name)
         reason = "server shutting down"
+        limits = self.server.limits
+        self.deadline = time.monotonic() + limits.handshake_s
         try:
+            self.sock.settimeout(limits.idle_s)  # until transmission: no client holds a slot forever
             self._send([self.conn.data_to_send()])  # the greeting
             reason = self._loop()
         except RemoteProtocolError as exc:
             reason = f"protocol error: {exc}"
+            log.warning("%s: %s", self.name, reason)
+        except TimeoutError:
+            reason = f"negotiation timed out ({limits.idle_s:g} s of silence or {limits.handshake_s:g} s in all)"
             log.warning("%s: %s", self.name, reason)
         except (OSError, ssl.SSLError) as exc:
             reason = f"connection lost: {exc}"
@@ -455,6 +500,11 @@ class Session:
             if out:
                 self._send([out])
             if isinstance(event, NeedData):
+                if self.export is None and self.writer is None:  # still negotiating: bounded
+                    remaining = self.deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError
+                    self.sock.settimeout(min(self.server.limits.idle_s, remaining))
                 self._flush_batch()  # before waiting for the client: its replies go out now
                 target = conn.receive_buffer()  # a large write payload: straight into its buffer
                 if target is not None:
@@ -497,8 +547,13 @@ class Session:
                 assert self.server.ssl_context is not None
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
                 self.inline_sends = False
+                assert isinstance(self.sock, ssl.SSLSocket)
                 log.info("%s: TLS started (%s)", self.name, self.sock.version())
+                if self.server.authz is not None:
+                    who, grant = self.server.authz.client(self.sock.getpeercert())
+                    self.conn.catalog = GrantedCatalog(self.server.catalog, who, grant, self.name)
             elif isinstance(event, Transmission):
+                self.sock.settimeout(None)  # requests may be far apart; replies must not time out
                 vol = self.server.catalog.volume(event.export.name)
                 if vol is not None:
                     self.export = Export(self.server.pool, vol, read_only=event.export.read_only)

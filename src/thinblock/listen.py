@@ -1,0 +1,73 @@
+"""Listening sockets every server uses: unix sockets private from their first
+instant, and the accept() errors a listener survives.
+
+A unix socket gets its mode (0600 unless the user shares it with a group) and
+group before anyone can connect: it is bound in a private directory and renamed
+into place. An existing path is replaced only if it is a dead server's socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import stat
+import tempfile
+
+from thinblock.privacy import PRIVATE_FILE
+
+# accept() errors that pass (out of descriptors or memory, a client gone before it
+# was accepted): the listener is fine; pause and go on accepting.
+ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+
+
+def bind_unix(path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None, live_ok: bool = False) -> socket.socket:
+    """A unix socket bound at path with exactly `mode` (and group `gid`) from its first
+    instant: it is bound in a fresh 0700 directory beside path, given its mode and
+    group there, then renamed into place (replacing a dead server's socket atomically).
+
+    An existing path is refused unless it is a socket nobody listens on (live_ok: the
+    caller holds the pool lock, so a socket there is its own dead predecessor's); a
+    symlink is never followed or replaced."""
+    check_socket_path(path, live_ok=live_ok)
+    workdir = tempfile.mkdtemp(prefix=".tb", dir=os.path.dirname(os.path.abspath(path)))
+    tmp = os.path.join(workdir, "s")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(tmp)
+        os.chmod(tmp, mode)
+        if gid is not None:
+            os.chown(tmp, -1, gid)
+        os.rename(tmp, path)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        os.rmdir(workdir)
+    return sock
+
+
+def check_socket_path(path: str, *, live_ok: bool = False) -> None:
+    """Refuse (FileExistsError) a path holding anything but a dead server's socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise FileExistsError(errno.EEXIST, "it is a symlink; not following or replacing it")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(errno.EEXIST, "something other than a socket is there; not replacing it")
+    if live_ok:
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # nobody listens: a dead server's socket, safe to replace
+    finally:
+        probe.close()
+    raise FileExistsError(errno.EADDRINUSE, "a live server is listening on it")
