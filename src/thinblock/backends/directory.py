@@ -85,12 +85,15 @@ class _Flock(Ownership):
 class DirLocation(Location):
     def __init__(self, path: str) -> None:
         self.name = path
-        self.path = path
-        self.db = os.path.join(path, DB_NAME)
+        self.path = path  # as the user wrote it, for messages
+        # Resolved once: every file of the pool is opened below this directory, so a
+        # symlink swapped in for the path later cannot redirect the pool's files.
+        self.dir = os.path.realpath(path)
+        self.db = os.path.join(self.dir, DB_NAME)
         self._made_dir = False
 
     def key(self) -> str:
-        return os.path.realpath(self.path)
+        return self.dir
 
     def runtime_dir(self) -> str:
         return self.path
@@ -107,7 +110,7 @@ class DirLocation(Location):
             if not make_private_dir(self.path) and os.stat(self.path).st_uid == os.geteuid():
                 os.chmod(self.path, PRIVATE_DIR)  # an existing directory becomes the pool's: private
             if device is None:
-                data_file = os.path.join(self.path, DATA_FILE)
+                data_file = os.path.join(self.dir, DATA_FILE)
                 fd = create_private_file(data_file)
                 made.append(data_file)
                 try:
@@ -138,19 +141,19 @@ class DirLocation(Location):
     def remove_created(self) -> None:
         self.destroy(self._made_dir, [self.db + suffix for suffix in ("", "-wal", "-shm")])
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.path, DATA_FILE))
+            os.unlink(os.path.join(self.dir, DATA_FILE))
 
     def destroy(self, whole: bool, files: list[str]) -> None:
         """Remove what a create made (all or nothing)."""
         if whole:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(self.dir, ignore_errors=True)
             return
-        for name in [*files, os.path.join(self.path, SLACK_FILE), os.path.join(self.path, LOCK_FILE)]:
+        for name in [*files, os.path.join(self.dir, SLACK_FILE), os.path.join(self.dir, LOCK_FILE)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
 
     def open_meta(self, *, readonly: bool) -> SqliteMetadata:
-        if not os.path.isdir(self.path):
+        if not os.path.isdir(self.dir):
             raise ThinblockError(f"no pool at {self.path}: not a directory")
         if not os.path.exists(self.db):
             raise ThinblockError(f"no pool at {self.path}: {DB_NAME} is missing")
@@ -159,7 +162,7 @@ class DirLocation(Location):
         return SqliteMetadata.open(self.db, readonly=readonly)
 
     def data_name(self, superblock: dict[str, Any]) -> str:
-        return str(superblock.get("data_path") or os.path.join(self.path, DATA_FILE))
+        return str(superblock.get("data_path") or os.path.join(self.dir, DATA_FILE))
 
     def open_data(self, superblock: dict[str, Any], *, readonly: bool = False) -> DataStore:
         # The pool's own file is never reached through a symlink; a --data path the
@@ -168,12 +171,12 @@ class DirLocation(Location):
 
     def _lock_fd(self) -> int:
         try:
-            return create_private_file(os.path.join(self.path, LOCK_FILE), exclusive=False)
+            return create_private_file(os.path.join(self.dir, LOCK_FILE), exclusive=False)
         except OSError as exc:
             raise ThinblockError(f"cannot open pool {self.path} for writing: {exc.strerror}") from None
 
     def own(self, purpose: str, *, takeover: bool = False) -> Ownership:
-        if not os.path.isdir(self.path):
+        if not os.path.isdir(self.dir):
             raise ThinblockError(f"no pool at {self.path}: not a directory")
         fd = self._lock_fd()
         if not _ofd_lock(fd, fcntl.F_WRLCK):
@@ -187,7 +190,7 @@ class DirLocation(Location):
 
     def is_owned(self) -> bool:
         try:
-            fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(self.dir, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return False
         try:
@@ -197,7 +200,7 @@ class DirLocation(Location):
 
     def host(self, superblock: dict[str, Any]) -> HostSpace:
         return HostSpace(
-            self.path,
+            self.dir,
             int(superblock.get("metadata_slack_bytes") or default_slack_bytes(int(superblock["size_bytes"]))),
             data_on_device=bool(superblock.get("data_path")),
         )
@@ -218,7 +221,7 @@ class DirLocation(Location):
             if os.path.exists(self.db + suffix):
                 os.unlink(self.db + suffix)
         os.replace(tmp, self.db)
-        dirfd = os.open(self.path, os.O_RDONLY)
+        dirfd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(dirfd)
         finally:
@@ -226,7 +229,7 @@ class DirLocation(Location):
 
     def local_paths(self, superblock: dict[str, Any]) -> list[str]:
         names = [DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LOCK_FILE, SLACK_FILE]
-        paths = [self.path, self.data_name(superblock), *(os.path.join(self.path, n) for n in names)]
+        paths = [self.dir, self.data_name(superblock), *(os.path.join(self.dir, n) for n in names)]
         return [p for p in paths if os.path.lexists(p)]
 
     def keep_copy(self) -> str:
