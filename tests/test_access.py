@@ -368,8 +368,10 @@ def test_handshake_timeout_and_connection_cap(pool: str, tmp_path: Path) -> None
         held = [_raw(server.socket) for _ in range(3)]
         for s in held:
             assert s.recv(18)
+        with pytest.raises(nbd.Error, match="server policy prevents"):  # told why: NBD_REP_ERR_POLICY
+            connect(server, "disk")
         extra = _raw(server.socket)
-        assert _closed_within(extra, 5)  # refused at once past the cap
+        assert _closed_within(extra, 5)  # and let go within seconds
         for s in held:
             s.close()
         time.sleep(0.5)

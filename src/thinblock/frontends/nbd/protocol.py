@@ -327,7 +327,12 @@ class ServerConnection:
         if data:
             self._error(option, c.REP_ERR_INVALID, "LIST takes no data")
             return None
-        for export in self.catalog.list_exports():
+        try:
+            exports = self.catalog.list_exports()
+        except ExportRefused as exc:
+            self._error(option, c.REP_ERR_POLICY, str(exc))
+            return None
+        for export in exports:
             name = export.name.encode()
             self._reply(option, c.REP_SERVER, struct.pack(">I", len(name)) + name + export.description.encode())
         self._reply(option, c.REP_ACK)

@@ -37,6 +37,7 @@ from thinblock.frontends.nbd.protocol import (
     BASE_ALLOCATION,
     Closed,
     ExportInfo,
+    ExportRefused,
     NeedData,
     PayloadPending,
     RemoteProtocolError,
@@ -283,6 +284,23 @@ def request_cost(req: Request) -> int:
     return 0
 
 
+class _Refusing:
+    """The catalog a connection past the cap sees: every export refused, with why."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def list_exports(self) -> list[ExportInfo]:
+        raise ExportRefused(self.message)
+
+    def lookup(self, name: str) -> ExportInfo | None:
+        raise ExportRefused(self.message)
+
+
+REFUSERS = 16  # connections past the cap told why at once; more are just closed
+REFUSE_S = 2.0
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one client may hold: a connection slot, and time to negotiate."""
@@ -309,6 +327,7 @@ class NBDServer:
         self.ssl_context = tls.context() if tls else None
         self.authz = authz
         self.limits = limits or Limits()
+        self._refusing = 0  # connections past the cap being told why
         depth = pool.store.queue_depth
         self.inline_small = depth <= 1
         self.executor = ThreadPoolExecutor(
@@ -376,11 +395,48 @@ class NBDServer:
                         "refused a connection: %d clients connected, the limit (--max-connections)",
                         self.limits.max_connections,
                     )
-                sock.close()
+                self._refuse(sock)
                 continue
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             session.start()
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """Tell a client past the connection cap why (NBD_REP_ERR_POLICY on its options),
+        on a thread of its own with a short deadline; past REFUSERS such threads at
+        once, the connection is just closed."""
+        with self.lock:
+            if self._refusing >= REFUSERS:
+                sock.close()
+                return
+            self._refusing += 1
+        threading.Thread(target=self._refuse_run, args=(sock,), name="thinblock-nbd-refuse", daemon=True).start()
+
+    def _refuse_run(self, sock: socket.socket) -> None:
+        message = f"the server has reached its limit of {self.limits.max_connections} connections; try again later"
+        conn = ServerConnection(_Refusing(message))
+        deadline = time.monotonic() + REFUSE_S
+        try:
+            sock.sendall(conn.data_to_send())
+            while time.monotonic() < deadline:
+                event = conn.next_event()
+                out = conn.data_to_send()
+                if out:
+                    sock.sendall(out)
+                if isinstance(event, Closed | Transmission | StartTLS):
+                    break
+                if isinstance(event, NeedData):
+                    sock.settimeout(max(0.01, deadline - time.monotonic()))
+                    data = sock.recv(4096)
+                    if not data:
+                        break
+                    conn.receive_data(data)
+        except (OSError, RemoteProtocolError):
+            pass
+        finally:
+            sock.close()
+            with self.lock:
+                self._refusing -= 1
 
     def close(self) -> None:
         """Stop accepting, let in-flight requests finish, end every session."""
