@@ -79,9 +79,17 @@ def pool(tmp_path: Path) -> str:
     return path
 
 
+# The intruder runs the system's Python: the project's .venv may sit in a directory it
+# cannot enter (a CI checkout), which must not be what stops it.
+INTRUDER_PYTHON = "/usr/bin/python3"
+
+
 def _try_read(user: str, path: str) -> str:
+    """'READ', or the errno the intruder got opening path."""
     code = f"import sys\ntry:\n open({path!r},'rb').read(1); print('READ')\nexcept OSError as e: print(e.errno)"
-    return run(sys.executable, "-c", code, user=user).stdout.strip()
+    got = run(INTRUDER_PYTHON, "-c", code, user=user)
+    assert got.stdout.strip(), f"the intruder's probe did not run: {got.stderr}"
+    return got.stdout.strip()
 
 
 def test_pool_files_and_runtime_dirs_are_private(intruder: tuple[str, str], pool: str, tmp_path: Path) -> None:
@@ -125,7 +133,8 @@ def test_unix_sockets_follow_mode_and_group(intruder: tuple[str, str], pool: str
         control = os.path.join(pool, "control.sock")
         assert os.stat(control).st_mode & 0o777 == 0o600
         probe = f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({control!r}); print('IN')"
-        assert "IN" not in run(sys.executable, "-c", probe, user=user).stdout
+        got = run(INTRUDER_PYTHON, "-c", probe, user=user)
+        assert "IN" not in got.stdout and "PermissionError" in got.stderr, got.stderr
     finally:
         server.stop()
     # Shared with a group: members get in; the socket is never wider than asked.
