@@ -10,16 +10,47 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import socket
 import stat
 import tempfile
+import threading
+from collections.abc import Callable
 
 from thinblock.privacy import PRIVATE_FILE
 
 # accept() errors that pass (out of descriptors or memory, a client gone before it
 # was accepted): the listener is fine; pause and go on accepting.
 ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+
+
+def accept_loop(
+    listener: socket.socket,
+    stopping: threading.Event,
+    handle: Callable[[socket.socket], None],
+    log: logging.Logger,
+    what: str,
+) -> None:
+    """Hand each accepted connection to handle until stopping is set or the listener
+    closes. An error in ACCEPT_RETRY is logged once, then accepting is retried after a
+    pause growing from 50 ms to 1 s, so a listener never dies of a passing shortage."""
+    pause = 0.0
+    while not stopping.is_set():
+        try:
+            sock, _addr = listener.accept()
+        except OSError as exc:
+            if stopping.is_set() or exc.errno not in ACCEPT_RETRY:
+                return  # the listener was closed: shutting down
+            if not pause:
+                log.error("%s cannot accept connections (%s): retrying until it clears", what, exc.strerror)
+            pause = min(1.0, pause * 2 or 0.05)
+            stopping.wait(pause)
+            continue
+        if pause:
+            log.info("%s is accepting connections again", what)
+            pause = 0.0
+        handle(sock)
 
 
 def bind_unix(path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None, live_ok: bool = False) -> socket.socket:

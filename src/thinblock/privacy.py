@@ -36,18 +36,21 @@ def touch_private(path: str) -> None:
     os.close(create_private_file(path))
 
 
-def make_private_dir(path: str) -> bool:
-    """Create path (and parents, which keep the umask's mode) as a 0700 directory;
-    True if it was made. An existing directory is left as it is."""
+def make_private_dir(path: str, *, tighten: bool = False) -> None:
+    """Create path (and parents, which keep the umask's mode) as a 0700 directory.
+    An existing one is left as it is, unless tighten: then one of ours is made 0700
+    (a directory that becomes a pool's, or one an older thinblock made wider)."""
     if os.path.isdir(path):
-        return False
+        st = os.stat(path)
+        if tighten and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != PRIVATE_DIR:
+            os.chmod(path, PRIVATE_DIR)
+        return
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         os.makedirs(parent, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, PRIVATE_DIR)
     os.chmod(path, PRIVATE_DIR)
-    return True
 
 
 def open_to_others(path: str) -> str | None:

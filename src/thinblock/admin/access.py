@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from thinblock.admin.control import ControlClient
+from thinblock.admin.control import ControlClient, env_seconds
 from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
 from thinblock.backends import locate
 from thinblock.core.pool import Pool
@@ -38,10 +38,7 @@ DEFAULT_WAIT_S = 60.0
 
 def wait_s() -> float:
     """How long a command waits for its turn on a busy pool (--wait, THINBLOCK_WAIT_S)."""
-    try:
-        return max(0.0, float(os.environ.get("THINBLOCK_WAIT_S", DEFAULT_WAIT_S)))
-    except ValueError:
-        return DEFAULT_WAIT_S
+    return env_seconds("THINBLOCK_WAIT_S", DEFAULT_WAIT_S, 0.0)
 
 
 @contextlib.contextmanager
@@ -51,7 +48,8 @@ def open_admin(path: str, *, wait: float | None = None) -> Iterator[Admin]:
     When another process holds the pool and offers no control socket (another
     command, or a server still starting), wait for it up to `wait` seconds, the way
     LVM commands wait for their lock; then fail naming the holder."""
-    deadline = time.monotonic() + (wait_s() if wait is None else wait)
+    budget = wait_s() if wait is None else wait
+    deadline = time.monotonic() + budget
     pause = 0.02
     while True:
         try:
@@ -71,7 +69,7 @@ def open_admin(path: str, *, wait: float | None = None) -> Iterator[Admin]:
                     client.close()
                 return
             if time.monotonic() >= deadline:
-                waited = f"; waited {wait_s() if wait is None else wait:g} s (--wait)"
+                waited = f"; waited {budget:g} s (--wait)"
                 holder = ", which offers no control socket" if "already held" in str(exc) else ""
                 raise PoolBusyError(f"{exc}{holder}{waited}") from None
             time.sleep(pause)

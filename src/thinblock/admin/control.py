@@ -20,12 +20,11 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from thinblock.admin.schema import validate
-from thinblock.admin.verbs import CONTROL_SOCKET, VERBS, run_verb
+from thinblock.admin.verbs import CONTROL_SOCKET, VERBS, run_validated
 from thinblock.core.pool import Pool
 from thinblock.errors import (
     NoSpaceError,
@@ -36,7 +35,7 @@ from thinblock.errors import (
     ReadOnlyError,
     ThinblockError,
 )
-from thinblock.listen import ACCEPT_RETRY, bind_unix
+from thinblock.listen import accept_loop, bind_unix
 
 log = logging.getLogger("thinblock.control")
 MAX_LINE = 1 << 20
@@ -56,28 +55,18 @@ class ControlServer:
         self.path = os.path.join(pool.location.runtime_dir(), CONTROL_SOCKET)
         # We hold the pool lock, so a socket left here is a dead server's: replace it.
         # Only the pool's owner may connect (0600).
-        self._closed = False
+        self._stopping = threading.Event()
         self.sock = bind_unix(self.path, live_ok=True)
         self.sock.listen(16)
         self._thread = threading.Thread(target=self._accept_loop, name="thinblock-control", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
-        pause = 0.0
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError as exc:
-                if self._closed or exc.errno not in ACCEPT_RETRY:
-                    return  # closed
-                if not pause:
-                    log.error("control socket cannot accept (%s): retrying until it clears", exc.strerror)
-                pause = min(1.0, pause * 2 or 0.05)
-                time.sleep(pause)
-                continue
-            pause = 0.0
-            conn.settimeout(IDLE_CLIENT_S)  # a client that connects and says nothing lets go
-            threading.Thread(target=self._serve, args=(conn,), name="thinblock-control-conn", daemon=True).start()
+        accept_loop(self.sock, self._stopping, self._take, log, "the control socket")
+
+    def _take(self, conn: socket.socket) -> None:
+        conn.settimeout(IDLE_CLIENT_S)  # a client that connects and says nothing lets go
+        threading.Thread(target=self._serve, args=(conn,), name="thinblock-control-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rb") as rfile:
@@ -111,9 +100,9 @@ class ControlServer:
             extra = self.extra_verbs.get(verb)
             if extra is None and verb not in VERBS:
                 raise ThinblockError(f"unknown administration verb {verb[:60]!r}")
-            validate(verb, args)
+            validate(verb, args)  # once, before the log line and the verb
             log.info("control: %s %s", verb, json.dumps(args)[:200])
-            return {"ok": extra(**args) if extra is not None else run_verb(self.pool, verb, args)}
+            return {"ok": extra(**args) if extra is not None else run_validated(self.pool, verb, args)}
         except OpError as exc:
             return {"error": exc.strerror or str(exc), "errno": exc.errno}
         except PoolBusyError as exc:
@@ -125,7 +114,7 @@ class ControlServer:
             return {"error": f"internal error: {exc}"}
 
     def close(self) -> None:
-        self._closed = True
+        self._stopping.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -133,13 +122,18 @@ class ControlServer:
             os.unlink(self.path)
 
 
+def env_seconds(name: str, default: float, minimum: float) -> float:
+    """A duration from the environment, at least minimum; default when unset or unreadable."""
+    try:
+        return max(minimum, float(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
 def control_timeout_s() -> float:
     """How long a control call may take before the CLI gives up on the server
     (THINBLOCK_CONTROL_TIMEOUT_S, default 120 s: a big snapshot or dump still fits)."""
-    try:
-        return max(0.1, float(os.environ.get("THINBLOCK_CONTROL_TIMEOUT_S", "120")))
-    except ValueError:
-        return 120.0
+    return env_seconds("THINBLOCK_CONTROL_TIMEOUT_S", 120.0, 0.1)
 
 
 class ControlClient:

@@ -25,7 +25,7 @@ from thinblock.backends.base import Location, Ownership
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.sqlite import DB_NAME, SqliteMetadata
-from thinblock.privacy import PRIVATE_DIR, create_private_file, make_private_dir
+from thinblock.privacy import create_private_file, make_private_dir
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
@@ -107,8 +107,7 @@ class DirLocation(Location):
         made_dir = self._made_dir = not os.path.exists(self.path)
         made: list[str] = []
         try:
-            if not make_private_dir(self.path) and os.stat(self.path).st_uid == os.geteuid():
-                os.chmod(self.path, PRIVATE_DIR)  # an existing directory becomes the pool's: private
+            make_private_dir(self.path, tighten=True)  # an existing directory becomes the pool's: private
             if device is None:
                 data_file = os.path.join(self.dir, DATA_FILE)
                 fd = create_private_file(data_file)

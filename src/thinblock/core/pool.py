@@ -329,7 +329,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         """A new, empty volume row; with `sharing`, holding that volume's contents (see share_contents).
         The name is checked before any page reference is taken."""
         self.check_new_name(name, kind)
-        row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time())
+        row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time(), kind=kind)
         self._next_volume_id += 1
         vol = Volume(self, row, {})
         self.volumes[name] = vol

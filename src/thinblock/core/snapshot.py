@@ -31,7 +31,6 @@ def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
             why = " to keep every write to it sure of space" if vol.fully_reserved() else ""
             pool.check_reservable(vol, pool.reserve_target(vol), "snapshot", why=why)
         snap = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, sharing=vol, kind="snapshot")
-        snap.row.kind = "snapshot"
         snap.row.origin_id = vol.row.id
         snap.readonly = True
         vol.owned_blocks = 0

@@ -22,7 +22,7 @@ from pathlib import Path
 from thinblock.admin.verbs import CONTROL_SOCKET
 from thinblock.backends import locate
 from thinblock.errors import ThinblockError
-from thinblock.privacy import PRIVATE_DIR, create_private_file, make_private_dir
+from thinblock.privacy import create_private_file, make_private_dir
 
 RUNTIME_DIR = Path(os.environ.get("THINBLOCK_RUNTIME_DIR", "/run/thinblock"))
 
@@ -93,6 +93,11 @@ def _write_record(pdir: Path, record: dict[str, str]) -> None:
     _write_private(pdir / "devices.json", record)
 
 
+def _forget(pdir: Path, devices: list[str]) -> None:
+    """Drop detached devices from the record."""
+    _write_record(pdir, {d: v for d, v in _record(pdir).items() if d not in devices})
+
+
 def _write_private(path: Path, value: object) -> None:
     """JSON at path, replaced atomically, 0600 like every runtime file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -129,8 +134,7 @@ def _served_by(pool: str) -> str | None:
 def _start_daemon(pool: str, pdir: Path) -> None:
     mnt = pdir / "mnt"
     for private in (RUNTIME_DIR, pdir):  # only the pool's owner may look inside
-        if not make_private_dir(str(private)) and private.stat().st_uid == os.geteuid():
-            private.chmod(PRIVATE_DIR)  # made wider by an older thinblock
+        make_private_dir(str(private), tighten=True)
     make_private_dir(str(mnt))
     sock = _served_by(pool)
     if sock is not None:
@@ -269,7 +273,7 @@ def detach(device: str) -> None:
     deadline = time.monotonic() + 10
     while Path(f"/sys/block/{name}/loop/backing_file").exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # the kernel lets go of the file once the last opener closes
-    _write_record(pdir, {d: v for d, v in _record(pdir).items() if d != found_device})
+    _forget(pdir, [found_device])
     if any(pdir == other for _a, other in _attachments()):
         return  # another volume of this pool is still attached
     _stop_daemon(pdir)
@@ -285,7 +289,7 @@ def detach_all_under(mountpoint: str) -> list[str]:
             gone.append(device)
     pdir = Path(mountpoint).parent
     if gone and (pdir / "devices.json").exists():
-        _write_record(pdir, {d: v for d, v in _record(pdir).items() if d not in gone})
+        _forget(pdir, gone)
     return gone
 
 

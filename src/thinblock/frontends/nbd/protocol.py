@@ -388,13 +388,8 @@ class ServerConnection:
         except (ValueError, UnicodeDecodeError) as exc:
             self._error(option, c.REP_ERR_INVALID, f"malformed {'GO' if option == c.OPT_GO else 'INFO'}: {exc}")
             return None
-        try:
-            export = self.catalog.lookup(name)
-        except ExportRefused as exc:
-            self._error(option, c.REP_ERR_POLICY, str(exc))
-            return None
+        export = self._lookup(option, name)
         if export is None:
-            self._error(option, c.REP_ERR_UNKNOWN, f"no export named {name!r}")
             return None
         flags = self._transmission_flags(export)
         self._reply(option, c.REP_INFO, struct.pack(">HQH", c.INFO_EXPORT, export.size_bytes, flags))
@@ -412,6 +407,18 @@ class ServerConnection:
         if option == c.OPT_INFO:
             return None
         return self._enter_transmission(export)
+
+    def _lookup(self, option: int, name: str) -> ExportInfo | None:
+        """The export an option names, or None with the error reply sent: POLICY for one
+        this client may not use, UNKNOWN for one that does not exist."""
+        try:
+            export = self.catalog.lookup(name)
+        except ExportRefused as exc:
+            self._error(option, c.REP_ERR_POLICY, str(exc))
+            return None
+        if export is None:
+            self._error(option, c.REP_ERR_UNKNOWN, f"no export named {name!r}")
+        return export
 
     def _export_name(self, data: bytes) -> Event:
         try:
@@ -458,13 +465,8 @@ class ServerConnection:
         except (ValueError, UnicodeDecodeError) as exc:
             self._error(option, c.REP_ERR_INVALID, f"malformed meta context request: {exc}")
             return None
-        try:
-            export = self.catalog.lookup(name)
-        except ExportRefused as exc:
-            self._error(option, c.REP_ERR_POLICY, str(exc))
-            return None
+        export = self._lookup(option, name)
         if export is None:
-            self._error(option, c.REP_ERR_UNKNOWN, f"no export named {name!r}")
             return None
         matched = [ctx for ctx in export.meta_contexts if _matches(ctx, queries, listing=not setting)]
         for ctx in matched:

@@ -47,7 +47,7 @@ from thinblock.frontends.nbd.protocol import (
     Transmission,
 )
 from thinblock.iovec import IOV_MAX, write_all
-from thinblock.listen import ACCEPT_RETRY, bind_unix
+from thinblock.listen import accept_loop, bind_unix
 from thinblock.privacy import PRIVATE_FILE
 
 log = logging.getLogger("thinblock.nbd")
@@ -328,6 +328,7 @@ class NBDServer:
         self.authz = authz
         self.limits = limits or Limits()
         self._refusing = 0  # connections past the cap being told why
+        self._refused_logged = 0.0  # when a refusal was last logged
         depth = pool.store.queue_depth
         self.inline_small = depth <= 1
         self.executor = ThreadPoolExecutor(
@@ -345,7 +346,7 @@ class NBDServer:
 
     def listen_unix(self, path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None) -> None:
         """Listen at path (mode 0600 unless shared with a group), replacing a dead
-        server's socket there; anything else there is refused (privacy.bind_unix)."""
+        server's socket there; anything else there is refused (listen.bind_unix)."""
         sock = bind_unix(path, mode=mode, gid=gid)
         self.unix_paths.append((path, os.stat(path).st_ino))
         self._listen(sock)
@@ -366,40 +367,28 @@ class NBDServer:
         thread.start()
 
     def _accept_loop(self, listener: socket.socket) -> None:
-        pause = 0.0  # while accept() fails for want of descriptors or memory
-        refused_logged = 0.0
-        while not self.stopping.is_set():
-            try:
-                sock, _addr = listener.accept()
-            except OSError as exc:
-                if self.stopping.is_set() or exc.errno not in ACCEPT_RETRY:
-                    return  # the listener was closed: shutting down
-                if not pause:
-                    log.error("cannot accept connections (%s): retrying until it clears", exc.strerror)
-                pause = min(1.0, pause * 2 or 0.05)
-                self.stopping.wait(pause)
-                continue
-            if pause:
-                log.info("accepting connections again")
-                pause = 0.0
-            with self.lock:
-                full = len(self.sessions) >= self.limits.max_connections
-                if not full:
-                    self._next_id += 1
-                    session = Session(self, sock, self._next_id)
-                    self.sessions.add(session)
-            if full:
-                if time.monotonic() - refused_logged > 5:
-                    refused_logged = time.monotonic()
-                    log.warning(
-                        "refused a connection: %d clients connected, the limit (--max-connections)",
-                        self.limits.max_connections,
-                    )
-                self._refuse(sock)
-                continue
-            if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session.start()
+        accept_loop(listener, self.stopping, self._take, log, "the NBD listener")
+
+    def _take(self, sock: socket.socket) -> None:
+        """A new connection: a session, or past the cap a refusal."""
+        with self.lock:
+            full = len(self.sessions) >= self.limits.max_connections
+            if not full:
+                self._next_id += 1
+                session = Session(self, sock, self._next_id)
+                self.sessions.add(session)
+        if full:
+            if time.monotonic() - self._refused_logged > 5:
+                self._refused_logged = time.monotonic()
+                log.warning(
+                    "refused a connection: %d clients connected, the limit (--max-connections)",
+                    self.limits.max_connections,
+                )
+            self._refuse(sock)
+            return
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        session.start()
 
     def _refuse(self, sock: socket.socket) -> None:
         """Tell a client past the connection cap why (NBD_REP_ERR_POLICY on its options),
