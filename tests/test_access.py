@@ -540,3 +540,26 @@ def test_the_control_client_gives_up_on_a_server_that_does_not_answer(tmp_path: 
     assert time.monotonic() - start < 5
     client.close()
     mute.close()
+
+
+def test_pool_files_are_never_opened_through_a_symlink(pool: str, tmp_path: Path) -> None:
+    """A data file or database swapped for a symlink is refused, in one sentence, with
+    nothing written through it; the real pool opens again once it is put back."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"x" * 4096)
+    for name, words in (
+        ("data", "it is a symlink, refused"),
+        ("metadata.sqlite", "is a symlink; refusing to follow it"),
+    ):
+        real = os.path.join(pool, name)
+        os.rename(real, real + ".real")
+        os.symlink(elsewhere, real)
+        try:
+            got = thinblock("volume", "create", pool, "v", "--size", "1M", "--wait", "0", check=False)
+            assert got.returncode == 1 and words in got.stderr, got.stderr
+            assert elsewhere.read_bytes() == b"x" * 4096
+        finally:
+            os.unlink(real)
+            os.rename(real + ".real", real)
+    thinblock("volume", "create", pool, "v", "--size", "1M")
+    thinblock("pool", "check", pool)
