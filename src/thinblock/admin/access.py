@@ -15,14 +15,21 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from thinblock.admin.control import ControlClient, env_seconds
+from thinblock.admin.jobs import run_job
 from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
 from thinblock.backends import locate
 from thinblock.core.pool import Pool
 from thinblock.errors import PoolBusyError, ThinblockError
+from thinblock.progress import ProgressFn, no_progress
 
 
 class Admin(Protocol):
     def call(self, verb: str, **args: Any) -> Any: ...
+
+    def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
+        """A job verb (admin/jobs.py), given its open files (they are the job's
+        from then on) and told of its progress."""
+        ...
 
 
 class LocalAdmin:
@@ -31,6 +38,9 @@ class LocalAdmin:
 
     def call(self, verb: str, **args: Any) -> Any:
         return run_verb(self.pool, verb, args)
+
+    def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
+        return run_job(self.pool, verb, args, list(fds), progress or no_progress)
 
 
 DEFAULT_WAIT_S = 60.0
@@ -42,18 +52,19 @@ def wait_s() -> float:
 
 
 @contextlib.contextmanager
-def open_admin(path: str, *, wait: float | None = None) -> Iterator[Admin]:
+def open_admin(path: str, *, wait: float | None = None, progress: ProgressFn | None = None) -> Iterator[Admin]:
     """Administer the pool at path: directly, or through the server that holds it.
 
     When another process holds the pool and offers no control socket (another
     command, or a server still starting), wait for it up to `wait` seconds, the way
-    LVM commands wait for their lock; then fail naming the holder."""
+    LVM commands wait for their lock; then fail naming the holder. progress is told
+    how the recovery after an unclean shutdown goes, when this opens the pool itself."""
     budget = wait_s() if wait is None else wait
     deadline = time.monotonic() + budget
     pause = 0.02
     while True:
         try:
-            pool = Pool.open(path, autocommit=False, purpose="thinblock admin command")
+            pool = Pool.open(path, autocommit=False, purpose="thinblock admin command", progress=progress)
             break
         except PoolBusyError as exc:
             socket_path = os.path.join(locate(path).runtime_dir(), CONTROL_SOCKET)

@@ -20,9 +20,10 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from thinblock.admin.jobs import JOBS, run_job
 from thinblock.admin.schema import validate
 from thinblock.admin.verbs import CONTROL_SOCKET, VERBS, run_validated
 from thinblock.core.pool import Pool
@@ -36,6 +37,7 @@ from thinblock.errors import (
     ThinblockError,
 )
 from thinblock.listen import accept_loop, bind_unix
+from thinblock.progress import ProgressFn
 
 log = logging.getLogger("thinblock.control")
 MAX_LINE = 1 << 20
@@ -45,6 +47,8 @@ _ERRORS: dict[int, type[OpError]] = {
 
 
 IDLE_CLIENT_S = 300.0  # a control client silent this long is dropped
+MAX_FDS = 4  # open files a request may carry (a job takes one)
+HEARTBEAT_S = 5.0  # a running job tells its command it is alive this often
 
 
 class ControlServer:
@@ -69,21 +73,22 @@ class ControlServer:
         threading.Thread(target=self._serve, args=(conn,), name="thinblock-control-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as rfile:
+        with conn:
+            requests = _Requests(conn)
             while True:
                 try:
-                    line = rfile.readline(MAX_LINE + 1)
+                    got = requests.next()
                 except OSError:
                     return  # idle too long, or gone
-                if not line:
+                if got is None:
                     return
-                reply = self._handle(line)
-                try:
-                    conn.sendall(json.dumps(reply).encode() + b"\n")
-                except OSError:
+                line, fds = got
+                sender = _Sender(conn)
+                reply = self._handle(line, fds, sender)
+                if not sender.send(reply):
                     return
 
-    def _handle(self, line: bytes) -> dict[str, Any]:
+    def _handle(self, line: bytes, fds: list[int], sender: _Sender) -> dict[str, Any]:
         try:
             if len(line) > MAX_LINE or not line.endswith(b"\n"):
                 raise ThinblockError("control request too long or not terminated by a newline")
@@ -98,10 +103,14 @@ class ControlServer:
                 raise ThinblockError("control request args must be an object")
             verb = request["verb"]
             extra = self.extra_verbs.get(verb)
-            if extra is None and verb not in VERBS:
+            if extra is None and verb not in VERBS and verb not in JOBS:
                 raise ThinblockError(f"unknown administration verb {verb[:60]!r}")
             validate(verb, args)  # once, before the log line and the verb
             log.info("control: %s %s", verb, json.dumps(args)[:200])
+            if verb in JOBS:
+                job_fds, fds = fds, []
+                with sender.heartbeat():
+                    return {"ok": run_job(self.pool, verb, args, job_fds, sender.progress)}
             return {"ok": extra(**args) if extra is not None else run_validated(self.pool, verb, args)}
         except OpError as exc:
             return {"error": exc.strerror or str(exc), "errno": exc.errno}
@@ -109,9 +118,18 @@ class ControlServer:
             return {"error": str(exc), "busy": True}
         except ThinblockError as exc:
             return {"error": str(exc)}
+        except OSError as exc:  # a job's file or NBD peer failed
+            return {
+                "error": f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""),
+                "errno": exc.errno or 5,
+            }
         except Exception as exc:
             log.exception("control request failed")
             return {"error": f"internal error: {exc}"}
+        finally:
+            for fd in fds:  # passed with a request that takes none
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def close(self) -> None:
         self._stopping.set()
@@ -120,6 +138,89 @@ class ControlServer:
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+class _Requests:
+    """Request lines from a control connection, with the open files passed along with
+    each (SCM_RIGHTS: a job's source or destination)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buf = bytearray()
+        self.fds: list[int] = []
+
+    def next(self) -> tuple[bytes, list[int]] | None:
+        while True:
+            end = self.buf.find(b"\n")
+            if end >= 0 or len(self.buf) > MAX_LINE:
+                cut = end + 1 if end >= 0 else len(self.buf)
+                line = bytes(self.buf[:cut])
+                del self.buf[:cut]
+                fds, self.fds = self.fds, []
+                return line, fds
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.conn, 1 << 16, MAX_FDS)
+            except BaseException:
+                self._close_fds()
+                raise
+            self.fds += fds
+            if not data:
+                self._close_fds()
+                return None
+            self.buf += data
+
+    def _close_fds(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+
+
+class JobCancelled(ThinblockError):
+    """The command that asked for a job went away: the job stops, as after a failure."""
+
+
+class _Sender:
+    """Replies on one control connection: progress lines while a job runs (and every
+    HEARTBEAT_S, so the command knows the server is alive), then the reply."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.last: list[int] = [0, 0]
+        self.gone = False
+
+    def send(self, message: dict[str, Any]) -> bool:
+        with self.lock:
+            if self.gone:
+                return False
+            try:
+                self.conn.sendall(json.dumps(message).encode() + b"\n")
+                return True
+            except OSError:
+                self.gone = True
+                return False
+
+    def progress(self, done: int, total: int) -> None:
+        self.last = [done, total]
+        if not self.send({"progress": self.last}):
+            raise JobCancelled("the command that started this job went away; stopped")
+
+    @contextlib.contextmanager
+    def heartbeat(self) -> Iterator[None]:
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(HEARTBEAT_S):
+                self.send({"progress": self.last})
+
+        thread = threading.Thread(target=beat, name="thinblock-job-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
 
 def env_seconds(name: str, default: float, minimum: float) -> float:
@@ -154,9 +255,33 @@ class ControlClient:
         self.rfile = self.sock.makefile("rb")
 
     def call(self, verb: str, **args: Any) -> Any:
+        return self.job(verb, [], None, **args)
+
+    def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
+        """A verb, with open files passed along (SCM_RIGHTS) and the progress lines of a
+        job fed to progress until the reply comes."""
         try:
-            self.sock.sendall(json.dumps({"verb": verb, "args": args}).encode() + b"\n")
-            line = self.rfile.readline()
+            request = json.dumps({"verb": verb, "args": args}).encode() + b"\n"
+            try:
+                if fds:
+                    sent = socket.send_fds(self.sock, [request], fds)
+                    if sent < len(request):
+                        self.sock.sendall(request[sent:])
+                else:
+                    self.sock.sendall(request)
+            finally:
+                for fd in fds:  # the server has its own copies now: the files are the job's
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            while True:
+                line = self.rfile.readline()
+                if not line:
+                    break
+                reply = json.loads(line)
+                if "progress" not in reply:
+                    break
+                if progress is not None:
+                    progress(*reply["progress"])
         except TimeoutError:
             raise ThinblockError(
                 f"the server holding the pool did not answer {verb} on its control socket {self.path}"
@@ -166,7 +291,6 @@ class ControlClient:
             raise ThinblockError(f"the control socket {self.path} failed: {exc.strerror or exc}") from None
         if not line:
             raise ThinblockError("the server closed its control socket without replying")
-        reply = json.loads(line)
         if "error" not in reply:
             return reply["ok"]
         code = reply.get("errno")

@@ -107,6 +107,29 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
     "snapshot_create": {"volume": (name_text, True), "name": (name_text, True)},
     "delta": {"source": (name_text, True), "target": (name_text, True)},
     "fuse_mount": {"mountpoint": (text, True)},
+    # jobs (admin/jobs.py): they also take open files and report progress
+    "import": {
+        "name": (name_text, True),
+        "source_kind": (one_of("file", "stream", "nbd", "qcow2"), True),
+        "source": (text, True),
+        "size_bytes": (optional(byte_size), False),
+        "force": (flag, False),
+    },
+    "export": {
+        "name": (name_text, True),
+        "dest_kind": (one_of("file", "stream", "nbd"), True),
+        "dest": (text, True),
+        "format": (one_of("raw", "rbd"), False),
+        "fresh": (flag, False),
+    },
+    "export_diff": {
+        "name": (name_text, True),
+        "dest": (text, True),
+        "from_snap": (optional(name_text), False),
+        "version": (one_of(1, 2), False),
+    },
+    "import_diff": {"name": (name_text, True), "source": (text, True), "force": (flag, False)},
+    "volume_sparsify": {"name": (name_text, True)},
 }
 
 

@@ -25,6 +25,7 @@ from thinblock.core.mapping import BlockState, Page, entry_dblock, entry_state
 from thinblock.core.spacemap import SpaceMap, to_runs
 from thinblock.errors import CommitError, ThinblockError, is_no_space
 from thinblock.meta.base import MetadataStore, Transaction
+from thinblock.progress import ProgressFn, no_progress
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace
 
@@ -285,14 +286,19 @@ class CommitPipeline:
         self.commit_failure = error.strerror
         return error
 
-    def _recover_free_space(self) -> None:
+    def _recover_free_space(self, progress: ProgressFn | None = None) -> None:
         """After an unclean shutdown, restore the two zero rules: free blocks and
         ZEROED blocks' dblocks may hold bytes written but never committed (a write
         into them ran, the commit recording it did not). Punch the free ones, zero
-        the ZEROED ones, durably."""
+        the ZEROED ones, durably. progress counts blocks: the free ones, then the ZEROED."""
         runs = self.space.free_runs()
+        total = sum(count for _, count in runs)
+        done = 0
+        tell = progress or no_progress
         for start, count in runs:
             self.store.punch(start * self.block_size, count * self.block_size)
+            done += count
+            tell(done * self.block_size, total * self.block_size)
         zeroed = sorted(
             {
                 entry_dblock(entry)
@@ -301,8 +307,11 @@ class CommitPipeline:
                 if entry_state(entry) == BlockState.ZEROED
             }
         )
+        total += len(zeroed)
         for start, count in to_runs(zeroed):
             self.store.zero(start * self.block_size, count * self.block_size)
+            done += count
+            tell(done * self.block_size, total * self.block_size)
         self.store.flush()
         log.info(
             "pool %s was not closed cleanly: punched %d free extents, re-zeroed %d ZEROED blocks",

@@ -27,8 +27,11 @@ def _same(a: int, b: int) -> bool:
     return (entry_state(a) == entry_state(b) == _DATA) and entry_dblock(a) == entry_dblock(b)
 
 
-def changed_ranges(a: Volume, b: Volume, offset: int = 0, length: int | None = None) -> list[tuple[int, int]]:
-    """(offset, length) ranges within [offset, offset+length) where a and b differ.
+def changed_extents(a: Volume, b: Volume, offset: int = 0, length: int | None = None) -> list[tuple[int, int, bool]]:
+    """(offset, length, zero) ranges within [offset, offset+length) where a and b
+    differ; zero says b reads zeros there (UNMAPPED, ZEROED, or past its end), as
+    `rbd diff` marks a range "zero" rather than "data". Neighbours of the same kind
+    are merged.
 
     Both must be volumes of one pool; the caller holds nothing (this takes the pool lock).
     """
@@ -42,7 +45,7 @@ def changed_ranges(a: Volume, b: Volume, offset: int = 0, length: int | None = N
         first, last = offset // bs, (end - 1) // bs
         page_lo, page_hi = first // PAGE_ENTRIES, last // PAGE_ENTRIES
         indexes = sorted(i for i in set(a.root) | set(b.root) if page_lo <= i <= page_hi)
-        blocks: list[int] = []
+        blocks: list[tuple[int, bool]] = []
         for page_index in indexes:
             pa, pb = a.root.get(page_index), b.root.get(page_index)
             if pa == pb:
@@ -53,26 +56,38 @@ def changed_ranges(a: Volume, b: Volume, offset: int = 0, length: int | None = N
                 continue
             base = page_index * PAGE_ENTRIES
             lo, hi = max(first - base, 0), min(last - base, PAGE_ENTRIES - 1)
-            blocks.extend(base + i for i in range(lo, hi + 1) if not _same(ea[i], eb[i]))
+            blocks.extend((base + i, entry_state(eb[i]) != _DATA) for i in range(lo, hi + 1) if not _same(ea[i], eb[i]))
     ranges: list[list[int]] = []
-    for vblock in blocks:
+    for vblock, zero in blocks:
         start, stop = max(offset, vblock * bs), min(end, vblock * bs + bs)
-        if ranges and ranges[-1][0] + ranges[-1][1] == start:
+        if ranges and ranges[-1][0] + ranges[-1][1] == start and ranges[-1][2] == zero:
             ranges[-1][1] += stop - start
         else:
-            ranges.append([start, stop - start])
-    return [(o, n) for o, n in ranges]
+            ranges.append([start, stop - start, zero])
+    return [(o, n, bool(z)) for o, n, z in ranges]
+
+
+def changed_ranges(a: Volume, b: Volume, offset: int = 0, length: int | None = None) -> list[tuple[int, int]]:
+    """changed_extents without the zero flag: (offset, length), neighbours merged."""
+    merged: list[list[int]] = []
+    for o, n, _zero in changed_extents(a, b, offset, length):
+        if merged and merged[-1][0] + merged[-1][1] == o:
+            merged[-1][1] += n
+        else:
+            merged.append([o, n])
+    return [(o, n) for o, n in merged]
 
 
 def delta_dict(a: Volume, b: Volume) -> dict[str, object]:
-    """`thinblock delta --json`."""
-    ranges = changed_ranges(a, b)
+    """`thinblock delta --json`: each range says whether b reads zeros there."""
+    ranges = changed_extents(a, b)
     return {
         "from": a.name,
         "to": b.name,
         "from_size_bytes": a.size_bytes,
         "to_size_bytes": b.size_bytes,
         "block_size": a.pool.block_size,
-        "changed_bytes": sum(n for _, n in ranges),
-        "ranges": [{"offset": o, "length": n} for o, n in ranges],
+        "changed_bytes": sum(n for _, n, _ in ranges),
+        "zero_bytes": sum(n for _, n, z in ranges if z),
+        "ranges": [{"offset": o, "length": n, "zero": z} for o, n, z in ranges],
     }

@@ -29,6 +29,7 @@ from thinblock.core.spacemap import SpaceMap
 from thinblock.core.volume import Volume
 from thinblock.errors import CorruptionError, PoolBusyError, ThinblockError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
+from thinblock.progress import ProgressFn
 from thinblock.sizes import format_size
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
@@ -43,6 +44,8 @@ SECTOR_BYTES = 512
 MAX_VOLUME_BYTES = (1 << 63) - MAX_BLOCK_SIZE
 DETECT_ZEROES = ("off", "on", "unmap")
 log = logging.getLogger("thinblock.pool")
+# Staging volumes (Pool.add_staging) are named with this; user names cannot start with it.
+STAGING_PREFIX = "."
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
 # Snapshots may also use '@', so that they can be named like rbd's (vm1@s1); volume
 # names never contain it, so VOLUME@SNAP cannot be mistaken for a volume.
@@ -134,7 +137,14 @@ class Pool(CommitPipeline, SpaceAccounts):
     the administration methods may be called from any thread."""
 
     def __init__(
-        self, location: Location, meta: MetadataStore, store: DataStore, ownership: Ownership, *, autocommit: bool
+        self,
+        location: Location,
+        meta: MetadataStore,
+        store: DataStore,
+        ownership: Ownership,
+        *,
+        autocommit: bool,
+        progress: ProgressFn | None = None,
     ) -> None:
         self.location = location
         self.path = location.name
@@ -184,7 +194,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         self._waits_cancelled = threading.Event()
         self._committer: threading.Thread | None = None
         if not sb.get("clean", True):
-            self._recover_free_space()
+            self._recover_free_space(progress)
         self.recount_owned()
         self._write_metadata(Transaction(superblock={"clean": False}))
         if autocommit:
@@ -257,12 +267,19 @@ class Pool(CommitPipeline, SpaceAccounts):
 
     @classmethod
     def open(
-        cls, locator: str | Location, *, autocommit: bool = True, purpose: str = "", takeover: bool = False
+        cls,
+        locator: str | Location,
+        *,
+        autocommit: bool = True,
+        purpose: str = "",
+        takeover: bool = False,
+        progress: ProgressFn | None = None,
     ) -> Pool:
         """Open a pool for reading and writing; only one process may own it so.
 
         purpose ("thinblock serve", ...) is what a refused second opener is told;
-        takeover fences a live holder off first (pools in Ceph)."""
+        takeover fences a live holder off first (pools in Ceph); progress is told how
+        the recovery after an unclean shutdown goes, when there is one."""
         location = locate(locator)
         meta = location.open_meta(readonly=False)
         try:
@@ -275,7 +292,7 @@ class Pool(CommitPipeline, SpaceAccounts):
             store = FallbackStore(location.open_data(sb))
             try:
                 check_data_size(store, int(sb["size_bytes"]), location.data_name(sb))
-                return cls(location, meta, store, ownership, autocommit=autocommit)
+                pool = cls(location, meta, store, ownership, autocommit=autocommit, progress=progress)
             except BaseException:
                 store.close()
                 raise
@@ -283,6 +300,12 @@ class Pool(CommitPipeline, SpaceAccounts):
             meta.close()
             ownership.release()
             raise
+        try:
+            pool._drop_stale_staging()
+        except BaseException:
+            pool.close()
+            raise
+        return pool
 
     def __enter__(self) -> Pool:
         return self
@@ -300,6 +323,38 @@ class Pool(CommitPipeline, SpaceAccounts):
         if kind is not None and vol.row.kind != kind:
             raise ThinblockError(f"{name!r} is a {vol.row.kind}, not a {kind}")
         return vol
+
+    def visible(self) -> dict[str, Volume]:
+        """The volumes and snapshots clients and commands see: all but staging ones."""
+        return {name: v for name, v in self.volumes.items() if not name.startswith(STAGING_PREFIX)}
+
+    def visible_volume(self, name: str) -> Volume | None:
+        """The volume or snapshot called name, unless it is a staging one (or missing)."""
+        return None if name.startswith(STAGING_PREFIX) else self.volumes.get(name)
+
+    def add_staging(self, source: Volume, purpose: str, *, kind: str = "volume") -> Volume:
+        """A hidden volume (or read-only snapshot) sharing source's contents, for work that
+        must not show until it is done (import-diff) or must read one moment (export of a
+        live volume). Its name starts with STAGING_PREFIX, which user names cannot; one
+        left behind by a crash is removed when the pool is next opened. Committed."""
+        with source.ranges.hold_all(exclusive=False), self.lock:  # between requests, as a snapshot
+            if source.removed:
+                raise ThinblockError(f"no volume {source.name!r} in pool {self.path}")
+            if source.row.reserve_bytes:  # it shares what source owned: as create_snapshot weighs it
+                self.check_reservable(source, self.reserve_target(source), purpose)
+            name = f"{STAGING_PREFIX}{purpose}.{self._next_volume_id}"
+            vol = self.add_volume(
+                name, source.size_bytes, source.row.detect_zeroes, sharing=source, kind=kind, staging=True
+            )
+            vol.readonly = kind == "snapshot"
+            source.owned_blocks = 0
+        self.commit()
+        return vol
+
+    def _drop_stale_staging(self) -> None:
+        for name in [n for n in self.volumes if n.startswith(STAGING_PREFIX)]:
+            log.info("pool %s: removing staging volume %s left by an interrupted command", self.path, name)
+            self.remove_volume(name)
 
     def volume_by_id(self, volume_id: int | None) -> Volume | None:
         return next((v for v in self.volumes.values() if v.row.id == volume_id), None)
@@ -324,11 +379,21 @@ class Pool(CommitPipeline, SpaceAccounts):
             yield vol
 
     def add_volume(
-        self, name: str, size_bytes: int, detect_zeroes: str, *, sharing: Volume | None = None, kind: str = "volume"
+        self,
+        name: str,
+        size_bytes: int,
+        detect_zeroes: str,
+        *,
+        sharing: Volume | None = None,
+        kind: str = "volume",
+        staging: bool = False,
     ) -> Volume:
         """A new, empty volume row; with `sharing`, holding that volume's contents (see share_contents).
-        The name is checked before any page reference is taken."""
-        self.check_new_name(name, kind)
+        The name is checked before any page reference is taken (staging names are the pool's own)."""
+        if not staging:
+            self.check_new_name(name, kind)
+        elif name in self.volumes:
+            raise ThinblockError(f"staging volume {name} exists already")
         row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time(), kind=kind)
         self._next_volume_id += 1
         vol = Volume(self, row, {})
@@ -366,24 +431,30 @@ class Pool(CommitPipeline, SpaceAccounts):
         with self.quiesced(name, kind=kind) as vol, self.lock:
             self.refuse_if_busy(vol, "remove")
             used_before = self.space.used_blocks
-            self.release_root(vol)
-            del self.volumes[name]
-            vol.removed = True
-            dependents = []
-            for other in sorted(self.volumes.values(), key=lambda v: v.name):
-                if other.row.origin_id == vol.row.id:  # lineage ends here; the blocks stay shared
-                    other.row.origin_id = None
-                    self.mark_volume_dirty(other)
-                    dependents.append({"name": other.name, "kind": other.row.kind, "origin": None})
+            dependents = self.drop_volume(vol)
             freed = used_before - self.space.used_blocks
-            self._dirty_volumes.discard(vol)
-            self._touched = {t for t in self._touched if t[0] is not vol}
-            self._dirty_roots = {r for r in self._dirty_roots if r[0] != vol.row.id}
-            self._deleted_volumes.append(vol.row.id)
-            self.dirty = True
             self.recount_owned()
         self.commit()
         return {"name": name, "kind": vol.row.kind, "freed_bytes": freed * self.block_size, "dependents": dependents}
+
+    def drop_volume(self, vol: Volume) -> list[dict[str, Any]]:
+        """Take vol out of the pool (call under the pool lock, with its range held): its
+        pages lose a reference, and its dependents' origin becomes none (returned)."""
+        self.release_root(vol)
+        del self.volumes[vol.name]
+        vol.removed = True
+        dependents = []
+        for other in sorted(self.volumes.values(), key=lambda v: v.name):
+            if other.row.origin_id == vol.row.id:  # lineage ends here; the blocks stay shared
+                other.row.origin_id = None
+                self.mark_volume_dirty(other)
+                dependents.append({"name": other.name, "kind": other.row.kind, "origin": None})
+        self._dirty_volumes.discard(vol)
+        self._touched = {t for t in self._touched if t[0] is not vol}
+        self._dirty_roots = {r for r in self._dirty_roots if r[0] != vol.row.id}
+        self._deleted_volumes.append(vol.row.id)
+        self.dirty = True
+        return dependents
 
     def refuse_if_busy(self, vol: Volume, what: str) -> None:
         if vol.users:
@@ -457,7 +528,7 @@ class Pool(CommitPipeline, SpaceAccounts):
                 "block_size": self.block_size,
                 "virtual_bytes": sum(v.size_bytes for v in self.volumes.values() if v.row.kind == "volume"),
                 **self.policy.settings(),
-                "volumes": [self.volume_info(v) for _, v in sorted(self.volumes.items())],
+                "volumes": [self.volume_info(v) for _, v in sorted(self.visible().items())],
             }
 
     def volume_info(self, vol: Volume) -> dict[str, Any]:

@@ -79,3 +79,28 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
         pool.share_contents(vol, snap)
         pool.recount_owned()
     pool.commit()
+
+
+def adopt(pool: Pool, volume: str, staging: Volume, snapshot: str | None) -> Volume | None:
+    """Make a volume's contents and size those of a staging volume built beside it
+    (import-diff), take the snapshot `snapshot` of the result, and drop the staging
+    volume: all in one metadata commit, so a crash leaves the volume as it was or
+    as the staging volume made it, never in between. Refused while clients have the
+    volume open (they would see its contents change under them)."""
+    with pool.quiesced(volume, kind="volume") as vol, staging.ranges.hold_all(exclusive=True), pool.lock:
+        pool.refuse_if_busy(vol, "import a diff into")
+        if snapshot is not None:
+            pool.check_new_name(snapshot, "snapshot")
+        if snapshot is not None and vol.row.reserve_bytes:  # as create_snapshot weighs it
+            pool.check_reservable(vol, pool.reserve_target(vol), "snapshot")
+        pool.release_root(vol)
+        pool.share_contents(vol, staging)
+        pool.drop_volume(staging)
+        snap = None
+        if snapshot is not None:
+            snap = pool.add_volume(snapshot, vol.size_bytes, vol.row.detect_zeroes, sharing=vol, kind="snapshot")
+            snap.row.origin_id = vol.row.id
+            snap.readonly = True
+        pool.recount_owned()
+    pool.commit()
+    return snap

@@ -85,6 +85,15 @@ class _Step(NamedTuple):
     pin: bool = False
 
 
+class Sparsified(NamedTuple):
+    """What Volume.sparsify did, in bytes."""
+
+    data_bytes: int  # whole DATA blocks examined
+    unmapped_bytes: int  # became UNMAPPED: their space is free
+    zeroed_bytes: int  # provisioned, so they became ZEROED (space stays reserved)
+    shared_zero_bytes: int  # read zero but are shared with a snapshot or clone: left as they are
+
+
 class Volume:
     """One thin volume of a pool. Obtain it from `Pool.volume(name)`."""
 
@@ -392,6 +401,53 @@ class Volume:
                 yield _Step(Volume._fill_copy, vblock, start, end, entry, 1)
             else:
                 yield _Step(Volume._fill_zeroed, vblock, start, end, entry, 1, pin=True)
+
+    def sparsify(self, offset: int, length: int) -> Sparsified:
+        """Whole DATA blocks of the range that read all zero stop holding data: UNMAPPED,
+        or ZEROED where provisioned, so the space goes back to the pool (and, once
+        committed, to the layer below). The bytes read are unchanged.
+
+        A block shared with a snapshot or clone is left as it is: the other holder keeps
+        the dblock, so unmapping it here would free nothing now and cost a page copy.
+        The range is held exclusively while its blocks are read and changed, so no
+        write can land between the zero test and the unmap."""
+        self._check(offset, length, write=True)
+        if not length:
+            return Sparsified(0, 0, 0, 0)
+        bs = self.pool.block_size
+        with self.ranges.hold(*self._blocks(offset, length), exclusive=True):
+            with self.pool.lock:
+                self._check(offset, length, write=True)
+                found = [
+                    (vblock, entry, self._needs_new_dblock(vblock, entry))
+                    for vblock, _start, _end, entry, whole in self._segments(offset, length, skip_holes=True)
+                    if whole and entry_state(entry) == _DATA
+                ]
+            contents = self.pool.store.read_many([(entry_dblock(entry) * bs, bs) for _, entry, _ in found])
+            zero = {
+                vblock: (entry, shared)
+                for (vblock, entry, shared), got in zip(found, contents, strict=True)
+                if is_zero(got)
+            }
+            shared_zero = sum(1 for _, is_shared in zero.values() if is_shared)
+
+            counts = [0, 0]  # unmapped, zeroed
+
+            def plan() -> Iterator[_Step]:
+                counts[:] = [0, 0]  # the planner may run again (after a wait for space)
+                for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
+                    seen = zero.get(vblock)
+                    if seen is None or seen[1] or seen[0] != entry:
+                        continue
+                    if entry_pinned(entry):
+                        counts[1] += 1
+                        yield _Step(Volume._fill_zeroed, vblock, start, end, entry, 0, pin=True)
+                    else:
+                        counts[0] += 1
+                        yield _Step(Volume._fill_unmap, vblock, start, end, entry, 0)
+
+            self._mutate(offset, length, plan, held=True)
+        return Sparsified(len(found) * bs, counts[0] * bs, counts[1] * bs, shared_zero * bs)
 
     # ----- the mutating verbs: what each kind of step does -------------------------------
 

@@ -18,6 +18,10 @@ from thinblock.admin.access import open_admin
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.errors import OpError, PoolBusyError, ThinblockError
+from thinblock.frontends.cli import transfer
+from thinblock.frontends.cli.common import UsageError
+from thinblock.frontends.cli.common import emit as _emit
+from thinblock.frontends.cli.common import size_arg as _size
 from thinblock.sizes import format_size, parse_size
 from thinblock.tools.check import check_data_store, check_metadata, check_privacy
 
@@ -25,10 +29,6 @@ DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-poo
 
 
 EXIT_FAILED, EXIT_USAGE, EXIT_PIPE = 1, 2, 128 + 13
-
-
-class UsageError(ThinblockError):
-    """A command line argparse accepted but that makes no sense (exit 2, like argparse's)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,17 +39,6 @@ class _Parser(argparse.ArgumentParser):
         if "required: COMMAND" in message:
             message = f"a command is required: {self.prog} --help lists them"
         self.exit(EXIT_USAGE, f"thinblock: error: {self.prog}: {message}\n")
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ThinblockError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> None:
-    print(json.dumps(data, indent=2) if getattr(args, "json", False) else human(data))
 
 
 def _admin(pool: str, verb: str, **args: Any) -> Any:
@@ -318,9 +307,10 @@ def cmd_delta(args: argparse.Namespace) -> None:
     delta = _admin(args.pool, "delta", source=args.source, target=args.target)
 
     def human(d: dict[str, Any]) -> str:
-        lines = [f"{r['offset']} {r['length']}" for r in d["ranges"]]
+        lines = [f"{r['offset']} {r['length']} {'zero' if r['zero'] else 'data'}" for r in d["ranges"]]
         lines.append(
             f"# {d['from']} -> {d['to']}: {len(d['ranges'])} range(s), {format_size(d['changed_bytes'])} changed"
+            f" ({format_size(d['zero_bytes'])} of it now zero)"
         )
         return "\n".join(lines)
 
@@ -619,6 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(vol_sub, "rollback", cmd_volume_rollback, "make a volume's contents a snapshot's again")
     p.add_argument("name", metavar="VOLUME")
     p.add_argument("snapshot", metavar="SNAPSHOT")
+
+    transfer.register(sub, vol_sub, add)
 
     snap_p = sub.add_parser("snapshot", help="create, list and remove snapshots", description="Snapshot commands.")
     snap_sub = snap_p.add_subparsers(dest="snapshot_command", metavar="COMMAND", required=True, parser_class=_Parser)

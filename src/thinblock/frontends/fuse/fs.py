@@ -56,7 +56,7 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
             conn.max_write = MAX_IO_BYTES
 
     def _volume(self, path: str) -> Volume:
-        vol = self.pool.volumes.get(path.lstrip("/"))
+        vol = self.pool.visible_volume(path.lstrip("/"))
         if vol is None or "/" in path.lstrip("/"):
             raise mfusepy.FuseOSError(errno.ENOENT)
         return vol
@@ -80,7 +80,7 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
     def readdir(self, path: str, fh: int) -> list[str]:
         if path != "/":
             raise mfusepy.FuseOSError(errno.ENOTDIR)
-        return [".", "..", *sorted(self.pool.volumes)]
+        return [".", "..", *sorted(self.pool.visible())]
 
     def open(self, path: str, flags: int) -> int:
         vol = self._volume(path)

@@ -118,13 +118,13 @@ class PoolCatalog:
             meta_contexts=(
                 BASE_ALLOCATION,
                 GUARANTEED,
-                *(CHANGED_PREFIX + name for name, v in sorted(self.pool.volumes.items()) if v.row.kind == "snapshot"),
+                *(CHANGED_PREFIX + name for name, v in sorted(self.pool.visible().items()) if v.row.kind == "snapshot"),
             ),
         )
 
     def list_exports(self) -> list[ExportInfo]:
         with self.pool.lock:
-            return [self.info(v) for _, v in sorted(self.pool.volumes.items())]
+            return [self.info(v) for _, v in sorted(self.pool.visible().items())]
 
     def lookup(self, name: str) -> ExportInfo | None:
         vol = self.volume(name)
@@ -134,9 +134,9 @@ class PoolCatalog:
         """The volume behind an export name; "" is the default export when the pool has one volume."""
         with self.pool.lock:
             if name == "":
-                volumes = [v for v in self.pool.volumes.values() if v.row.kind == "volume"]
+                volumes = [v for v in self.pool.visible().values() if v.row.kind == "volume"]
                 return volumes[0] if len(volumes) == 1 else None
-            return self.pool.volumes.get(name)
+            return self.pool.visible_volume(name)
 
 
 def describe(pool: Pool, vol: Volume) -> str:

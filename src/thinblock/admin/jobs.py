@@ -1,0 +1,149 @@
+"""Long administration work that moves data (import, export, rbd diffs, sparsify):
+the job verbs, one table for the command line and the control socket alike.
+
+A job verb is verbs.py's kind of verb plus two things a plain one has no use for:
+the open files it reads or writes (`fds`, passed over the control socket with
+SCM_RIGHTS, so a server reads the command's own standard input or writes the file
+the command opened with the command's rights), and a ProgressFn. Arguments are
+checked by the same schema as every other verb before anything runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from thinblock.admin.schema import validate
+from thinblock.core.pool import Pool
+from thinblock.errors import ThinblockError
+from thinblock.progress import ProgressFn
+from thinblock.transfer import jobs
+from thinblock.transfer.images import (
+    FileSink,
+    FileSource,
+    NbdSink,
+    NbdSource,
+    RandomSink,
+    RandomSource,
+    StreamReader,
+    StreamWriter,
+    nbd_connector,
+)
+
+FDS_NEEDED = {"file": 1, "stream": 1, "nbd": 0, "qcow2": 0}
+
+
+def _fds(verb: str, fds: list[int], want: int) -> None:
+    if len(fds) != want:
+        raise ThinblockError(f"{verb} needs {want} open file(s) passed with it, got {len(fds)}")
+
+
+def _source(kind: str, fds: list[int], source: str) -> RandomSource | StreamReader:
+    if kind == "file":
+        return FileSource(fds[0], source)
+    if kind == "stream":
+        return StreamReader(fds[0], source)
+    if kind == "qcow2":
+        return NbdSource(source, nbd_connector(qcow2_path=source))
+    return NbdSource(source, nbd_connector(uri=source))
+
+
+@contextlib.contextmanager
+def _closing(thing: Any) -> Iterator[Any]:
+    try:
+        yield thing
+    finally:
+        thing.close()
+
+
+def _import(
+    pool: Pool,
+    fds: list[int],
+    progress: ProgressFn,
+    name: str,
+    source_kind: str,
+    source: str,
+    size_bytes: int | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    _fds("import", fds, FDS_NEEDED[source_kind])
+    with _closing(_source(source_kind, fds, source)) as src:
+        return jobs.import_image(pool, name, src, progress, size_bytes=size_bytes, force=force)
+
+
+def _export(
+    pool: Pool,
+    fds: list[int],
+    progress: ProgressFn,
+    name: str,
+    dest_kind: str,
+    dest: str,
+    format: str = "raw",
+    fresh: bool = True,
+) -> dict[str, Any]:
+    _fds("export", fds, FDS_NEEDED[dest_kind])
+    vol = jobs.visible(pool, name)
+    sink: RandomSink | StreamWriter
+    if dest_kind == "stream" or (dest_kind == "file" and format == "rbd"):
+        sink = StreamWriter(fds[0], dest)
+    elif dest_kind == "file":
+        sink = FileSink(fds[0], dest, vol.size_bytes, fresh=fresh)
+    elif dest_kind == "nbd":
+        sink = NbdSink(dest, nbd_connector(uri=dest), vol.size_bytes)
+    else:
+        raise ThinblockError(f"cannot export to a {dest_kind}")
+    with _closing(sink):
+        return jobs.export_image(pool, name, sink, progress, fmt=format)
+
+
+def _export_diff(
+    pool: Pool,
+    fds: list[int],
+    progress: ProgressFn,
+    name: str,
+    dest: str,
+    from_snap: str | None = None,
+    version: int = 1,
+) -> dict[str, Any]:
+    _fds("export-diff", fds, 1)
+    with _closing(StreamWriter(fds[0], dest)) as out:
+        return jobs.export_diff(pool, name, from_snap, out, progress, version=version)
+
+
+def _import_diff(
+    pool: Pool, fds: list[int], progress: ProgressFn, name: str, source: str, force: bool = False
+) -> dict[str, Any]:
+    _fds("import-diff", fds, 1)
+    st = os.fstat(fds[0])
+    size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # a pipe's length is unknown
+    with _closing(StreamReader(fds[0], source)) as reader:
+        return jobs.import_diff(pool, name, reader, progress, total=size, force=force)
+
+
+def _sparsify(pool: Pool, fds: list[int], progress: ProgressFn, name: str) -> dict[str, Any]:
+    _fds("sparsify", fds, 0)
+    return jobs.sparsify(pool, name, progress)
+
+
+JOBS: dict[str, Callable[..., Any]] = {
+    "import": _import,
+    "export": _export,
+    "export_diff": _export_diff,
+    "import_diff": _import_diff,
+    "volume_sparsify": _sparsify,
+}
+
+
+def run_job(pool: Pool, verb: str, args: dict[str, Any], fds: list[int], progress: ProgressFn) -> Any:
+    """Run one job verb on an open pool. The fds are the job's from here on: closed
+    when it ends, whatever happens."""
+    try:
+        validate(verb, args)
+        return JOBS[verb](pool, list(fds), progress, **args)
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,1 @@
+"""Stream formats, as codecs with no I/O: bytes in, events out, and back."""

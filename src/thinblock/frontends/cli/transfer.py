@@ -1,0 +1,293 @@
+"""Commands that move data: import, export, export-diff, import-diff, volume sparsify.
+
+The command opens what the user named (with the user's rights), then hands the
+open files to whoever holds the pool: this process, or the server, over its
+control socket (admin/jobs.py). Summaries go to stdout (--json for scripts);
+when stdout carries the data (DEST -), the summary goes to stderr instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from thinblock.admin.access import open_admin
+from thinblock.frontends.cli.common import UsageError, emit, size_arg
+from thinblock.frontends.cli.progress import progress_bar, wanted
+from thinblock.sizes import format_size
+from thinblock.transfer.images import QCOW2_MAGIC, is_nbd_uri
+
+Add = Callable[..., argparse.ArgumentParser]
+
+
+def _job(args: argparse.Namespace, label: str, verb: str, fds: list[int], **job_args: Any) -> Any:
+    """Run a job verb on the pool, with a bar for it (and for recovery at open)."""
+    show = wanted(args)
+    handed = False
+    try:
+        with (
+            progress_bar("recovering free space", show) as recovering,
+            progress_bar(label, show) as bar,
+            open_admin(args.pool, progress=recovering) as admin,
+        ):
+            handed = True  # the job owns the files from here on, and closes them
+            return admin.job(verb, fds, bar, **job_args)
+    finally:
+        if not handed:
+            _close(fds)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _summary(args: argparse.Namespace, data: Any, human: Callable[[Any], str], *, to_stderr: bool = False) -> None:
+    if to_stderr:
+        print(human(data), file=sys.stderr)
+    else:
+        emit(args, data, human)
+
+
+def _secs(result: dict[str, Any]) -> str:
+    return f"in {result['seconds']:.1f} s"
+
+
+# ----- import / export --------------------------------------------------------------
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    source = args.source
+    fds: list[int] = []
+    if source == "-":
+        kind, fds = "stream", [os.dup(sys.stdin.fileno())]
+        shown = "standard input"
+    elif is_nbd_uri(source):
+        if args.format not in ("auto", "raw"):
+            raise UsageError("an NBD source is read as it is served: --format applies to files")
+        kind, shown = "nbd", source
+    else:
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise UsageError(f"cannot open {source}: {exc.strerror}") from None
+        fmt = args.format
+        if fmt == "auto":
+            fmt = "qcow2" if os.pread(fd, 4, 0) == QCOW2_MAGIC else "raw"
+        if fmt == "qcow2":
+            os.close(fd)
+            kind, source = "qcow2", os.path.realpath(source)
+        else:
+            kind, fds = "file", [fd]
+        shown = args.source
+    if args.size is not None and kind != "stream":
+        _close(fds)
+        raise UsageError("--size is for a stream (-): a file or NBD export has its own size")
+    result = _job(
+        args,
+        "import",
+        "import",
+        fds,
+        name=args.volume,
+        source_kind=kind,
+        source=source if kind != "stream" else "-",
+        size_bytes=args.size,
+        force=args.force,
+    )
+
+    def human(r: dict[str, Any]) -> str:
+        made = "created" if r["created"] else "into the existing"
+        return (
+            f"imported {shown} into {r['volume']} ({made} {format_size(r['size_bytes'])} volume):"
+            f" {format_size(r['read_bytes'])} read, {format_size(r['written_bytes'])} written,"
+            f" {format_size(r['zero_bytes_skipped'])} of zeros skipped, {_secs(r)}"
+        )
+
+    _summary(args, result, human)
+
+
+def _open_dest(dest: str, force: bool) -> tuple[int, bool]:
+    """(fd, whether we created the file). An existing file is overwritten only with force."""
+    try:
+        st = os.stat(dest)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not force:
+        raise UsageError(f"{dest} exists: pass --force to overwrite it")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+    if st is None:
+        flags |= os.O_EXCL
+    elif stat.S_ISREG(st.st_mode):
+        flags |= os.O_TRUNC
+    try:
+        return os.open(dest, flags, 0o666), st is None
+    except OSError as exc:
+        raise UsageError(f"cannot create {dest}: {exc.strerror}") from None
+
+
+@contextlib.contextmanager
+def _removed_on_failure(path: str | None) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    dest, created = args.dest, None
+    to_stdout = dest == "-"
+    if to_stdout:
+        if args.json:
+            raise UsageError("export to - writes the image to stdout: --json has nowhere to go")
+        if sys.stdout.isatty():
+            raise UsageError("refusing to write a disk image to a terminal: redirect stdout or give a file")
+        kind, fds = "stream", [os.dup(sys.stdout.fileno())]
+    elif is_nbd_uri(dest):
+        kind, fds = "nbd", []
+    else:
+        fd, made = _open_dest(dest, args.force)
+        kind, fds, created = "file", [fd], dest if made else None
+    with _removed_on_failure(created):
+        result = _job(args, "export", "export", fds, name=args.name, dest_kind=kind, dest=dest, format=args.format)
+
+    def human(r: dict[str, Any]) -> str:
+        return (
+            f"exported {r['name']} to {dest} ({r['format']}): {format_size(r['written_bytes'])} of data"
+            f" in {format_size(r['size_bytes'])}, {_secs(r)}"
+        )
+
+    _summary(args, result, human, to_stderr=to_stdout)
+
+
+# ----- rbd diffs --------------------------------------------------------------------
+
+
+def cmd_export_diff(args: argparse.Namespace) -> None:
+    dest, created = args.file, None
+    to_stdout = dest == "-"
+    if to_stdout:
+        if args.json:
+            raise UsageError("export-diff to - writes the diff to stdout: --json has nowhere to go")
+        if sys.stdout.isatty():
+            raise UsageError("refusing to write a diff to a terminal: redirect stdout or give a file")
+        fds = [os.dup(sys.stdout.fileno())]
+    else:
+        fd, made = _open_dest(dest, args.force)
+        fds, created = [fd], dest if made else None
+    with _removed_on_failure(created):
+        result = _job(
+            args,
+            "export-diff",
+            "export_diff",
+            fds,
+            name=args.name,
+            dest=dest,
+            from_snap=args.from_snap,
+            version=args.export_format,
+        )
+
+    def human(r: dict[str, Any]) -> str:
+        span = f"{r['from_snap'] or '(empty)'} -> {r['to_snap'] or r['name']}"
+        return (
+            f"wrote rbd diff v{r['version']} of {r['name']} ({span}) to {dest}: {format_size(r['data_bytes'])}"
+            f" of data, {format_size(r['zero_bytes'])} zeroed, {format_size(r['stream_bytes'])} stream, {_secs(r)}"
+        )
+
+    _summary(args, result, human, to_stderr=to_stdout)
+
+
+def cmd_import_diff(args: argparse.Namespace) -> None:
+    if args.file == "-":
+        fds = [os.dup(sys.stdin.fileno())]
+    else:
+        try:
+            fds = [os.open(args.file, os.O_RDONLY | os.O_CLOEXEC)]
+        except OSError as exc:
+            raise UsageError(f"cannot open {args.file}: {exc.strerror}") from None
+    result = _job(args, "import-diff", "import_diff", fds, name=args.volume, source=args.file, force=args.force)
+
+    def human(r: dict[str, Any]) -> str:
+        snap = f", created snapshot {r['to_snap']}" if r["to_snap"] else ""
+        base = f" from {r['from_snap']}" if r["from_snap"] else ""
+        return (
+            f"applied the diff to {r['volume']}{base}{snap}: {format_size(r['written_bytes'])} written,"
+            f" {format_size(r['zeroed_bytes'])} zeroed, {_secs(r)}"
+        )
+
+    _summary(args, result, human)
+
+
+# ----- sparsify -----------------------------------------------------------------------
+
+
+def cmd_sparsify(args: argparse.Namespace) -> None:
+    result = _job(args, "sparsify", "volume_sparsify", [], name=args.name)
+
+    def human(r: dict[str, Any]) -> str:
+        return (
+            f"sparsified {r['volume']}: {format_size(r['freed_bytes'])} returned to the pool"
+            f" ({format_size(r['unmapped_bytes'])} of zero blocks unmapped, {format_size(r['zeroed_bytes'])}"
+            f" kept provisioned as ZEROED, {format_size(r['shared_zero_bytes'])} shared with snapshots or clones"
+            f" left as they are; {format_size(r['data_bytes'])} examined), {_secs(r)}"
+        )
+
+    _summary(args, result, human)
+
+
+# ----- the parser -----------------------------------------------------------------------
+
+
+def _job_options(p: argparse.ArgumentParser, *, json_ok: bool = True) -> None:
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    if json_ok:
+        p.add_argument("--json", action="store_true", help="machine-readable summary on stdout")
+
+
+def register(sub: Any, vol_sub: Any, add: Add) -> None:
+    p = add(sub, "import", cmd_import, "copy a raw or qcow2 image, an NBD export or a stream into a volume", pool=False)
+    p.add_argument("source", metavar="SOURCE", help="a file (raw or qcow2), an NBD URI (nbd://, nbd+unix://), or -")
+    p.add_argument("pool", metavar="POOL")
+    p.add_argument("volume", metavar="VOLUME", help="created with the source's size unless it exists with that size")
+    p.add_argument("--format", choices=("auto", "raw", "qcow2"), default="auto", help="SOURCE's format (default auto)")
+    p.add_argument("--size", type=size_arg, help="the volume's size when SOURCE is - and the volume is new")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite a volume that holds data")
+    _job_options(p)
+
+    p = add(sub, "export", cmd_export, "copy a volume or snapshot to a sparse raw file, an NBD export or a stream")
+    p.add_argument("name", metavar="VOLUME|SNAPSHOT")
+    p.add_argument("dest", metavar="DEST", help="a file (holes stay holes), an NBD URI, or - (stdout)")
+    p.add_argument(
+        "--format", choices=("raw", "rbd"), default="raw", help="raw, or rbd's 'rbd image v2' stream (rbd import)"
+    )
+    p.add_argument("-f", "--force", action="store_true", help="overwrite DEST if it exists")
+    _job_options(p)
+
+    p = add(sub, "export-diff", cmd_export_diff, "write what changed since a snapshot as an rbd diff (v1 or v2)")
+    p.add_argument("name", metavar="VOLUME|SNAPSHOT", help="the diff ends here (a volume: as it is now)")
+    p.add_argument("file", metavar="FILE|-")
+    p.add_argument("--from-snap", metavar="SNAPSHOT", help="the diff starts here (default: an empty image)")
+    p.add_argument("--export-format", type=int, choices=(1, 2), default=1, help="rbd diff v1 (default) or v2")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite FILE if it exists")
+    _job_options(p)
+
+    p = add(sub, "import-diff", cmd_import_diff, "apply an rbd diff to a volume, all or nothing", pool=False)
+    p.add_argument("file", metavar="FILE|-")
+    p.add_argument("pool", metavar="POOL")
+    p.add_argument("volume", metavar="VOLUME")
+    p.add_argument(
+        "-f", "--force", action="store_true", help="apply even if the volume changed since the diff's from-snapshot"
+    )
+    _job_options(p)
+
+    p = add(vol_sub, "sparsify", cmd_sparsify, "give back the space of blocks that hold only zeros (online)")
+    p.add_argument("name", metavar="VOLUME")
+    _job_options(p)

@@ -1,0 +1,373 @@
+"""Disk images outside the pool, read and written only where they hold data.
+
+Sources: a raw file or block device (SEEK_DATA/SEEK_HOLE say where data is), an
+NBD export (base:allocation block status says it; a qcow2 file is served by a
+qemu-nbd that libnbd starts and stops), or a stream read front to back.
+Sinks: a raw file (holes stay holes), an NBD export (zeros sent as WRITE_ZEROES),
+or a stream (every byte, in order).
+
+Random-access sources and sinks are used from many threads at once: each
+thread gets its own NBD connection, and files are read and written with
+pread/pwrite, so several requests are always in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from thinblock.errors import ThinblockError
+from thinblock.zeros import zero_bytes
+
+QCOW2_MAGIC = b"QFI\xfb"
+NBD_URI_SCHEMES = ("nbd://", "nbds://", "nbd+unix://", "nbds+unix://", "nbd+vsock://")
+_STATE_ZERO = 2  # NBD base:allocation: the range reads zeros
+_STATUS_STEP = 1 << 30
+
+
+def is_nbd_uri(text: str) -> bool:
+    return text.startswith(NBD_URI_SCHEMES)
+
+
+class RandomSource(Protocol):
+    size_bytes: int
+    name: str
+
+    def extents(self) -> Iterator[tuple[int, int, bool]]:
+        """(offset, length, data) covering the image; data False where it reads zeros."""
+        ...
+
+    def read(self, offset: int, length: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class RandomSink(Protocol):
+    name: str
+
+    def write(self, offset: int, data: bytes) -> None: ...
+
+    def zero(self, offset: int, length: int) -> None:
+        """Make [offset, +length) read zeros (the sink may not start out zero)."""
+        ...
+
+    def finish(self) -> None:
+        """Everything written is durable."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# ----- files ------------------------------------------------------------------------
+
+
+class FileSource:
+    """A raw image in a file or on a block device, read with pread."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd, self.name = fd, name
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            self.size_bytes = st.st_size
+            self.seekable = True
+        elif stat.S_ISBLK(st.st_mode):
+            self.size_bytes = os.lseek(fd, 0, os.SEEK_END)
+            self.seekable = False  # devices give no holes: every byte is read
+        else:
+            raise ThinblockError(f"{name} is neither a regular file nor a block device")
+
+    def extents(self) -> Iterator[tuple[int, int, bool]]:
+        size, pos = self.size_bytes, 0
+        if not self.seekable:
+            if size:
+                yield 0, size, True
+            return
+        while pos < size:
+            try:
+                data = os.lseek(self.fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # nothing but a hole up to the end
+                    yield pos, size - pos, False
+                    return
+                if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # no SEEK_DATA here: all data
+                    yield pos, size - pos, True
+                    return
+                raise
+            if data > pos:
+                yield pos, data - pos, False
+            hole = min(os.lseek(self.fd, data, os.SEEK_HOLE), size)
+            yield data, hole - data, True
+            pos = hole
+
+    def read(self, offset: int, length: int) -> bytes:
+        got = os.pread(self.fd, length, offset)
+        if len(got) < length:
+            got += bytes(length - len(got))  # a file shrunk under us reads zeros past its end
+        return got
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class FileSink:
+    """A raw image file: made the right size first, so what is never written is a hole.
+    A block device (or a file that already holds data) gets its zeros written out."""
+
+    def __init__(self, fd: int, name: str, size_bytes: int, *, fresh: bool) -> None:
+        self.fd, self.name = fd, name
+        st = os.fstat(fd)
+        self.regular = stat.S_ISREG(st.st_mode)
+        if self.regular:
+            os.ftruncate(fd, 0 if fresh else min(st.st_size, size_bytes))
+            os.ftruncate(fd, size_bytes)
+            self.clean = fresh  # a new (or emptied) file reads zeros everywhere
+        elif stat.S_ISBLK(st.st_mode):
+            have = os.lseek(fd, 0, os.SEEK_END)
+            if have < size_bytes:
+                raise ThinblockError(f"{name} holds {have} bytes, less than the {size_bytes} to export")
+            self.clean = False
+        else:
+            raise ThinblockError(f"{name} is neither a regular file nor a block device")
+
+    def write(self, offset: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self.fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def zero(self, offset: int, length: int) -> None:
+        if self.clean:
+            return
+        if self.regular:
+            try:
+                _punch(self.fd, offset, length)
+                return
+            except OSError:
+                pass
+        end = offset + length
+        while offset < end:
+            n = min(end - offset, 1 << 20)
+            self.write(offset, zero_bytes(n))
+            offset += n
+
+    def finish(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _punch(fd: int, offset: int, length: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    punch_keep = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+    if libc.fallocate(fd, punch_keep, ctypes.c_int64(offset), ctypes.c_int64(length)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+class StreamReader:
+    """A stream read front to back (a pipe, standard input), in chunks."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd, self.name = fd, name
+
+    def read(self, n: int) -> bytes:
+        """Up to n bytes; fewer only at the end of the stream."""
+        parts: list[bytes] = []
+        left = n
+        while left:
+            got = os.read(self.fd, left)
+            if not got:
+                break
+            parts.append(got)
+            left -= len(got)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class StreamWriter:
+    """A stream written front to back (a pipe, standard output, a file)."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd, self.name = fd, name
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def zeros(self, length: int) -> None:
+        while length:
+            n = min(length, 1 << 20)
+            self.write(zero_bytes(n))
+            length -= n
+
+    def finish(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EROFS):  # a pipe or a terminal: nothing to sync
+                raise
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# ----- NBD --------------------------------------------------------------------------
+
+
+class _Connections:
+    """One libnbd connection per thread (libnbd serialises calls on one handle)."""
+
+    def __init__(self, name: str, connect: Any, *, write: bool) -> None:
+        self.name = name
+        self._connect = connect
+        self._write = write
+        self._local = threading.local()
+        self._all: list[Any] = []
+        self._lock = threading.Lock()
+        self.first = self.handle()
+
+    def handle(self) -> Any:
+        h = getattr(self._local, "h", None)
+        if h is None:
+            import nbd
+
+            h = nbd.NBD()
+            h.add_meta_context("base:allocation")
+            try:
+                self._connect(h)
+            except nbd.Error as exc:
+                raise ThinblockError(f"cannot open NBD source/destination {self.name}: {exc.string}") from None
+            if self._write and h.is_read_only():
+                raise ThinblockError(f"NBD export {self.name} is read-only")
+            self._local.h = h
+            with self._lock:
+                self._all.append(h)
+        return h
+
+    def call(self, what: str, fn: Any) -> Any:
+        import nbd
+
+        try:
+            return fn(self.handle())
+        except nbd.Error as exc:
+            raise OSError(exc.errno or errno.EIO, f"NBD {what} on {self.name} failed: {exc.string}") from None
+
+    def flush_all(self) -> None:
+        """Flush every connection: each makes durable what was written through it."""
+        import nbd
+
+        with self._lock:
+            handles = list(self._all)
+        for h in handles:
+            try:
+                h.flush()
+            except nbd.Error as exc:
+                raise OSError(exc.errno or errno.EIO, f"NBD flush on {self.name} failed: {exc.string}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            handles, self._all = self._all, []
+        for h in handles:
+            with contextlib.suppress(Exception):
+                h.shutdown()
+            h.close()
+
+
+def nbd_connector(uri: str | None = None, qcow2_path: str | None = None) -> Any:
+    """How to connect a libnbd handle: to a URI, or to a qemu-nbd serving a qcow2
+    file read-only (started by libnbd with socket activation, stopped with the handle)."""
+    if qcow2_path is not None:
+        argv = ["qemu-nbd", "--read-only", "--format=qcow2", "--shared=0", qcow2_path]
+        return lambda h: h.connect_systemd_socket_activation(argv)
+    return lambda h: h.connect_uri(uri)
+
+
+class NbdSource:
+    """An NBD export, read where base:allocation says it holds data."""
+
+    def __init__(self, name: str, connect: Any) -> None:
+        self.name = name
+        self.conns = _Connections(name, connect, write=False)
+        self.size_bytes = int(self.conns.first.get_size())
+
+    def extents(self) -> Iterator[tuple[int, int, bool]]:
+        h = self.conns.first
+        pos, size = 0, self.size_bytes
+        if not h.can_meta_context("base:allocation"):
+            if size:
+                yield 0, size, True
+            return
+        while pos < size:
+            found: list[tuple[int, bool]] = []
+            count = min(size - pos, _STATUS_STEP)
+            self.conns.call("block status", lambda h, c=count, p=pos, f=found: h.block_status(c, p, _collector(f)))
+            if not found:
+                raise OSError(errno.EIO, f"NBD block status on {self.name} returned nothing at {pos}")
+            for length, data in found:
+                length = min(length, size - pos)
+                if length <= 0:
+                    break
+                yield pos, length, data
+                pos += length
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self.conns.call("read", lambda h: h.pread(length, offset)))
+
+    def close(self) -> None:
+        self.conns.close()
+
+
+def _collector(found: list[tuple[int, bool]]) -> Any:
+    """A block_status callback appending (length, data) for base:allocation."""
+
+    def take(context: str, offset: int, entries: list[int], err: Any) -> int:
+        if context == "base:allocation":
+            for i in range(0, len(entries) - 1, 2):
+                found.append((entries[i], not entries[i + 1] & _STATE_ZERO))
+        return 0
+
+    return take
+
+
+class NbdSink:
+    """An NBD export written from many connections at once, zeros sent as
+    WRITE_ZEROES (a thin target keeps them free), flushed on every connection."""
+
+    def __init__(self, name: str, connect: Any, size_bytes: int) -> None:
+        self.name = name
+        self.conns = _Connections(name, connect, write=True)
+        have = int(self.conns.first.get_size())
+        if have < size_bytes:
+            self.conns.close()
+            raise ThinblockError(f"NBD export {name} is {have} bytes, smaller than the {size_bytes} to export")
+        self.can_zero = bool(self.conns.first.can_zero())
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.conns.call("write", lambda h: h.pwrite(data, offset))
+
+    def zero(self, offset: int, length: int) -> None:
+        end = offset + length
+        while offset < end:
+            n = min(end - offset, 1 << 30 if self.can_zero else 1 << 20)
+            if self.can_zero:
+                self.conns.call("write zeroes", lambda h, o=offset, k=n: h.zero(k, o))
+            else:
+                self.write(offset, zero_bytes(n))
+            offset += n
+
+    def finish(self) -> None:
+        self.conns.flush_all()
+
+    def close(self) -> None:
+        self.conns.close()
