@@ -226,6 +226,23 @@ class Model:
                 v.states[b] = ZEROED
             v.pinned[b] = True
 
+    def sparsify(self, name: str, offset: int, length: int) -> None:
+        """Whole DATA blocks reading all zero that the volume holds alone stop holding
+        data: ZEROED if provisioned, else UNMAPPED. Shared ones stay. Bytes unchanged."""
+        v = self.volumes[name]
+        held = self.holders()
+        for b, s, e in v.segments(offset, length):
+            block = v.data[b * v.block_size : min((b + 1) * v.block_size, v.size)]
+            if v.states[b] != DATA or not v.full(b, s, e) or any(block):
+                continue
+            t = v.tokens[b]
+            if t is None or held[t] > 1:
+                continue
+            if v.pinned[b]:
+                v.states[b] = ZEROED
+            else:
+                v.states[b], v.tokens[b] = UNMAPPED, None
+
     def resize(self, name: str, size: int) -> None:
         v = self.volumes[name]
         if v.reserve == -1 and size > v.size:

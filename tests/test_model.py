@@ -337,6 +337,21 @@ class PoolMachine(RuleBasedStateMachine):
             (name, offset, length),
         )
 
+    @precondition(lambda self: self.model.volumes)
+    @rule(data=st.data())
+    def sparsify(self, data: st.DataObject) -> None:
+        name = self._pick(data)
+        offset, length = self._range(data, name)
+        self._maybe_fault(data)
+        vol = self.pool.volume(name)
+        self._mutate(
+            "sparsify",
+            name,
+            lambda: vol.sparsify(offset, length),
+            lambda: self.model.sparsify(name, offset, length),
+            (name, offset, length),
+        )
+
     @precondition(lambda self: self._has("volume"))
     @rule(data=st.data(), size=sizes())
     def resize(self, data: st.DataObject, size: int) -> None:

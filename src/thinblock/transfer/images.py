@@ -278,10 +278,12 @@ class _Connections:
     def close(self) -> None:
         with self._lock:
             handles, self._all = self._all, []
-        for h in handles:
+        for h in handles:  # libnbd closes a handle when the last reference goes
             with contextlib.suppress(Exception):
                 h.shutdown()
-            h.close()
+        handles.clear()
+        self.first = None
+        self._local = threading.local()
 
 
 def nbd_connector(uri: str | None = None, qcow2_path: str | None = None) -> Any:
