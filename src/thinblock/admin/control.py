@@ -110,8 +110,11 @@ class ControlServer:
             if verb in JOBS:
                 job_fds, fds = fds, []
                 with sender.heartbeat():
-                    return {"ok": run_job(self.pool, verb, args, job_fds, sender.progress)}
+                    return {"ok": run_job(self.pool, verb, args, job_fds, sender.progress, sender.check)}
             return {"ok": extra(**args) if extra is not None else run_validated(self.pool, verb, args)}
+        except JobCancelled as exc:
+            log.warning("control: %s", exc)
+            return {"error": str(exc)}
         except OpError as exc:
             return {"error": exc.strerror or str(exc), "errno": exc.errno}
         except PoolBusyError as exc:
@@ -201,10 +204,14 @@ class _Sender:
                 self.gone = True
                 return False
 
+    def check(self) -> None:
+        if self.gone:
+            raise JobCancelled("the command that started a job went away; the job stopped")
+
     def progress(self, done: int, total: int) -> None:
         self.last = [done, total]
         if not self.send({"progress": self.last}):
-            raise JobCancelled("the command that started this job went away; stopped")
+            raise JobCancelled("the command that started a job went away; the job stopped")
 
     @contextlib.contextmanager
     def heartbeat(self) -> Iterator[None]:

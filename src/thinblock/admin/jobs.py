@@ -33,6 +33,7 @@ from thinblock.transfer.images import (
     nbd_connector,
 )
 
+Check = Callable[[], None] | None
 FDS_NEEDED = {"file": 1, "stream": 1, "nbd": 0, "qcow2": 0}
 
 
@@ -41,11 +42,11 @@ def _fds(verb: str, fds: list[int], want: int) -> None:
         raise ThinblockError(f"{verb} needs {want} open file(s) passed with it, got {len(fds)}")
 
 
-def _source(kind: str, fds: list[int], source: str) -> RandomSource | StreamReader:
+def _source(kind: str, fds: list[int], source: str, check: Check) -> RandomSource | StreamReader:
     if kind == "file":
         return FileSource(fds[0], source)
     if kind == "stream":
-        return StreamReader(fds[0], source)
+        return StreamReader(fds[0], source, check)
     if kind == "qcow2":
         return NbdSource(source, nbd_connector(qcow2_path=source))
     return NbdSource(source, nbd_connector(uri=source))
@@ -63,6 +64,7 @@ def _import(
     pool: Pool,
     fds: list[int],
     progress: ProgressFn,
+    check: Check,
     name: str,
     source_kind: str,
     source: str,
@@ -70,7 +72,7 @@ def _import(
     force: bool = False,
 ) -> dict[str, Any]:
     _fds("import", fds, FDS_NEEDED[source_kind])
-    with _closing(_source(source_kind, fds, source)) as src:
+    with _closing(_source(source_kind, fds, source, check)) as src:
         return jobs.import_image(pool, name, src, progress, size_bytes=size_bytes, force=force)
 
 
@@ -78,6 +80,7 @@ def _export(
     pool: Pool,
     fds: list[int],
     progress: ProgressFn,
+    check: Check,
     name: str,
     dest_kind: str,
     dest: str,
@@ -103,6 +106,7 @@ def _export_diff(
     pool: Pool,
     fds: list[int],
     progress: ProgressFn,
+    check: Check,
     name: str,
     dest: str,
     from_snap: str | None = None,
@@ -114,16 +118,16 @@ def _export_diff(
 
 
 def _import_diff(
-    pool: Pool, fds: list[int], progress: ProgressFn, name: str, source: str, force: bool = False
+    pool: Pool, fds: list[int], progress: ProgressFn, check: Check, name: str, source: str, force: bool = False
 ) -> dict[str, Any]:
     _fds("import-diff", fds, 1)
     st = os.fstat(fds[0])
     size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # a pipe's length is unknown
-    with _closing(StreamReader(fds[0], source)) as reader:
+    with _closing(StreamReader(fds[0], source, check)) as reader:
         return jobs.import_diff(pool, name, reader, progress, total=size, force=force)
 
 
-def _sparsify(pool: Pool, fds: list[int], progress: ProgressFn, name: str) -> dict[str, Any]:
+def _sparsify(pool: Pool, fds: list[int], progress: ProgressFn, check: Check, name: str) -> dict[str, Any]:
     _fds("sparsify", fds, 0)
     return jobs.sparsify(pool, name, progress)
 
@@ -137,12 +141,20 @@ JOBS: dict[str, Callable[..., Any]] = {
 }
 
 
-def run_job(pool: Pool, verb: str, args: dict[str, Any], fds: list[int], progress: ProgressFn) -> Any:
+def run_job(
+    pool: Pool,
+    verb: str,
+    args: dict[str, Any],
+    fds: list[int],
+    progress: ProgressFn,
+    check: Check | None = None,
+) -> Any:
     """Run one job verb on an open pool. The fds are the job's from here on: closed
-    when it ends, whatever happens."""
+    when it ends, whatever happens. check, called while the job waits on a stream,
+    raises when whoever asked for it went away."""
     try:
         validate(verb, args)
-        return JOBS[verb](pool, list(fds), progress, **args)
+        return JOBS[verb](pool, list(fds), progress, check, **args)
     finally:
         for fd in fds:
             with contextlib.suppress(OSError):

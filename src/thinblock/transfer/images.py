@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from thinblock.errors import ThinblockError
@@ -43,6 +44,10 @@ class RandomSource(Protocol):
         ...
 
     def read(self, offset: int, length: int) -> bytes: ...
+
+    def stream(self, pieces: Iterator[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
+        """(offset, bytes) of each (offset, length) piece, in order, reads overlapping."""
+        ...
 
     def close(self) -> None: ...
 
@@ -103,6 +108,11 @@ class FileSource:
             hole = min(os.lseek(self.fd, data, os.SEEK_HOLE), size)
             yield data, hole - data, True
             pos = hole
+
+    def stream(self, pieces: Iterator[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
+        """The bytes of each (offset, length) piece, in order."""
+        for offset, n in pieces:
+            yield offset, self.read(offset, n)
 
     def read(self, offset: int, length: int) -> bytes:
         got = os.pread(self.fd, length, offset)
@@ -173,16 +183,23 @@ def _punch(fd: int, offset: int, length: int) -> None:
 
 
 class StreamReader:
-    """A stream read front to back (a pipe, standard input), in chunks."""
+    """A stream read front to back (a pipe, standard input), in chunks. While it waits
+    for the writer, `check` is called every second: it raises to give up (the command
+    that asked for the job went away)."""
 
-    def __init__(self, fd: int, name: str) -> None:
+    def __init__(self, fd: int, name: str, check: Callable[[], None] | None = None) -> None:
         self.fd, self.name = fd, name
+        self.check = check
 
     def read(self, n: int) -> bytes:
         """Up to n bytes; fewer only at the end of the stream."""
         parts: list[bytes] = []
         left = n
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         while left:
+            while self.check is not None and not poller.poll(1000):
+                self.check()
             got = os.read(self.fd, left)
             if not got:
                 break
@@ -224,75 +241,59 @@ class StreamWriter:
 
 # ----- NBD --------------------------------------------------------------------------
 
-
-class _Connections:
-    """One libnbd connection per thread (libnbd serialises calls on one handle)."""
-
-    def __init__(self, name: str, connect: Any, *, write: bool) -> None:
-        self.name = name
-        self._connect = connect
-        self._write = write
-        self._local = threading.local()
-        self._all: list[Any] = []
-        self._lock = threading.Lock()
-        self.first = self.handle()
-
-    def handle(self) -> Any:
-        h = getattr(self._local, "h", None)
-        if h is None:
-            import nbd
-
-            h = nbd.NBD()
-            h.add_meta_context("base:allocation")
-            try:
-                self._connect(h)
-            except nbd.Error as exc:
-                raise ThinblockError(f"cannot open NBD source/destination {self.name}: {exc.string}") from None
-            if self._write and h.is_read_only():
-                raise ThinblockError(f"NBD export {self.name} is read-only")
-            self._local.h = h
-            with self._lock:
-                self._all.append(h)
-        return h
-
-    def call(self, what: str, fn: Any) -> Any:
-        import nbd
-
-        try:
-            return fn(self.handle())
-        except nbd.Error as exc:
-            raise OSError(exc.errno or errno.EIO, f"NBD {what} on {self.name} failed: {exc.string}") from None
-
-    def flush_all(self) -> None:
-        """Flush every connection: each makes durable what was written through it."""
-        import nbd
-
-        with self._lock:
-            handles = list(self._all)
-        for h in handles:
-            try:
-                h.flush()
-            except nbd.Error as exc:
-                raise OSError(exc.errno or errno.EIO, f"NBD flush on {self.name} failed: {exc.string}") from None
-
-    def close(self) -> None:
-        with self._lock:
-            handles, self._all = self._all, []
-        for h in handles:  # libnbd closes a handle when the last reference goes
-            with contextlib.suppress(Exception):
-                h.shutdown()
-        handles.clear()
-        self.first = None
-        self._local = threading.local()
+NBD_IN_FLIGHT = 16  # commands on the wire at once, on one connection
 
 
 def nbd_connector(uri: str | None = None, qcow2_path: str | None = None) -> Any:
     """How to connect a libnbd handle: to a URI, or to a qemu-nbd serving a qcow2
     file read-only (started by libnbd with socket activation, stopped with the handle)."""
     if qcow2_path is not None:
-        argv = ["qemu-nbd", "--read-only", "--format=qcow2", "--shared=0", qcow2_path]
+        argv = ["qemu-nbd", "--read-only", "--format=qcow2", qcow2_path]
         return lambda h: h.connect_systemd_socket_activation(argv)
     return lambda h: h.connect_uri(uri)
+
+
+class _Nbd:
+    """One libnbd connection driven asynchronously: many commands in flight on it.
+    One connection, because a server may take one client only (qemu-nbd's default)."""
+
+    def __init__(self, name: str, connect: Any, *, write: bool) -> None:
+        import nbd
+
+        self.name = name
+        self.nbd = nbd
+        self.lock = threading.Lock()
+        self.h = nbd.NBD()
+        self.h.add_meta_context("base:allocation")
+        try:
+            connect(self.h)
+        except nbd.Error as exc:
+            raise ThinblockError(f"cannot open NBD export {name}: {exc.string}") from None
+        if write and self.h.is_read_only():
+            raise ThinblockError(f"NBD export {name} is read-only")
+        self.flight: list[tuple[int, Any, Any]] = []  # (cookie, buffer, what it is for)
+
+    def error(self, what: str, exc: Any) -> OSError:
+        return OSError(exc.errno or errno.EIO, f"NBD {what} on {self.name} failed: {exc.string}")
+
+    def reap(self, below: int) -> list[Any]:
+        """Poll until fewer than `below` commands are in flight; the finished ones' tags,
+        in the order they were started (call with the lock held)."""
+        done: list[Any] = []
+        while len(self.flight) >= below:
+            try:
+                if not any(self.h.aio_command_completed(c) for c, _, _ in self.flight[:1]):
+                    self.h.poll(-1)
+                    continue
+            except self.nbd.Error as exc:
+                raise self.error("request", exc) from None
+            done.append(self.flight.pop(0)[2])
+        return done
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.h.shutdown()
+        self.h = None
 
 
 class NbdSource:
@@ -300,11 +301,11 @@ class NbdSource:
 
     def __init__(self, name: str, connect: Any) -> None:
         self.name = name
-        self.conns = _Connections(name, connect, write=False)
-        self.size_bytes = int(self.conns.first.get_size())
+        self.conn = _Nbd(name, connect, write=False)
+        self.size_bytes = int(self.conn.h.get_size())
 
     def extents(self) -> Iterator[tuple[int, int, bool]]:
-        h = self.conns.first
+        h = self.conn.h
         pos, size = 0, self.size_bytes
         if not h.can_meta_context("base:allocation"):
             if size:
@@ -312,8 +313,10 @@ class NbdSource:
             return
         while pos < size:
             found: list[tuple[int, bool]] = []
-            count = min(size - pos, _STATUS_STEP)
-            self.conns.call("block status", lambda h, c=count, p=pos, f=found: h.block_status(c, p, _collector(f)))
+            try:
+                h.block_status(min(size - pos, _STATUS_STEP), pos, _collector(found))
+            except self.conn.nbd.Error as exc:
+                raise self.conn.error("block status", exc) from None
             if not found:
                 raise OSError(errno.EIO, f"NBD block status on {self.name} returned nothing at {pos}")
             for length, data in found:
@@ -323,11 +326,27 @@ class NbdSource:
                 yield pos, length, data
                 pos += length
 
+    def stream(self, pieces: Iterator[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
+        """The bytes of each (offset, length) piece, in order, NBD_IN_FLIGHT reads at
+        once (one caller at a time: the job's reading loop)."""
+        conn = self.conn
+        for offset, n in pieces:
+            for done_offset, buf in conn.reap(NBD_IN_FLIGHT):
+                yield done_offset, bytes(buf.to_bytearray())
+            buf = conn.nbd.Buffer(n)
+            try:
+                cookie = conn.h.aio_pread(buf, offset)
+            except conn.nbd.Error as exc:
+                raise conn.error("read", exc) from None
+            conn.flight.append((cookie, buf, (offset, buf)))
+        for done_offset, buf in conn.reap(1):
+            yield done_offset, bytes(buf.to_bytearray())
+
     def read(self, offset: int, length: int) -> bytes:
-        return bytes(self.conns.call("read", lambda h: h.pread(length, offset)))
+        return next(iter(self.stream(iter([(offset, length)]))))[1]
 
     def close(self) -> None:
-        self.conns.close()
+        self.conn.close()
 
 
 def _collector(found: list[tuple[int, bool]]) -> Any:
@@ -343,33 +362,53 @@ def _collector(found: list[tuple[int, bool]]) -> Any:
 
 
 class NbdSink:
-    """An NBD export written from many connections at once, zeros sent as
-    WRITE_ZEROES (a thin target keeps them free), flushed on every connection."""
+    """An NBD export, written NBD_IN_FLIGHT requests at a time on one connection,
+    zeros sent as WRITE_ZEROES (a thin target keeps them free)."""
 
     def __init__(self, name: str, connect: Any, size_bytes: int) -> None:
         self.name = name
-        self.conns = _Connections(name, connect, write=True)
-        have = int(self.conns.first.get_size())
+        self.conn = _Nbd(name, connect, write=True)
+        have = int(self.conn.h.get_size())
         if have < size_bytes:
-            self.conns.close()
+            self.conn.close()
             raise ThinblockError(f"NBD export {name} is {have} bytes, smaller than the {size_bytes} to export")
-        self.can_zero = bool(self.conns.first.can_zero())
+        self.can_zero = bool(self.conn.h.can_zero())
+
+    def _submit(self, what: str, start: Any) -> None:
+        conn = self.conn
+        with conn.lock:
+            conn.reap(NBD_IN_FLIGHT)
+            try:
+                cookie, buf = start(conn)
+            except conn.nbd.Error as exc:
+                raise conn.error(what, exc) from None
+            conn.flight.append((cookie, buf, None))
 
     def write(self, offset: int, data: bytes) -> None:
-        self.conns.call("write", lambda h: h.pwrite(data, offset))
+        def start(conn: _Nbd) -> tuple[int, Any]:
+            buf = conn.nbd.Buffer.from_bytearray(bytearray(data))
+            return conn.h.aio_pwrite(buf, offset), buf
+
+        self._submit("write", start)
 
     def zero(self, offset: int, length: int) -> None:
         end = offset + length
         while offset < end:
             n = min(end - offset, 1 << 30 if self.can_zero else 1 << 20)
             if self.can_zero:
-                self.conns.call("write zeroes", lambda h, o=offset, k=n: h.zero(k, o))
+                self._submit("write zeroes", lambda conn, o=offset, k=n: (conn.h.aio_zero(k, o), None))
             else:
                 self.write(offset, zero_bytes(n))
             offset += n
 
     def finish(self) -> None:
-        self.conns.flush_all()
+        conn = self.conn
+        with conn.lock:
+            conn.reap(1)
+            try:
+                conn.h.flush()
+            except conn.nbd.Error as exc:
+                raise conn.error("flush", exc) from None
 
     def close(self) -> None:
-        self.conns.close()
+        self.conn.close()

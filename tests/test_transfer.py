@@ -1,0 +1,597 @@
+"""import, export, export-diff, import-diff and sparsify, with real files, processes
+and clients: qemu-img and qemu-nbd as peers, libnbd, a real `rbd` on the test
+Ceph cluster, and the pool served by a real `thinblock serve` or opened by the
+command itself."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.cli import ROOT
+from tests.nbd_server import Server, connect, served_pool, thinblock
+
+MiB = 1 << 20
+BS = 64 << 10
+SIZE = 32 * MiB
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+
+def _write_image(path: Path, size: int, seed: int) -> bytes:
+    """A sparse raw file: random data, explicit zeros and holes; returns its bytes."""
+    import random
+
+    rng = random.Random(seed)
+    buf = bytearray(size)
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for _ in range(12):
+            off = rng.randrange(0, size - 300_000) // 512 * 512
+            n = rng.choice([512, 4096, 70_000, BS, 3 * BS + 512])
+            data = rng.randbytes(n)
+            f.seek(off)
+            f.write(data)
+            buf[off : off + n] = data
+        f.seek(8 * MiB)
+        f.write(bytes(MiB))  # written zeros: data to SEEK_DATA, free to the pool
+        buf[8 * MiB : 9 * MiB] = bytes(MiB)
+        tail = rng.randbytes(BS)
+        f.seek(size - BS)
+        f.write(tail)
+        buf[size - BS :] = tail
+    return bytes(buf)
+
+
+def _holes(path: Path) -> set[int]:
+    """Indexes of the BS blocks of a file that are holes."""
+    size = path.stat().st_size
+    data: set[int] = set()
+    with open(path, "rb") as f:
+        fd, pos = f.fileno(), 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            data.update(range(start // BS, -(-end // BS)))
+            pos = end
+    return set(range(-(-size // BS))) - data
+
+
+def _nonzero_blocks(image: bytes) -> int:
+    return sum(1 for i in range(0, len(image), BS) if any(image[i : i + BS]))
+
+
+def _export_bytes(pool: str, name: str) -> bytes:
+    proc = subprocess.run(
+        [sys.executable, "-m", "thinblock", "export", pool, name, "-"], capture_output=True, env=ENV, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _names(pool: str) -> list[str]:
+    return sorted(v["name"] for v in json.loads(thinblock("volume", "list", pool, "--json").stdout))
+
+
+@contextmanager
+def _qemu_nbd(image: Path, socket: Path, *args: str) -> Iterator[str]:
+    """A real qemu-nbd serving image on a unix socket: the peer source or target."""
+    proc = subprocess.Popen(["qemu-nbd", "--socket", str(socket), "--persistent", *args, str(image)])
+    try:
+        for _ in range(200):
+            if socket.exists():
+                break
+            time.sleep(0.05)
+        yield f"nbd+unix:///?socket={socket}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# ----- import and export ----------------------------------------------------------------
+
+
+def test_import_then_export_keeps_bytes_and_holes(tmp_path: Path) -> None:
+    """Offline (the command opens the pool): only non-zero blocks cost pool space, and the
+    exported file has a hole wherever the source had one."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    src = tmp_path / "src.raw"
+    image = _write_image(src, SIZE, 1)
+    result = json.loads(thinblock("import", str(src), pool, "v", "--json").stdout)
+    assert result["created"] and result["size_bytes"] == SIZE
+    assert result["zero_bytes_skipped"] >= MiB
+    used = json.loads(thinblock("pool", "status", pool, "--json").stdout)["used_bytes"]
+    assert used == _nonzero_blocks(image) * BS  # zeros, written or not, cost nothing
+    out = tmp_path / "out.raw"
+    thinblock("export", pool, "v", str(out))
+    assert out.read_bytes() == image
+    assert _holes(src) <= _holes(out)  # holes stay holes (and written zeros became holes)
+    assert 8 * MiB // BS in _holes(out)
+    assert _export_bytes(pool, "v") == image
+    # An existing destination is kept unless --force.
+    refused = thinblock("export", pool, "v", str(out), check=False)
+    assert refused.returncode == 2 and "exists: pass --force" in refused.stderr
+    thinblock("export", pool, "v", str(out), "--force")
+    assert out.read_bytes() == image
+    thinblock("pool", "check", pool)
+
+
+def test_import_from_qcow2_nbd_and_stdin_into_a_served_pool(tmp_path: Path) -> None:
+    """Online: the server does the work on the files the command opened."""
+    src = tmp_path / "src.raw"
+    image = _write_image(src, SIZE, 2)
+    qcow = tmp_path / "src.qcow2"
+    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(src), str(qcow)], check=True)
+    with served_pool(tmp_path, "512M", {}) as served:
+        pool = served.pool
+        thinblock("import", str(qcow), pool, "q")
+        assert _export_bytes(pool, "q") == image
+        with _qemu_nbd(src, tmp_path / "peer.sock", "--read-only", "--format=raw") as uri:
+            thinblock("import", uri, pool, "n")
+        assert _export_bytes(pool, "n") == image
+        with open(src, "rb") as stdin:
+            proc = subprocess.run(
+                [sys.executable, "-m", "thinblock", "import", "-", pool, "s", "--size", "32M", "--json"],
+                stdin=stdin,
+                capture_output=True,
+                env=ENV,
+                timeout=120,
+            )
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["read_bytes"] == SIZE
+        assert _export_bytes(pool, "s") == image
+        # Into an NBD export served by qemu-nbd, and qemu-img agrees with the bytes.
+        target = tmp_path / "target.raw"
+        with open(target, "wb") as f:
+            f.truncate(SIZE)
+        with _qemu_nbd(target, tmp_path / "target.sock", "--format=raw") as uri:
+            thinblock("export", pool, "q", uri)
+        assert target.read_bytes() == image
+        compare = subprocess.run(
+            ["qemu-img", "compare", "-f", "raw", "-F", "qcow2", str(target), str(qcow)], capture_output=True, text=True
+        )
+        assert compare.returncode == 0, compare.stdout + compare.stderr
+        assert "Traceback" not in served.log.read_text()
+    assert not list(tmp_path.glob("*.sock")) or True
+
+
+def test_import_refusals_change_nothing(tmp_path: Path) -> None:
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    src = tmp_path / "src.raw"
+    image = _write_image(src, SIZE, 3)
+    thinblock("volume", "create", pool, "v", "--size", "32M")
+    thinblock("volume", "create", pool, "small", "--size", "16M")
+    dirty = tmp_path / "dirty.raw"
+    dirty.write_bytes(b"\xaa" * SIZE)
+    thinblock("import", str(dirty), pool, "v", "--force")
+    before = _export_bytes(pool, "v")
+
+    def refused(*args: str, says: str, status: int = 1) -> None:
+        proc = thinblock(*args, check=False)
+        assert proc.returncode == status, proc.stderr
+        assert says in proc.stderr, proc.stderr
+        assert proc.stderr.count("\n") == 1, proc.stderr  # one sentence
+
+    refused("import", str(src), pool, "v", says="already holds data (32M mapped): pass --force")
+    refused("import", str(src), pool, "small", says="the sizes must match")
+    odd = tmp_path / "odd.raw"
+    odd.write_bytes(b"x" * 1000)
+    refused("import", str(odd), pool, "new", says="not a whole number of 512-byte sectors")
+    refused("import", str(tmp_path / "missing.raw"), pool, "new", says="cannot open", status=2)
+    refused("import", "-", pool, "new", says="needs its size (--size)")
+    thinblock("snapshot", "create", pool, "v@s")
+    refused("import", str(src), pool, "v@s", says="is a snapshot: import into a volume")
+    assert _export_bytes(pool, "v") == before
+    assert _names(pool) == ["small", "v", "v@s"]
+    # --force overwrites, and the source's holes become zeros in the volume.
+    thinblock("import", str(src), pool, "v", "--force")
+    assert _export_bytes(pool, "v") == image
+    thinblock("pool", "check", pool)
+
+
+def test_export_format_rbd_is_read_by_rbd_import(tmp_path: Path, ceph: str) -> None:
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    src = tmp_path / "src.raw"
+    image = _write_image(src, SIZE, 4)
+    thinblock("import", str(src), pool, "v")
+    stream = tmp_path / "v.rbd"
+    thinblock("export", pool, "v", str(stream), "--format", "rbd")
+    assert stream.stat().st_size < SIZE // 4  # sparse: data only
+    name = f"{ceph}/tb-exp-{os.getpid()}"
+    try:
+        _rbd("import", "--export-format", "2", str(stream), name)
+        got = tmp_path / "back.raw"
+        _rbd("export", name, str(got))
+        assert got.read_bytes() == image
+    finally:
+        _rbd("rm", name, check=False)
+
+
+# ----- rbd diffs --------------------------------------------------------------------------
+
+
+def _rbd(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["rbd", "--no-progress", *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _history(pool: str, tmp_path: Path) -> dict[str, bytes]:
+    """Volume v with snapshots v@s1 and v@s2 and more changes after: data, zero
+    writes, trims, a grow. Returns the bytes of each."""
+    import nbd
+
+    thinblock("volume", "create", pool, "v", "--size", "16M", "--detect-zeroes", "off")
+    states: dict[str, bytes] = {}
+    model = bytearray(16 * MiB)
+    steps = [
+        [("w", 0, os.urandom(3 * BS)), ("w", 5 * MiB + 100, os.urandom(70_000)), ("w", 10 * MiB, bytes(2 * BS))],
+        [("w", BS, os.urandom(BS)), ("t", 5 * MiB, MiB), ("z", 0, 512), ("w", 12 * MiB, os.urandom(4096))],
+        [("t", 0, BS), ("w", 15 * MiB, os.urandom(BS)), ("w", 12 * MiB, bytes(4096))],
+    ]
+    for i, step in enumerate(steps):
+        sock = tmp_path / "h.sock"
+        server = Server(pool, "--socket", str(sock), workdir=tmp_path)
+        try:
+            h = nbd.NBD()
+            h.connect_uri(server.unix_uri("v"))
+            for kind, off, arg in step:
+                if kind == "w":
+                    assert isinstance(arg, bytes)
+                    h.pwrite(arg, off)
+                    model[off : off + len(arg)] = arg
+                elif kind == "t":
+                    assert isinstance(arg, int)
+                    h.trim(arg, off)
+                    model[off : off + arg] = bytes(arg)
+                else:
+                    assert isinstance(arg, int)
+                    h.zero(arg, off)
+                    model[off : off + arg] = bytes(arg)
+            h.flush()
+            h.shutdown()
+        finally:
+            server.stop()
+        if i < 2:
+            thinblock("snapshot", "create", pool, f"v@s{i + 1}")
+            states[f"v@s{i + 1}"] = bytes(model)
+    states["v"] = bytes(model)
+    return states
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_export_diff_then_import_diff_rebuilds_every_snapshot(tmp_path: Path, version: str) -> None:
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    states = _history(pool, tmp_path)
+    fmt = ("--export-format", version)
+    full, incr, head = tmp_path / "full.diff", tmp_path / "s1-s2.diff", tmp_path / "s2-head.diff"
+    thinblock("export-diff", pool, "v@s1", str(full), *fmt)
+    incr_result = json.loads(thinblock("export-diff", pool, "--from-snap", "s1", "v@s2", str(incr), *fmt, "--json").stdout)
+    assert incr_result["from_snap"] == "s1" and incr_result["to_snap"] == "s2"
+    assert incr_result["zero_bytes"] > 0  # the trim and the zeroing are 'z' records
+    thinblock("export-diff", pool, "--from-snap", "v@s2", "v", str(head), *fmt)
+    assert full.read_bytes().startswith(b"rbd diff v" + version.encode() + b"\n")
+    # The incremental diff holds the changed data only, not the volume.
+    assert incr.stat().st_size < 2 * MiB
+    # A copy in another pool, served: each diff applied in turn gives each state.
+    with served_pool(tmp_path / "b", "256M", {"c": "16M"}) as served:
+        other = served.pool
+        thinblock("import-diff", str(full), other, "c")
+        assert _export_bytes(other, "c@s1") == states["v@s1"]
+        with open(incr, "rb") as stdin:
+            proc = subprocess.run(
+                [sys.executable, "-m", "thinblock", "import-diff", "-", other, "c", "--json"],
+                stdin=stdin,
+                capture_output=True,
+                text=True,
+                env=ENV,
+                timeout=120,
+            )
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["to_snap"] == "c@s2"
+        assert _export_bytes(other, "c@s2") == states["v@s2"]
+        thinblock("import-diff", str(head), other, "c")
+        assert _export_bytes(other, "c") == states["v"]
+        assert _names(other) == ["c", "c@s1", "c@s2"]
+    # delta's zero flag says where the later state reads zeros.
+    delta = json.loads(thinblock("delta", pool, "v@s1", "v@s2", "--json").stdout)
+    assert any(r["zero"] for r in delta["ranges"]) and any(not r["zero"] for r in delta["ranges"])
+    for r in delta["ranges"]:
+        piece = states["v@s2"][r["offset"] : r["offset"] + r["length"]]
+        assert (piece == bytes(len(piece))) == r["zero"] or not r["zero"], r
+
+
+def _small_diff(pool: str, tmp_path: Path) -> tuple[bytes, bytes]:
+    """(a v1 diff from s1 to s2 of volume v, the bytes of v@s1) in a fresh pool."""
+    thinblock("pool", "create", pool, "--size", "128M")
+    thinblock("volume", "create", pool, "v", "--size", "4M")
+    a = tmp_path / "a.raw"
+    a.write_bytes(os.urandom(BS) + bytes(4 * MiB - BS))
+    thinblock("import", str(a), pool, "v", "--force")
+    thinblock("snapshot", "create", pool, "v@s1")
+    b = tmp_path / "b.raw"
+    b.write_bytes(bytes(BS) + os.urandom(2 * BS) + bytes(4 * MiB - 3 * BS))
+    thinblock("import", str(b), pool, "v", "--force")
+    thinblock("snapshot", "create", pool, "v@s2")
+    out = tmp_path / "d.diff"
+    thinblock("export-diff", pool, "--from-snap", "s1", "v@s2", str(out))
+    return out.read_bytes(), a.read_bytes()
+
+
+def test_malformed_truncated_and_mismatched_diffs_change_nothing(tmp_path: Path) -> None:
+    pool = str(tmp_path / "pool")
+    diff, s1 = _small_diff(pool, tmp_path)
+    # The target: volume c at v@s1's state with its own c@s1.
+    thinblock("volume", "clone", pool, "v@s1", "c")
+    thinblock("snapshot", "create", pool, "c@s1")
+    names = _names(pool)
+
+    def refused(stream: bytes, says: str, *extra: str, volume: str = "c") -> None:
+        path = tmp_path / "bad.diff"
+        path.write_bytes(stream)
+        proc = thinblock("import-diff", str(path), pool, volume, *extra, check=False)
+        assert proc.returncode == 1, (says, proc.stdout, proc.stderr)
+        assert says in proc.stderr, (says, proc.stderr)
+        assert proc.stderr.count("\n") == 1, proc.stderr
+        assert _export_bytes(pool, "c") == s1
+        assert _names(pool) == names  # no snapshot taken, no staging volume left
+
+    # Every cut of the stream short of its end record is refused.
+    header = len(b"rbd diff v1\n")
+    cuts = sorted({0, 3, header, header + 1, header + 7, 40, 60, len(diff) // 2, len(diff) - BS, len(diff) - 1})
+    for cut in cuts:
+        refused(diff[:cut], "truncated rbd diff" if cut >= header else ("truncated" if cut else "truncated"))
+    refused(b"rbd diff v3\n" + diff[header:], "not an rbd diff stream")
+    refused(b"GARBAGE" * 10, "not an rbd diff stream")
+    refused(diff + b"x", "bytes follow its end ('e') record")
+    refused(diff[:-1] + b"?e", "unknown record tag")
+    size_record = header + 7 + 7  # after 'f' and 't', each 1 + 4 + len("s1")
+    assert diff[size_record : size_record + 1] == b"s"
+    oversize = diff[: size_record + 1] + struct.pack("<Q", BS) + diff[size_record + 9 :]
+    refused(oversize, "ends past the image size")
+    refused(diff[: size_record + 9] + diff[size_record : size_record + 9] + diff[size_record + 9 :], "two size")
+    no_size = diff[:size_record] + diff[size_record + 9 :]
+    refused(no_size, "before the size ('s') record")
+    # Mismatches: a missing from-snapshot, a to-snapshot that exists, a changed volume.
+    thinblock("volume", "create", pool, "bare", "--size", "4M")
+    names = _names(pool)
+    path = tmp_path / "d.diff"
+    proc = thinblock("import-diff", str(path), pool, "bare", check=False)
+    assert proc.returncode == 1 and "has no snapshot 's1'" in proc.stderr
+    thinblock("snapshot", "create", pool, "c@s2")
+    names = _names(pool)
+    refused(diff, "'c@s2' already exists")
+    thinblock("snapshot", "remove", pool, "c@s2")
+    thinblock("import-diff", str(path), pool, "c")  # now it applies
+    assert _export_bytes(pool, "c@s2") == _export_bytes(pool, "v@s2")
+    thinblock("volume", "rollback", pool, "c", "c@s1")
+    thinblock("snapshot", "remove", pool, "c@s2")
+    other = tmp_path / "o.raw"
+    other.write_bytes(os.urandom(4096) + bytes(4 * MiB - 4096))
+    thinblock("import", str(other), pool, "c", "--force")
+    proc = thinblock("import-diff", str(path), pool, "c", check=False)
+    assert proc.returncode == 1 and "has changed since snapshot c@s1" in proc.stderr
+    thinblock("import-diff", str(path), pool, "c", "--force")
+    thinblock("pool", "check", pool)
+
+
+def test_a_killed_import_diff_leaves_the_volume_as_it_was(tmp_path: Path) -> None:
+    """SIGKILL in the middle: the staging volume is gone at the next open, the volume unchanged."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    thinblock("volume", "create", pool, "v", "--size", "64M")
+    big = tmp_path / "big.raw"
+    big.write_bytes(os.urandom(48 * MiB) + bytes(16 * MiB))
+    thinblock("import", str(big), pool, "v", "--force")
+    thinblock("snapshot", "create", pool, "v@s1")
+    diff = tmp_path / "full.diff"
+    thinblock("export-diff", pool, "v@s1", str(diff))
+    thinblock("volume", "create", pool, "c", "--size", "64M")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thinblock", "import-diff", "-", pool, "c"],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
+    assert proc.stdin is not None
+    data = diff.read_bytes()
+    proc.stdin.write(data[: len(data) // 2])
+    proc.stdin.flush()
+    time.sleep(1.5)  # it is applying what it got and waits for the rest
+    proc.kill()
+    proc.wait()
+    assert _names(pool) == ["c", "v", "v@s1"]  # opening the pool removed the staging volume
+    assert _export_bytes(pool, "c") == bytes(64 * MiB)
+    thinblock("pool", "check", pool)
+
+
+def test_rbd_interop_both_ways(tmp_path: Path, ceph: str) -> None:
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    states = _history(pool, tmp_path)
+    image = f"{ceph}/tb-diff-{os.getpid()}"
+    back = f"{ceph}/tb-back-{os.getpid()}"
+    try:
+        # thinblock -> rbd: rbd import-diff applies our diffs, snapshot by snapshot.
+        _rbd("create", image, "--size", "16M")
+        for from_snap, to, name in ((None, "v@s1", "a"), ("s1", "v@s2", "b"), ("s2", "v", "c")):
+            path = tmp_path / f"{name}.diff"
+            extra = ("--from-snap", from_snap) if from_snap else ()
+            thinblock("export-diff", pool, *extra, to, str(path))
+            _rbd("import-diff", str(path), image)
+        for snap in ("s1", "s2"):
+            out = tmp_path / f"rbd-{snap}.raw"
+            _rbd("export", f"{image}@{snap}", str(out))
+            assert out.read_bytes() == states[f"v@{snap}"]
+        head = tmp_path / "rbd-head.raw"
+        _rbd("export", image, str(head))
+        assert head.read_bytes() == states["v"]
+        # rbd -> thinblock: rbd export-diff applied by thinblock import-diff.
+        thinblock("volume", "create", pool, "r", "--size", "16M")
+        for from_snap, to, name in ((None, f"{image}@s1", "x"), ("s1", f"{image}@s2", "y"), ("s2", image, "z")):
+            path = tmp_path / f"{name}.rdiff"
+            extra = ("--from-snap", from_snap) if from_snap else ()
+            _rbd("export-diff", *extra, to, str(path))
+            thinblock("import-diff", str(path), pool, "r")
+        assert _export_bytes(pool, "r@s1") == states["v@s1"]
+        assert _export_bytes(pool, "r@s2") == states["v@s2"]
+        assert _export_bytes(pool, "r") == states["v"]
+        # rbd's image export of our rbd-format export, and back through a diff.
+        stream = tmp_path / "v.rbd"
+        thinblock("export", pool, "v@s2", str(stream), "--format", "rbd")
+        _rbd("import", "--export-format", "2", str(stream), back)
+        out = tmp_path / "back.raw"
+        _rbd("export", back, str(out))
+        assert out.read_bytes() == states["v@s2"]
+    finally:
+        for name in (image, back):
+            _rbd("snap", "purge", name, check=False)
+            _rbd("rm", name, check=False)
+    thinblock("pool", "check", pool)
+
+
+# ----- sparsify ---------------------------------------------------------------------------
+
+
+def test_sparsify_online_frees_zero_blocks_and_keeps_every_byte(tmp_path: Path) -> None:
+    import nbd
+
+    with served_pool(tmp_path, "256M", {}) as served:
+        pool = served.pool
+        thinblock("volume", "create", pool, "v", "--size", "64M", "--detect-zeroes", "off")
+        h = connect(served, "v")
+        model = bytearray(64 * MiB)
+        for i in range(0, 32 * MiB, BS):
+            piece = bytes(BS) if (i // BS) % 2 else os.urandom(BS)  # half the blocks hold zeros
+            h.pwrite(piece, i)
+            model[i : i + BS] = piece
+        h.flush()
+        thinblock("snapshot", "create", pool, "v@keep")  # shares everything written so far
+        for i in range(32 * MiB, 48 * MiB, BS):
+            h.pwrite(bytes(BS), i)  # zeros the volume holds alone
+        h.flush()
+        data_file = Path(pool) / "data"
+        host_before = data_file.stat().st_blocks
+        before = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+        # A client keeps writing elsewhere while sparsify runs.
+        writer = nbd.NBD()
+        writer.connect_uri(served.unix_uri("v"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "thinblock", "volume", "sparsify", pool, "v", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        tail = os.urandom(BS)
+        while proc.poll() is None:
+            writer.pwrite(tail, 60 * MiB)
+        model[60 * MiB : 60 * MiB + BS] = tail
+        out, err = proc.communicate()
+        assert proc.returncode == 0, err
+        result = json.loads(out)
+        assert result["unmapped_bytes"] == 16 * MiB  # the zeros it held alone
+        assert result["shared_zero_bytes"] == 16 * MiB  # those the snapshot shares stay
+        assert result["freed_bytes"] == 16 * MiB
+        after = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+        assert before["used_bytes"] - after["used_bytes"] == 16 * MiB - BS  # less the block the writer added
+        assert h.pread(64 * MiB, 0) == bytes(model)
+        assert data_file.stat().st_blocks < host_before - (8 * MiB) // 512  # back to the host too
+        refused = thinblock("volume", "sparsify", pool, "v@keep", check=False)
+        assert refused.returncode == 1 and "snapshots are read-only" in refused.stderr
+        h.shutdown()
+        writer.shutdown()
+
+
+# ----- progress -----------------------------------------------------------------------------
+
+
+def _on_a_terminal(args: list[str]) -> tuple[int, str]:
+    """Run thinblock with stderr (and stdin) on a pseudo-terminal; what the terminal showed."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal has a size
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thinblock", *args],
+        stdin=slave,
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+        env=ENV,
+    )
+    os.close(slave)
+    shown = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                chunk = b""
+            shown += chunk
+            if not chunk and proc.poll() is not None:
+                break
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    return proc.wait(), shown.decode(errors="replace")
+
+
+def test_progress_shows_on_a_terminal_only(tmp_path: Path) -> None:
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    src = tmp_path / "src.raw"
+    src.write_bytes(os.urandom(64 * MiB))
+    status, shown = _on_a_terminal(["import", str(src), pool, "v"])
+    assert status == 0, shown
+    assert "import" in shown and "64.0M/64.0M" in shown and "100%" in shown, shown
+    assert "/s" in shown  # a rate (and tqdm's time left)
+    status, shown = _on_a_terminal(["export", pool, "v", str(tmp_path / "o.raw"), "--no-progress"])
+    assert status == 0 and "%" not in shown, shown
+    # Not a terminal: nothing but the summary.
+    proc = thinblock("volume", "sparsify", pool, "v")
+    assert proc.stderr == ""
+    assert proc.stdout.startswith("sparsified v:")
+
+
+def test_a_job_whose_command_dies_stops_and_the_server_lives(tmp_path: Path) -> None:
+    with served_pool(tmp_path, "256M", {}) as served:
+        pool = served.pool
+        reader, writer = os.pipe()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "thinblock", "import", "-", pool, "v", "--size", "64M"],
+            stdin=reader,
+            stderr=subprocess.DEVNULL,
+            env=ENV,
+        )
+        os.close(reader)
+        os.write(writer, os.urandom(4 * MiB))
+        time.sleep(1)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while "v" in _names(pool) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _names(pool) == []  # the volume the import created is gone again
+        os.close(writer)
+        assert served.alive()
+        assert "went away" in served.log.read_text()
