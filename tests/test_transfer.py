@@ -244,7 +244,7 @@ def _history(pool: str, tmp_path: Path) -> dict[str, bytes]:
     thinblock("volume", "create", pool, "v", "--size", "16M", "--detect-zeroes", "off")
     states: dict[str, bytes] = {}
     model = bytearray(16 * MiB)
-    steps = [
+    steps: list[list[tuple[str, int, bytes | int]]] = [
         [("w", 0, os.urandom(3 * BS)), ("w", 5 * MiB + 100, os.urandom(70_000)), ("w", 10 * MiB, bytes(2 * BS))],
         [("w", BS, os.urandom(BS)), ("t", 5 * MiB, MiB), ("z", 0, 512), ("w", 12 * MiB, os.urandom(4096))],
         [("t", 0, BS), ("w", 15 * MiB, os.urandom(BS)), ("w", 12 * MiB, bytes(4096))],
@@ -287,7 +287,9 @@ def test_export_diff_then_import_diff_rebuilds_every_snapshot(tmp_path: Path, ve
     fmt = ("--export-format", version)
     full, incr, head = tmp_path / "full.diff", tmp_path / "s1-s2.diff", tmp_path / "s2-head.diff"
     thinblock("export-diff", pool, "v@s1", str(full), *fmt)
-    incr_result = json.loads(thinblock("export-diff", pool, "--from-snap", "s1", "v@s2", str(incr), *fmt, "--json").stdout)
+    incr_result = json.loads(
+        thinblock("export-diff", pool, "--from-snap", "s1", "v@s2", str(incr), *fmt, "--json").stdout
+    )
     assert incr_result["from_snap"] == "s1" and incr_result["to_snap"] == "s2"
     assert incr_result["zero_bytes"] > 0  # the trim and the zeroing are 'z' records
     thinblock("export-diff", pool, "--from-snap", "v@s2", "v", str(head), *fmt)
@@ -361,7 +363,7 @@ def test_malformed_truncated_and_mismatched_diffs_change_nothing(tmp_path: Path)
     header = len(b"rbd diff v1\n")
     cuts = sorted({0, 3, header, header + 1, header + 7, 40, 60, len(diff) // 2, len(diff) - BS, len(diff) - 1})
     for cut in cuts:
-        refused(diff[:cut], "truncated rbd diff" if cut >= header else ("truncated" if cut else "truncated"))
+        refused(diff[:cut], "truncated rbd diff")
     refused(b"rbd diff v3\n" + diff[header:], "not an rbd diff stream")
     refused(b"GARBAGE" * 10, "not an rbd diff stream")
     refused(diff + b"x", "bytes follow its end ('e') record")

@@ -29,6 +29,7 @@ from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock,
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import MetadataStore, Transaction, VolumeRow
+from thinblock.progress import ProgressFn, no_progress
 from thinblock.store.base import DataStore
 
 DUMP_FORMAT = "thinblock-dump"
@@ -246,13 +247,14 @@ def _validated_volumes(
     return rows, roots
 
 
-def restore(locator: str, dump: dict[str, Any]) -> dict[str, Any]:
-    """`pool restore`: replace the pool's metadata with the dump's (pool not in use)."""
+def restore(locator: str, dump: dict[str, Any], progress: ProgressFn | None = None) -> dict[str, Any]:
+    """`pool restore`: replace the pool's metadata with the dump's (pool not in use).
+    progress follows the punching of free space at the first open (bytes)."""
     from thinblock.core.pool import Pool, owned
 
     with owned(locator, "thinblock restore") as location:
         build_metadata(location, dump)
-    with Pool.open(locator, autocommit=False) as pool:  # recovers free space, then closes clean
+    with Pool.open(locator, autocommit=False, progress=progress) as pool:  # recovers free space, then closes clean
         used_bytes = pool.space_figures()["used_bytes"]
     return {"volumes": len(dump["volumes"]), "used_bytes": used_bytes}
 
@@ -260,10 +262,12 @@ def restore(locator: str, dump: dict[str, Any]) -> dict[str, Any]:
 # ----- repair ----------------------------------------------------------------------
 
 
-def salvage(meta: MetadataStore, data_bytes: int | None = None) -> tuple[dict[str, Any], list[str]]:
+def salvage(
+    meta: MetadataStore, data_bytes: int | None = None, progress: ProgressFn | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """A dump of everything readable, and sentences on what was lost. With
     data_bytes (a data store shorter than the pool), mappings into the missing
-    tail are lost too: their bytes are gone."""
+    tail are lost too: their bytes are gone. progress counts mapping pages read."""
     lost: list[str] = []
     sb = meta.superblock()
     block_size = int(sb["block_size"])
@@ -272,7 +276,11 @@ def salvage(meta: MetadataStore, data_bytes: int | None = None) -> tuple[dict[st
     rows = {row.id: row for row in meta.volumes()}
     by_volume: dict[int, list[tuple[int, int]]] = {vid: [] for vid in rows}
     pages: dict[int, Page | None] = {}
-    for volume_id, page_index, page_id in sorted(meta.all_roots()):
+    all_roots = sorted(meta.all_roots())
+    tell = progress or no_progress
+    for done, (volume_id, page_index, page_id) in enumerate(all_roots):
+        if done % 64 == 0:
+            tell(done, len(all_roots))
         row = rows.get(volume_id)
         if row is None:
             lost.append(f"root table rows of missing volume id {volume_id} dropped")
@@ -309,6 +317,7 @@ def salvage(meta: MetadataStore, data_bytes: int | None = None) -> tuple[dict[st
     for row in rows.values():
         if row.origin_id is not None and row.origin_id not in rows:
             row.origin_id = None
+    tell(len(all_roots), len(all_roots))
     dump = {
         "format": DUMP_FORMAT,
         "version": DUMP_VERSION,
@@ -318,7 +327,7 @@ def salvage(meta: MetadataStore, data_bytes: int | None = None) -> tuple[dict[st
     return dump, lost
 
 
-def repair(locator: str) -> dict[str, Any]:
+def repair(locator: str, progress: ProgressFn | None = None) -> dict[str, Any]:
     """`pool repair`: rebuild refcounts, counters and free space from the readable
     mappings (pool not in use). A copy of the old metadata is kept (for a
     directory pool, metadata.sqlite.bad)."""
@@ -339,7 +348,7 @@ def repair(locator: str) -> dict[str, Any]:
                         f"cannot repair {name}: data device {location.data_name(sb)} holds {data_bytes} bytes,"
                         f" less than the pool's {size_bytes}; a device cannot be extended"
                     )
-                dump, lost = salvage(meta, data_bytes)
+                dump, lost = salvage(meta, data_bytes, progress)
             finally:
                 meta.close()
         except (CorruptionError, KeyError, ValueError) as exc:

@@ -22,6 +22,7 @@ from thinblock.frontends.cli import transfer
 from thinblock.frontends.cli.common import UsageError
 from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
+from thinblock.frontends.cli.progress import progress_bar, wanted
 from thinblock.sizes import format_size, parse_size
 from thinblock.tools.check import check_data_store, check_metadata, check_privacy
 
@@ -43,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _admin(pool: str, verb: str, **args: Any) -> Any:
     """One administration verb on the pool, directly or through its server (admin.open_admin)."""
-    with open_admin(pool) as admin:
+    with progress_bar("recovering free space", sys.stderr.isatty()) as bar, open_admin(pool, progress=bar) as admin:
         return admin.call(verb, **args)
 
 
@@ -219,14 +220,16 @@ def cmd_pool_restore(args: argparse.Namespace) -> None:
             text = f.read()
     except OSError as exc:
         raise ThinblockError(f"cannot read {args.file}: {exc.strerror}") from None
-    result = restore(args.pool, parse_dump(text))
+    with progress_bar("restore: punching free space", wanted(args)) as bar:
+        result = restore(args.pool, parse_dump(text), bar)
     print(f"restored {result['volumes']} volume(s) into {args.pool}; {format_size(result['used_bytes'])} in use")
 
 
 def cmd_pool_repair(args: argparse.Namespace) -> int:
     from thinblock.tools.dump import repair
 
-    result = repair(args.pool)
+    with progress_bar("repair: reading mappings", wanted(args), unit=" pages") as bar:
+        result = repair(args.pool, bar)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -376,7 +379,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        pool = Pool.open(args.pool, purpose="thinblock serve", takeover=args.takeover)
+        with progress_bar("recovering free space", sys.stderr.isatty()) as bar:
+            pool = Pool.open(args.pool, purpose="thinblock serve", takeover=args.takeover, progress=bar)
     except PoolBusyError as exc:
         if "fuse-daemon" in str(exc):
             raise PoolBusyError(
@@ -574,8 +578,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
     p = add(pool_sub, "restore", cmd_pool_restore, "rebuild the metadata from a dump (pool must not be in use)")
     p.add_argument("file", metavar="FILE", help="a file written by 'pool dump' (text or --json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     p = add(pool_sub, "repair", cmd_pool_repair, "rebuild refcounts and free space from the readable mappings")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
 
     vol_p = sub.add_parser("volume", help="create, list, remove and resize volumes", description="Volume commands.")
     vol_sub = vol_p.add_subparsers(dest="volume_command", metavar="COMMAND", required=True, parser_class=_Parser)
