@@ -40,6 +40,7 @@ class LocalAdmin:
         return run_verb(self.pool, verb, args)
 
     def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
+        self.pool.start_committer()  # as a server would: writeback overlaps the work
         return run_job(self.pool, verb, args, list(fds), progress or no_progress)
 
 

@@ -198,6 +198,18 @@ class Pool(CommitPipeline, SpaceAccounts):
         self.recount_owned()
         self._write_metadata(Transaction(superblock={"clean": False}))
         if autocommit:
+            self.start_committer()
+
+    def start_writeback(self) -> None:
+        """Bulk work's hint to the data store: start writing out what it holds dirty
+        (DataStore.start_writeback), so the next commit's sync waits for little."""
+        self.store.start_writeback()
+
+    def start_committer(self) -> None:
+        """Commit in the background, at least once a second (a pool opened without
+        autocommit, by a command, takes this for long work: the data written so far
+        goes to disk while more is written, instead of all in the final sync)."""
+        if self._committer is None:
             self._committer = threading.Thread(target=self._commit_loop, name="thinblock-commit", daemon=True)
             self._committer.start()
 

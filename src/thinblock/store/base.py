@@ -69,6 +69,11 @@ class DataStore(ABC):
     def grow(self, new_size_bytes: int) -> None:
         """Make the byte space at least new_size_bytes, or raise ThinblockError."""
 
+    def start_writeback(self) -> None:  # noqa: B027 (optional: doing nothing is a valid answer)
+        """A hint, no promise: start moving completed writes to the layer below now,
+        without waiting, so that a later flush has little left to do (bulk copies
+        call it as they go). Stores without such a thing do nothing."""
+
     @abstractmethod
     def capabilities(self) -> dict[str, Support]:
         """For each of OPTIONAL_VERBS: NATIVE or NONE (EMULATE from FallbackStore)."""
@@ -139,6 +144,9 @@ class FilterStore(DataStore):
 
     def grow(self, new_size_bytes: int) -> None:
         self.inner.grow(new_size_bytes)
+
+    def start_writeback(self) -> None:
+        self.inner.start_writeback()
 
     def capabilities(self) -> dict[str, Support]:
         return self.inner.capabilities()

@@ -37,6 +37,7 @@ CHUNK = 1 << 20  # bytes per request to a source, a sink or a volume
 IN_FLIGHT = 8  # requests running at once
 WINDOW = 4 * IN_FLIGHT  # requests started ahead of the one being finished (ordered output)
 SPARSIFY_STEP = 16 << 20
+WRITEBACK_STEP = 64 << 20  # bulk writes ask the store to start writing back this often
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -247,8 +248,12 @@ def _import_random(vol: Volume, source: RandomSource, overwrite: bool, progress:
         offset, got = piece
         written, zero = _put(vol, offset, got, overwrite)
         with lock:
+            before = totals[0]
             totals[0] += written
             totals[1] += zero
+            crossed = totals[0] // WRITEBACK_STEP != before // WRITEBACK_STEP
+        if crossed:
+            vol.pool.start_writeback()  # the final sync then waits for the tail only
         tell.add(len(got))
 
     # Reads come in order from the source (overlapping on the wire, for NBD); the
