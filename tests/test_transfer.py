@@ -459,7 +459,21 @@ def test_rbd_interop_both_ways(tmp_path: Path, ceph: str) -> None:
         assert _export_bytes(pool, "r@s1") == states["v@s1"]
         assert _export_bytes(pool, "r@s2") == states["v@s2"]
         assert _export_bytes(pool, "r") == states["v"]
-        # rbd's image export of our rbd-format export, and back through a diff.
+        # rbd's own image export (every snapshot in it) read by thinblock import.
+        image_stream = tmp_path / "img.rbd"
+        _rbd("export", "--export-format", "2", image, str(image_stream))
+        result = json.loads(thinblock("import", str(image_stream), pool, "i", "--json").stdout)
+        assert result["snapshots"] == ["i@s1", "i@s2"]
+        assert _export_bytes(pool, "i@s1") == states["v@s1"]
+        assert _export_bytes(pool, "i@s2") == states["v@s2"]
+        assert _export_bytes(pool, "i") == states["v"]
+        # A damaged image stream leaves nothing behind.
+        cut = tmp_path / "cut.rbd"
+        cut.write_bytes(image_stream.read_bytes()[: image_stream.stat().st_size // 2])
+        proc = thinblock("import", str(cut), pool, "j", "--format", "rbd", check=False)
+        assert proc.returncode == 1 and "truncated" in proc.stderr, proc.stderr
+        assert not [n for n in _names(pool) if n.startswith("j")]
+        # rbd's image import of our rbd-format export.
         stream = tmp_path / "v.rbd"
         thinblock("export", pool, "v@s2", str(stream), "--format", "rbd")
         _rbd("import", "--export-format", "2", str(stream), back)

@@ -34,7 +34,7 @@ from thinblock.transfer.images import (
 )
 
 Check = Callable[[], None] | None
-FDS_NEEDED = {"file": 1, "stream": 1, "nbd": 0, "qcow2": 0}
+FDS_NEEDED = {"file": 1, "stream": 1, "nbd": 0, "qcow2": 0, "rbd": 1}
 
 
 def _fds(verb: str, fds: list[int], want: int) -> None:
@@ -72,6 +72,11 @@ def _import(
     force: bool = False,
 ) -> dict[str, Any]:
     _fds("import", fds, FDS_NEEDED[source_kind])
+    if source_kind == "rbd":  # an "rbd image v2" stream: a new volume, with its snapshots
+        if force or size_bytes is not None:
+            raise ThinblockError("an rbd image stream makes a new volume of its own size: no --force, no --size")
+        with _closing(StreamReader(fds[0], source, check)) as reader:
+            return jobs.import_rbd_image(pool, name, reader, progress, total=_file_size(fds[0]))
     with _closing(_source(source_kind, fds, source, check)) as src:
         return jobs.import_image(pool, name, src, progress, size_bytes=size_bytes, force=force)
 
@@ -121,10 +126,14 @@ def _import_diff(
     pool: Pool, fds: list[int], progress: ProgressFn, check: Check, name: str, source: str, force: bool = False
 ) -> dict[str, Any]:
     _fds("import-diff", fds, 1)
-    st = os.fstat(fds[0])
-    size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # a pipe's length is unknown
     with _closing(StreamReader(fds[0], source, check)) as reader:
-        return jobs.import_diff(pool, name, reader, progress, total=size, force=force)
+        return jobs.import_diff(pool, name, reader, progress, total=_file_size(fds[0]), force=force)
+
+
+def _file_size(fd: int) -> int:
+    """A regular file's size, for progress; 0 for a pipe, whose length is unknown."""
+    st = os.fstat(fd)
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _sparsify(pool: Pool, fds: list[int], progress: ProgressFn, check: Check, name: str) -> dict[str, Any]:

@@ -110,7 +110,7 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
     # jobs (admin/jobs.py): they also take open files and report progress
     "import": {
         "name": (name_text, True),
-        "source_kind": (one_of("file", "stream", "nbd", "qcow2"), True),
+        "source_kind": (one_of("file", "stream", "nbd", "qcow2", "rbd"), True),
         "source": (text, True),
         "size_bytes": (optional(byte_size), False),
         "force": (flag, False),

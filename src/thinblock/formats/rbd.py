@@ -226,15 +226,19 @@ class DiffDecoder:
                 return NEED_DATA
             self._payload_left -= n
             return Payload(self._take(n) or b"")
-        while self._skip_left:
-            n = min(self._skip_left, len(self._buf))
-            if not n:
-                return NEED_DATA
-            self._take(n)
-            self._skip_left -= n
-        return self._record()
+        while True:
+            while self._skip_left:
+                n = min(self._skip_left, len(self._buf))
+                if not n:
+                    return NEED_DATA
+                self._take(n)
+                self._skip_left -= n
+            event = self._record()
+            if event is not None:
+                return event
 
-    def _record(self) -> Event | NeedData:
+    def _record(self) -> Event | NeedData | None:
+        """The next record's event; None when it was an unknown v2 record, now skipped."""
         at = self.offset
         tag = self._peek(1)
         if tag is None:
@@ -302,12 +306,18 @@ class DiffDecoder:
             return Data(offset, length)
         if self.version == 1:
             raise self._fail(f"unknown record tag {tag!r}")
+        if tag == b"p":
+            # A snapshot's protection status: rbd writes a length of 8 and then one byte,
+            # and its importer reads one byte, whatever the length says; so do we.
+            if self._in_data:
+                raise self._fail("metadata record 'p' after the data records", at)
+            return None if self._take(head + 1) is not None else NEED_DATA
         got = self._peek(head)  # v2: a record we do not know is skipped by its length
         if got is None:
             return NEED_DATA
         (self._skip_left,) = _U64.unpack_from(got, 1)
         self._take(head)
-        return self.next_event()
+        return None
 
     def _check_length(self, got: bytes, want: int, tag: bytes) -> None:
         if self.version == 2:
@@ -341,6 +351,14 @@ class ImageDecoder:
             self.diff.feed(data)
         else:
             self._buf += data
+
+    def rest(self) -> bytes:
+        """Bytes fed but not used: after the last diff, whatever follows the stream."""
+        return self.diff.rest() if self.diff is not None else bytes(self._buf)
+
+    @property
+    def offset(self) -> int:
+        return self.diff.offset if self.diff is not None else self._pos
 
     def _fail(self, message: str) -> StreamError:
         return StreamError(f"malformed rbd image stream at byte {self._pos}: {message}")

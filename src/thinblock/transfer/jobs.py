@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from thinblock.core.delta import changed_extents, changed_ranges
 from thinblock.core.mapping import BlockState
 from thinblock.core.pool import SECTOR_BYTES, Pool
-from thinblock.core.snapshot import adopt
+from thinblock.core.snapshot import adopt, create_snapshot
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.formats import rbd
@@ -626,6 +626,96 @@ def import_diff(
     }
 
 
+def import_rbd_image(
+    pool: Pool, name: str, reader: StreamReader, progress: ProgressFn, *, total: int = 0
+) -> dict[str, Any]:
+    """Read an "rbd image v2" stream (`rbd export --export-format 2`, or ours) into a
+    new volume, as `rbd import` does: its diffs in turn, each that ends at a snapshot
+    SNAP followed by taking VOLUME@SNAP, so the snapshots come along. A failure
+    removes the volume and the snapshots it made."""
+    start = time.monotonic()
+    with pool.lock:
+        if pool.visible_volume(name) is not None:
+            raise ThinblockError(
+                f"{name!r} exists in pool {pool.path}: an rbd image stream makes a new volume, as rbd import does"
+            )
+    decoder = rbd.ImageDecoder()
+    tell = _Progress(progress, total)
+    vol: Volume | None = None
+    applier: _Applier | None = None
+    made: list[str] = []
+    snap: str | None = None
+    data_at = written = 0
+    try:
+        while not decoder.done:
+            event = decoder.next_event()
+            if isinstance(event, rbd.NeedData):
+                chunk = reader.read(CHUNK)
+                if not chunk:
+                    raise decoder.truncated()
+                decoder.feed(chunk)
+                tell.add(len(chunk))
+            elif isinstance(event, rbd.Size):
+                size = event.size_bytes
+                if size % SECTOR_BYTES or not size:
+                    raise ThinblockError(f"the rbd image's size {size} is not a positive whole number of sectors")
+                if vol is None:
+                    vol = pool.create_volume(name, size)
+                    applier = _Applier(vol)
+                elif size != vol.size_bytes:
+                    assert applier is not None
+                    applier.drain()
+                    vol.resize(size)
+            elif isinstance(event, rbd.ToSnap):
+                snap = event.name
+            elif isinstance(event, rbd.Data | rbd.Payload | rbd.Zero):
+                if applier is None:
+                    raise rbd.StreamError("malformed rbd image stream: data before any size record")
+                if isinstance(event, rbd.Data):
+                    data_at = event.offset
+                elif isinstance(event, rbd.Payload):
+                    applier.write(data_at, event.data)
+                    data_at += len(event.data)
+                    written += len(event.data)
+                else:
+                    applier.zero(event.offset, event.length)
+            elif isinstance(event, rbd.End):
+                if applier is not None:
+                    applier.drain()
+                if snap is not None:
+                    if vol is None:
+                        raise rbd.StreamError("malformed rbd image stream: a snapshot of an image with no size")
+                    create_snapshot(pool, name, f"{name}@{snap}")
+                    made.append(f"{name}@{snap}")
+                    snap = None
+        if decoder.rest() or reader.read(1):
+            raise rbd.StreamError(f"malformed rbd image stream at byte {decoder.offset}: bytes follow its last diff")
+        if vol is None:
+            raise rbd.StreamError("malformed rbd image stream: it has no size record")
+        vol.flush()
+    except BaseException:
+        if applier is not None:
+            applier.close()
+        for gone in [*reversed(made), name if vol is not None else None]:
+            if gone is not None:
+                with contextlib.suppress(Exception):
+                    pool.remove_volume(gone)
+        raise
+    assert applier is not None
+    applier.close()
+    tell.end()
+    return {
+        "volume": name,
+        "size_bytes": vol.size_bytes,
+        "created": True,
+        "snapshots": made,
+        "read_bytes": decoder.offset,
+        "written_bytes": written,
+        "zero_bytes_skipped": 0,
+        "seconds": _elapsed(start),
+    }
+
+
 def _chain(first: list[rbd.Event], rest: Iterator[rbd.Event]) -> Iterator[rbd.Event]:
     yield from first
     yield from rest
@@ -649,12 +739,16 @@ def sparsify(pool: Pool, name: str, progress: ProgressFn) -> dict[str, Any]:
     extents = [e for e in _data_extents(vol) if e[2]]
     tell = _Progress(progress, sum(n for _, n, _ in extents))
     totals = [0, 0, 0, 0]
-    for offset, n, _data in extents:
-        for o, k in _chunks(offset, n, SPARSIFY_STEP):
-            result = vol.sparsify(o, k)
+    lock = threading.Lock()
+
+    def step(piece: tuple[int, int]) -> None:
+        result = vol.sparsify(*piece)  # each step holds its own range: steps run side by side
+        with lock:
             for i, value in enumerate(result):
                 totals[i] += value
-            tell.add(k)
+        tell.add(piece[1])
+
+    _run_all(step, (piece for offset, n, _data in extents for piece in _chunks(offset, n, SPARSIFY_STEP)))
     pool.settle_frees()  # the freed blocks are punched and free before this returns
     tell.end()
     return {

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from thinblock.admin.access import open_admin
+from thinblock.formats.rbd import IMAGE_V2
 from thinblock.frontends.cli.common import UsageError, emit, size_arg
 from thinblock.frontends.cli.progress import progress_bar, wanted
 from thinblock.sizes import format_size
@@ -66,7 +67,10 @@ def cmd_import(args: argparse.Namespace) -> None:
     source = args.source
     fds: list[int] = []
     if source == "-":
-        kind, fds = "stream", [os.dup(sys.stdin.fileno())]
+        kind, fds = "rbd" if args.format == "rbd" else "stream", [os.dup(sys.stdin.fileno())]
+        if args.format == "qcow2":
+            _close(fds)
+            raise UsageError("a qcow2 image cannot be read from a stream: give its file name")
         shown = "standard input"
     elif is_nbd_uri(source):
         if args.format not in ("auto", "raw"):
@@ -79,14 +83,15 @@ def cmd_import(args: argparse.Namespace) -> None:
             raise UsageError(f"cannot open {source}: {exc.strerror}") from None
         fmt = args.format
         if fmt == "auto":
-            fmt = "qcow2" if os.pread(fd, 4, 0) == QCOW2_MAGIC else "raw"
+            head = os.pread(fd, len(IMAGE_V2), 0)
+            fmt = "qcow2" if head[:4] == QCOW2_MAGIC else "rbd" if head == IMAGE_V2 else "raw"
         if fmt == "qcow2":
             os.close(fd)
             kind, source = "qcow2", os.path.realpath(source)
         else:
-            kind, fds = "file", [fd]
+            kind, fds = "rbd" if fmt == "rbd" else "file", [fd]
         shown = args.source
-    if args.size is not None and kind != "stream":
+    if args.size is not None and kind not in ("stream",):
         _close(fds)
         raise UsageError("--size is for a stream (-): a file or NBD export has its own size")
     result = _job(
@@ -103,8 +108,9 @@ def cmd_import(args: argparse.Namespace) -> None:
 
     def human(r: dict[str, Any]) -> str:
         made = "created" if r["created"] else "into the existing"
+        snaps = f", snapshots {', '.join(r['snapshots'])}" if r.get("snapshots") else ""
         return (
-            f"imported {shown} into {r['volume']} ({made} {format_size(r['size_bytes'])} volume):"
+            f"imported {shown} into {r['volume']} ({made} {format_size(r['size_bytes'])} volume{snaps}):"
             f" {format_size(r['read_bytes'])} read, {format_size(r['written_bytes'])} written,"
             f" {format_size(r['zero_bytes_skipped'])} of zeros skipped, {_secs(r)}"
         )
@@ -257,7 +263,12 @@ def register(sub: Any, vol_sub: Any, add: Add) -> None:
     p.add_argument("source", metavar="SOURCE", help="a file (raw or qcow2), an NBD URI (nbd://, nbd+unix://), or -")
     p.add_argument("pool", metavar="POOL")
     p.add_argument("volume", metavar="VOLUME", help="created with the source's size unless it exists with that size")
-    p.add_argument("--format", choices=("auto", "raw", "qcow2"), default="auto", help="SOURCE's format (default auto)")
+    p.add_argument(
+        "--format",
+        choices=("auto", "raw", "qcow2", "rbd"),
+        default="auto",
+        help="SOURCE's format: auto (a file's first bytes say), raw, qcow2, or rbd (an 'rbd image v2' stream)",
+    )
     p.add_argument("--size", type=size_arg, help="the volume's size when SOURCE is - and the volume is new")
     p.add_argument("-f", "--force", action="store_true", help="overwrite a volume that holds data")
     _job_options(p)
