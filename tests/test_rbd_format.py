@@ -94,7 +94,7 @@ def expected(from_snap: str | None, to_snap: str | None, size: int, records: lis
 def test_what_is_written_reads_back_however_it_is_cut(
     diff: tuple[int, str | None, str | None, int, list[Record]], cuts: list[int]
 ) -> None:
-    version, from_snap, to_snap, size, records = diff
+    _version, from_snap, to_snap, size, records = diff
     stream = encode(*diff)
     cuts = sorted({min(c, len(stream)) for c in cuts})
     assert decode(stream, cuts) == expected(from_snap, to_snap, size, records)
