@@ -611,3 +611,38 @@ def test_a_job_whose_command_dies_stops_and_the_server_lives(tmp_path: Path) -> 
         os.close(writer)
         assert served.alive()
         assert "went away" in served.log.read_text()
+
+
+def test_a_full_destination_or_a_full_pool_fails_cleanly(tmp_path: Path) -> None:
+    """The layer below fails: a full filesystem under the export, a pool too small for
+    the diff. One sentence, nothing half-made left, the pool as it was."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    src = tmp_path / "src.raw"
+    src.write_bytes(os.urandom(16 * MiB))
+    thinblock("import", str(src), pool, "v")
+    thinblock("snapshot", "create", pool, "v@s1")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(small)], check=True)
+    try:
+        for args in (("export", pool, "v", str(small / "out.raw")), ("export-diff", pool, "v@s1", str(small / "d"))):
+            proc = thinblock(*args, check=False)
+            assert proc.returncode == 1, proc.stderr
+            assert "No space left on device" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+            assert list(small.iterdir()) == []  # the half-written file is gone
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    diff = tmp_path / "full.diff"
+    thinblock("export-diff", pool, "v@s1", str(diff))
+    tiny = str(tmp_path / "tiny")
+    thinblock("pool", "create", tiny, "--size", "8M")
+    thinblock("volume", "create", tiny, "c", "--size", "16M")
+    proc = thinblock("import-diff", str(diff), tiny, "c", check=False)
+    assert proc.returncode == 1 and "out of space" in proc.stderr, proc.stderr
+    assert _names(tiny) == ["c"]
+    assert json.loads(thinblock("pool", "status", tiny, "--json").stdout)["used_bytes"] == 0
+    proc = thinblock("import", str(src), tiny, "d", check=False)
+    assert proc.returncode == 1 and "out of space" in proc.stderr, proc.stderr
+    assert _names(tiny) == ["c"]  # the volume the import made is removed again
+    thinblock("pool", "check", tiny)

@@ -18,7 +18,7 @@ from typing import Any
 
 from thinblock.admin.schema import validate
 from thinblock.core.pool import Pool
-from thinblock.errors import ThinblockError
+from thinblock.errors import OpError, ThinblockError
 from thinblock.progress import ProgressFn
 from thinblock.transfer import jobs
 from thinblock.transfer.images import (
@@ -164,6 +164,13 @@ def run_job(
     try:
         validate(verb, args)
         return JOBS[verb](pool, list(fds), progress, check, **args)
+    except OSError as exc:
+        if isinstance(exc, OpError):  # the pool's own refusals keep their errno
+            raise
+        # The file, stream or NBD peer outside the pool failed (a full disk, EIO, a
+        # closed pipe): one sentence, like every other error.
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise ThinblockError(f"{verb.replace('_', '-')} failed: {exc.strerror or exc}{where}") from None
     finally:
         for fd in fds:
             with contextlib.suppress(OSError):
