@@ -478,6 +478,23 @@ def export_diff(
     }
 
 
+def _events(decoder: rbd.DiffDecoder | rbd.ImageDecoder, reader: StreamReader, tell: _Progress) -> Iterator[rbd.Event]:
+    """The decoder's events, fed from the reader, up to the stream's last end record;
+    a stream that ends before it is the decoder's truncation error."""
+    while True:
+        event = decoder.next_event()
+        if isinstance(event, rbd.NeedData):
+            chunk = reader.read(CHUNK)
+            if not chunk:
+                raise decoder.truncated()
+            decoder.feed(chunk)
+            tell.add(len(chunk))
+            continue
+        yield event
+        if isinstance(event, rbd.End) and decoder.done:
+            return
+
+
 class _Applier:
     """Writes of a diff into a staging volume, IN_FLIGHT at once; a record that
     overlaps one in flight waits for it, so records apply in the stream's order."""
@@ -534,22 +551,7 @@ def import_diff(
         pool.refuse_if_busy(vol, "import a diff into")
     decoder = rbd.DiffDecoder()
     tell = _Progress(progress, total)
-
-    def events() -> Iterator[rbd.Event]:
-        while True:
-            event = decoder.next_event()
-            if isinstance(event, rbd.NeedData):
-                chunk = reader.read(CHUNK)
-                if not chunk:
-                    raise decoder.truncated()
-                decoder.feed(chunk)
-                tell.add(len(chunk))
-                continue
-            yield event
-            if isinstance(event, rbd.End):
-                return
-
-    stream = events()
+    stream = _events(decoder, reader, tell)
     first: rbd.Event | None = None
     for event in stream:
         if isinstance(event, rbd.FromSnap | rbd.ToSnap | rbd.Size):
@@ -647,15 +649,8 @@ def import_rbd_image(
     snap: str | None = None
     data_at = written = 0
     try:
-        while not decoder.done:
-            event = decoder.next_event()
-            if isinstance(event, rbd.NeedData):
-                chunk = reader.read(CHUNK)
-                if not chunk:
-                    raise decoder.truncated()
-                decoder.feed(chunk)
-                tell.add(len(chunk))
-            elif isinstance(event, rbd.Size):
+        for event in _events(decoder, reader, tell):
+            if isinstance(event, rbd.Size):
                 size = event.size_bytes
                 if size % SECTOR_BYTES or not size:
                     raise ThinblockError(f"the rbd image's size {size} is not a positive whole number of sectors")
