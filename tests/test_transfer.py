@@ -589,6 +589,23 @@ def test_progress_shows_on_a_terminal_only(tmp_path: Path) -> None:
     assert proc.stdout.startswith("sparsified v:")
 
 
+def test_recovery_at_open_and_repair_show_progress_on_a_terminal(tmp_path: Path) -> None:
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    src = tmp_path / "src.raw"
+    src.write_bytes(os.urandom(MiB))
+    thinblock("import", str(src), pool, "v")  # a mapping page for repair to read
+    server = Server(pool)
+    server.proc.kill()  # an unclean shutdown: the next open punches the free space
+    server.proc.wait()
+    status, shown = _on_a_terminal(["volume", "list", pool])
+    assert status == 0 and "recovering free space" in shown and "100%" in shown, shown
+    status, shown = _on_a_terminal(["volume", "list", pool])
+    assert status == 0 and "recovering" not in shown, shown  # closed cleanly since: nothing to show
+    status, shown = _on_a_terminal(["pool", "repair", pool])
+    assert status == 0 and "repair: reading mappings" in shown, shown
+
+
 def test_a_job_whose_command_dies_stops_and_the_server_lives(tmp_path: Path) -> None:
     with served_pool(tmp_path, "256M", {}) as served:
         pool = served.pool
