@@ -137,6 +137,15 @@ def _open_dest(dest: str, force: bool) -> tuple[int, bool]:
         raise UsageError(f"cannot create {dest}: {exc.strerror}") from None
 
 
+def _stdout(args: argparse.Namespace, command: str, what: str) -> list[int]:
+    """Standard output as the job's destination, when it can be one."""
+    if args.json:
+        raise UsageError(f"{command} to - writes {what} to stdout: --json has nowhere to go")
+    if sys.stdout.isatty():
+        raise UsageError(f"refusing to write {what} to a terminal: redirect stdout or give a file")
+    return [os.dup(sys.stdout.fileno())]
+
+
 @contextlib.contextmanager
 def _removed_on_failure(path: str | None) -> Iterator[None]:
     try:
@@ -152,11 +161,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     dest, created = args.dest, None
     to_stdout = dest == "-"
     if to_stdout:
-        if args.json:
-            raise UsageError("export to - writes the image to stdout: --json has nowhere to go")
-        if sys.stdout.isatty():
-            raise UsageError("refusing to write a disk image to a terminal: redirect stdout or give a file")
-        kind, fds = "stream", [os.dup(sys.stdout.fileno())]
+        kind, fds = "stream", _stdout(args, "export", "a disk image")
     elif is_nbd_uri(dest):
         kind, fds = "nbd", []
     else:
@@ -181,11 +186,7 @@ def cmd_export_diff(args: argparse.Namespace) -> None:
     dest, created = args.file, None
     to_stdout = dest == "-"
     if to_stdout:
-        if args.json:
-            raise UsageError("export-diff to - writes the diff to stdout: --json has nowhere to go")
-        if sys.stdout.isatty():
-            raise UsageError("refusing to write a diff to a terminal: redirect stdout or give a file")
-        fds = [os.dup(sys.stdout.fileno())]
+        fds = _stdout(args, "export-diff", "a diff")
     else:
         fd, made = _open_dest(dest, args.force)
         fds, created = [fd], dest if made else None
