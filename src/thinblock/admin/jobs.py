@@ -20,7 +20,8 @@ from thinblock.admin.schema import validate
 from thinblock.core.pool import Pool
 from thinblock.errors import OpError, ThinblockError
 from thinblock.progress import ProgressFn
-from thinblock.transfer import jobs
+from thinblock.transfer import diffs, imaging
+from thinblock.transfer.common import visible
 from thinblock.transfer.images import (
     FileSink,
     FileSource,
@@ -32,6 +33,7 @@ from thinblock.transfer.images import (
     StreamWriter,
     nbd_connector,
 )
+from thinblock.transfer.sparsify import sparsify
 
 Check = Callable[[], None] | None
 FDS_NEEDED = {"file": 1, "stream": 1, "nbd": 0, "qcow2": 0, "rbd": 1}
@@ -76,9 +78,9 @@ def _import(
         if force or size_bytes is not None:
             raise ThinblockError("an rbd image stream makes a new volume of its own size: no --force, no --size")
         with _closing(StreamReader(fds[0], source, check)) as reader:
-            return jobs.import_rbd_image(pool, name, reader, progress, total=_file_size(fds[0]))
+            return diffs.import_rbd_image(pool, name, reader, progress, total=_file_size(fds[0]))
     with _closing(_source(source_kind, fds, source, check)) as src:
-        return jobs.import_image(pool, name, src, progress, size_bytes=size_bytes, force=force)
+        return imaging.import_image(pool, name, src, progress, size_bytes=size_bytes, force=force)
 
 
 def _export(
@@ -93,7 +95,7 @@ def _export(
     fresh: bool = True,
 ) -> dict[str, Any]:
     _fds("export", fds, FDS_NEEDED[dest_kind])
-    vol = jobs.visible(pool, name)
+    vol = visible(pool, name)
     sink: RandomSink | StreamWriter
     if dest_kind == "stream" or (dest_kind == "file" and format == "rbd"):
         sink = StreamWriter(fds[0], dest)
@@ -104,7 +106,7 @@ def _export(
     else:
         raise ThinblockError(f"cannot export to a {dest_kind}")
     with _closing(sink):
-        return jobs.export_image(pool, name, sink, progress, fmt=format)
+        return imaging.export_image(pool, name, sink, progress, fmt=format)
 
 
 def _export_diff(
@@ -119,7 +121,7 @@ def _export_diff(
 ) -> dict[str, Any]:
     _fds("export-diff", fds, 1)
     with _closing(StreamWriter(fds[0], dest)) as out:
-        return jobs.export_diff(pool, name, from_snap, out, progress, version=version)
+        return diffs.export_diff(pool, name, from_snap, out, progress, version=version)
 
 
 def _import_diff(
@@ -127,7 +129,7 @@ def _import_diff(
 ) -> dict[str, Any]:
     _fds("import-diff", fds, 1)
     with _closing(StreamReader(fds[0], source, check)) as reader:
-        return jobs.import_diff(pool, name, reader, progress, total=_file_size(fds[0]), force=force)
+        return diffs.import_diff(pool, name, reader, progress, total=_file_size(fds[0]), force=force)
 
 
 def _file_size(fd: int) -> int:
@@ -138,7 +140,7 @@ def _file_size(fd: int) -> int:
 
 def _sparsify(pool: Pool, fds: list[int], progress: ProgressFn, check: Check, name: str) -> dict[str, Any]:
     _fds("sparsify", fds, 0)
-    return jobs.sparsify(pool, name, progress)
+    return sparsify(pool, name, progress)
 
 
 JOBS: dict[str, Callable[..., Any]] = {

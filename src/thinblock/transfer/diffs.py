@@ -1,0 +1,363 @@
+"""rbd's incremental diffs out (export-diff) and in (import-diff, all or nothing),
+and "rbd image v2" streams in, with their snapshots."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from thinblock.core.delta import changed_extents, changed_ranges
+from thinblock.core.pool import SECTOR_BYTES, Pool
+from thinblock.core.snapshot import adopt, create_snapshot
+from thinblock.core.volume import Volume
+from thinblock.errors import ThinblockError
+from thinblock.formats import rbd
+from thinblock.progress import ProgressFn
+from thinblock.sizes import format_size
+from thinblock.transfer.common import (
+    CHUNK,
+    IN_FLIGHT,
+    WINDOW,
+    Progress,
+    chunks,
+    data_extents,
+    elapsed,
+    ordered,
+    put,
+    stable,
+    visible,
+)
+from thinblock.transfer.images import StreamReader, StreamWriter
+
+
+def diff_name(pool: Pool, snap: Volume) -> str:
+    """A snapshot's name in an rbd diff: rbd's snapshots belong to an image, so
+    VOLUME@SNAP is written as SNAP when VOLUME is the volume it was taken of."""
+    origin = pool.volume_by_id(snap.row.origin_id)
+    if origin is not None and snap.name.startswith(origin.name + "@"):
+        return snap.name[len(origin.name) + 1 :]
+    return snap.name
+
+
+def find_snapshot(pool: Pool, vol: Volume, name: str, *, exact_first: bool) -> Volume | None:
+    """A snapshot of vol known in a diff as `name`: VOLUME@name, or a snapshot called
+    name (taken of vol, unless exact_first: the name a user typed is taken as it is)."""
+    exact = pool.visible_volume(name)
+    qualified = pool.visible_volume(f"{vol.name}@{name}")
+    if exact is not None and exact.row.kind == "snapshot" and exact_first:
+        return exact
+    if qualified is not None and qualified.row.kind == "snapshot":
+        return qualified
+    if exact is not None and exact.row.kind == "snapshot" and exact.row.origin_id == vol.row.id:
+        return exact
+    return None
+
+
+def export_diff(
+    pool: Pool, name: str, from_snap: str | None, out: StreamWriter, progress: ProgressFn, *, version: int = 1
+) -> dict[str, Any]:
+    """Write what changed from snapshot from_snap to `name` (a snapshot, or a volume as of
+    now) as an rbd diff stream: 'w' for changed data, 'z' for ranges that changed to
+    zeros. Without from_snap, everything the volume holds as data. From metadata: only
+    the changed data is read."""
+    start = time.monotonic()
+    with stable(pool, name) as vol:
+        named = visible(pool, name)
+        image = named if named.row.kind == "volume" else pool.volume_by_id(named.row.origin_id) or named
+        base = None
+        if from_snap is not None:
+            base = find_snapshot(pool, image, from_snap, exact_first=True)
+            if base is None:
+                raise ThinblockError(
+                    f"no snapshot {from_snap!r} (nor {image.name}@{from_snap}) in pool {pool.path} to diff from"
+                )
+        if base is not None:
+            extents = [(o, n, not zero) for o, n, zero in changed_extents(base, vol)]
+        else:
+            extents = [e for e in data_extents(vol) if e[2]]
+        data_total = sum(n for _, n, data in extents if data)
+        zero_total = sum(n for _, n, data in extents if not data)
+        tell = Progress(progress, data_total)
+        encoder = rbd.DiffEncoder(version)
+        head = encoder.header()
+        if base is not None:
+            head += encoder.from_snap(diff_name(pool, base))
+        if named.row.kind == "snapshot":
+            head += encoder.to_snap(diff_name(pool, named))
+        head += encoder.size(vol.size_bytes)
+        out.write(head)
+        written = len(head)
+
+        def read(piece: tuple[int, int, bool]) -> tuple[int, int, bytes | None]:
+            offset, n, data = piece
+            if not data:
+                return offset, n, None
+            got = vol.read(offset, n)
+            tell.add(n)
+            return offset, n, got
+
+        pieces = ((o, k, data) for offset, n, data in extents for o, k in chunks(offset, n, CHUNK if data else 1 << 62))
+        for offset, n, got in ordered(read, pieces):
+            record = encoder.zero(offset, n) if got is None else encoder.data(offset, n)
+            out.write(record)
+            written += len(record)
+            if got is not None:
+                out.write(got)
+                written += n
+        out.write(encoder.end())
+        out.finish()
+        tell.end()
+        size = vol.size_bytes
+    return {
+        "name": name,
+        "from_snap": diff_name(pool, base) if base is not None else None,
+        "to_snap": diff_name(pool, named) if named.row.kind == "snapshot" else None,
+        "version": version,
+        "size_bytes": size,
+        "data_bytes": data_total,
+        "zero_bytes": zero_total,
+        "stream_bytes": written + 1,
+        "seconds": elapsed(start),
+    }
+
+
+def _events(decoder: rbd.DiffDecoder | rbd.ImageDecoder, reader: StreamReader, tell: Progress) -> Iterator[rbd.Event]:
+    """The decoder's events, fed from the reader, up to the stream's last end record;
+    a stream that ends before it is the decoder's truncation error."""
+    while True:
+        event = decoder.next_event()
+        if isinstance(event, rbd.NeedData):
+            chunk = reader.read(CHUNK)
+            if not chunk:
+                raise decoder.truncated()
+            decoder.feed(chunk)
+            tell.add(len(chunk))
+            continue
+        yield event
+        if isinstance(event, rbd.End) and decoder.done:
+            return
+
+
+class _Applier:
+    """Writes of a diff into a staging volume, IN_FLIGHT at once; a record that
+    overlaps one in flight waits for it, so records apply in the stream's order."""
+
+    def __init__(self, vol: Volume) -> None:
+        self.vol = vol
+        self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="thinblock-diff")
+        self.flight: deque[tuple[int, int, Future[None]]] = deque()
+        self.written = 0
+
+    def _wait_overlapping(self, offset: int, n: int) -> None:
+        while len(self.flight) >= WINDOW:
+            self.flight.popleft()[2].result()
+        for o, k, future in list(self.flight):
+            if o < offset + n and offset < o + k:
+                future.result()
+        while self.flight and self.flight[0][2].done():
+            self.flight.popleft()[2].result()
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._wait_overlapping(offset, len(data))
+        self.flight.append((offset, len(data), self.pool.submit(self._write, offset, data)))
+        self.written += len(data)
+
+    def _write(self, offset: int, data: bytes) -> None:
+        put(self.vol, offset, data, True)
+
+    def zero(self, offset: int, n: int) -> None:
+        self._wait_overlapping(offset, n)
+        self.vol.write_zeroes(offset, n)
+
+    def drain(self) -> None:
+        while self.flight:
+            self.flight.popleft()[2].result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def import_diff(
+    pool: Pool, name: str, reader: StreamReader, progress: ProgressFn, *, total: int = 0, force: bool = False
+) -> dict[str, Any]:
+    """Apply an rbd diff stream (v1 or v2) to volume `name`, all or nothing.
+
+    The volume must have the diff's from-snapshot (VOLUME@SNAP, or a snapshot SNAP of
+    it) and be unchanged since it (force applies it anyway); a diff with no
+    from-snapshot starts from an empty image, so a volume holding data needs force.
+    The diff is applied to a staging volume sharing the volume's blocks; only a
+    stream read whole and well-formed is then adopted, with the to-snapshot taken,
+    in one commit (core/snapshot.adopt). Anything else changes nothing."""
+    start = time.monotonic()
+    vol = visible(pool, name, "volume")
+    with pool.lock:
+        pool.refuse_if_busy(vol, "import a diff into")
+    decoder = rbd.DiffDecoder()
+    tell = Progress(progress, total)
+    stream = _events(decoder, reader, tell)
+    first: rbd.Event | None = None
+    for event in stream:
+        if isinstance(event, rbd.FromSnap | rbd.ToSnap | rbd.Size):
+            continue
+        first = event
+        break
+    if decoder.size_bytes is None:
+        raise ThinblockError("the rbd diff has no size ('s') record: rbd export-diff always writes one")
+    size = decoder.size_bytes
+    if size % SECTOR_BYTES or not size:
+        raise ThinblockError(f"the rbd diff's image size {size} is not a positive whole number of 512-byte sectors")
+    base = None
+    if decoder.from_snap is not None:
+        base = find_snapshot(pool, vol, decoder.from_snap, exact_first=False)
+        if base is None:
+            raise ThinblockError(
+                f"volume {name} has no snapshot {decoder.from_snap!r} (looked for {name}@{decoder.from_snap} and a"
+                f" snapshot {decoder.from_snap} of {name}): the diff starts from it"
+            )
+        changed = sum(n for _, n in changed_ranges(base, vol))
+        if changed and not force:
+            raise ThinblockError(
+                f"volume {name} has changed since snapshot {base.name} ({format_size(changed)} differ): the diff"
+                " would mix with those changes. Roll it back to the snapshot first, or pass --force"
+            )
+    else:
+        mapped = (vol.row.data_blocks + vol.row.zeroed_blocks) * pool.block_size
+        if mapped and not force:
+            raise ThinblockError(
+                f"the diff has no from-snapshot (it starts from an empty image) and volume {name} holds data"
+                f" ({format_size(mapped)} mapped): pass --force to apply it anyway"
+            )
+    to_name = f"{name}@{decoder.to_snap}" if decoder.to_snap is not None else None
+    if to_name is not None:
+        with pool.lock:
+            pool.check_new_name(to_name, "snapshot")
+    staging = pool.add_staging(vol, "import-diff")
+    applier = _Applier(staging)
+    zeroed = 0
+    try:
+        if staging.size_bytes != size:
+            staging.resize(size)
+        data_at = 0
+        for event in _chain([first] if first is not None else [], stream):
+            if isinstance(event, rbd.Data):
+                data_at = event.offset
+            elif isinstance(event, rbd.Payload):
+                applier.write(data_at, event.data)
+                data_at += len(event.data)
+            elif isinstance(event, rbd.Zero):
+                applier.zero(event.offset, event.length)
+                zeroed += event.length
+        if decoder.rest() or reader.read(1):
+            raise rbd.StreamError(f"malformed rbd diff at byte {decoder.offset}: bytes follow its end ('e') record")
+        applier.drain()
+        staging.flush()
+        snap = adopt(pool, name, staging, to_name)
+    except BaseException:
+        applier.close()
+        with contextlib.suppress(Exception):
+            pool.remove_volume(staging.name)
+        raise
+    applier.close()
+    tell.end()
+    return {
+        "volume": name,
+        "from_snap": base.name if base is not None else None,
+        "to_snap": snap.name if snap is not None else None,
+        "size_bytes": size,
+        "written_bytes": applier.written,
+        "zeroed_bytes": zeroed,
+        "stream_bytes": decoder.offset,
+        "seconds": elapsed(start),
+    }
+
+
+def import_rbd_image(
+    pool: Pool, name: str, reader: StreamReader, progress: ProgressFn, *, total: int = 0
+) -> dict[str, Any]:
+    """Read an "rbd image v2" stream (`rbd export --export-format 2`, or ours) into a
+    new volume, as `rbd import` does: its diffs in turn, each that ends at a snapshot
+    SNAP followed by taking VOLUME@SNAP, so the snapshots come along. A failure
+    removes the volume and the snapshots it made."""
+    start = time.monotonic()
+    with pool.lock:
+        if pool.visible_volume(name) is not None:
+            raise ThinblockError(
+                f"{name!r} exists in pool {pool.path}: an rbd image stream makes a new volume, as rbd import does"
+            )
+    decoder = rbd.ImageDecoder()
+    tell = Progress(progress, total)
+    vol: Volume | None = None
+    applier: _Applier | None = None
+    made: list[str] = []
+    snap: str | None = None
+    data_at = written = 0
+    try:
+        for event in _events(decoder, reader, tell):
+            if isinstance(event, rbd.Size):
+                size = event.size_bytes
+                if size % SECTOR_BYTES or not size:
+                    raise ThinblockError(f"the rbd image's size {size} is not a positive whole number of sectors")
+                if vol is None:
+                    vol = pool.create_volume(name, size)
+                    applier = _Applier(vol)
+                elif size != vol.size_bytes:
+                    assert applier is not None
+                    applier.drain()
+                    vol.resize(size)
+            elif isinstance(event, rbd.ToSnap):
+                snap = event.name
+            elif isinstance(event, rbd.Data | rbd.Payload | rbd.Zero):
+                if applier is None:
+                    raise rbd.StreamError("malformed rbd image stream: data before any size record")
+                if isinstance(event, rbd.Data):
+                    data_at = event.offset
+                elif isinstance(event, rbd.Payload):
+                    applier.write(data_at, event.data)
+                    data_at += len(event.data)
+                    written += len(event.data)
+                else:
+                    applier.zero(event.offset, event.length)
+            elif isinstance(event, rbd.End):
+                if applier is not None:
+                    applier.drain()
+                if snap is not None:
+                    if vol is None:
+                        raise rbd.StreamError("malformed rbd image stream: a snapshot of an image with no size")
+                    create_snapshot(pool, name, f"{name}@{snap}")
+                    made.append(f"{name}@{snap}")
+                    snap = None
+        if decoder.rest() or reader.read(1):
+            raise rbd.StreamError(f"malformed rbd image stream at byte {decoder.offset}: bytes follow its last diff")
+        if vol is None:
+            raise rbd.StreamError("malformed rbd image stream: it has no size record")
+        vol.flush()
+    except BaseException:
+        if applier is not None:
+            applier.close()
+        for gone in [*reversed(made), name if vol is not None else None]:
+            if gone is not None:
+                with contextlib.suppress(Exception):
+                    pool.remove_volume(gone)
+        raise
+    assert applier is not None
+    applier.close()
+    tell.end()
+    return {
+        "volume": name,
+        "size_bytes": vol.size_bytes,
+        "created": True,
+        "snapshots": made,
+        "read_bytes": decoder.offset,
+        "written_bytes": written,
+        "zero_bytes_skipped": 0,
+        "seconds": elapsed(start),
+    }
+
+
+def _chain(first: list[rbd.Event], rest: Iterator[rbd.Event]) -> Iterator[rbd.Event]:
+    yield from first
+    yield from rest
