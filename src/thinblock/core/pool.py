@@ -538,7 +538,7 @@ class Pool(CommitPipeline, SpaceAccounts):
                 **self.space_figures(),
                 **self.host_figures(),
                 "block_size": self.block_size,
-                "virtual_bytes": sum(v.size_bytes for v in self.volumes.values() if v.row.kind == "volume"),
+                "virtual_bytes": sum(v.size_bytes for v in self.visible().values() if v.row.kind == "volume"),
                 **self.policy.settings(),
                 "volumes": [self.volume_info(v) for _, v in sorted(self.visible().items())],
             }

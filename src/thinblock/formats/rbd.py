@@ -40,13 +40,16 @@ class StreamError(ThinblockError):
 
 
 @dataclass(frozen=True)
-class FromSnap:
+class _Named:
     name: str
 
 
-@dataclass(frozen=True)
-class ToSnap:
-    name: str
+class FromSnap(_Named):
+    """The 'f' record: the snapshot the diff starts from."""
+
+
+class ToSnap(_Named):
+    """The 't' record: the snapshot the diff ends at (none: the image's head)."""
 
 
 @dataclass(frozen=True)
@@ -55,22 +58,22 @@ class Size:
 
 
 @dataclass(frozen=True)
-class Data:
-    """A 'w' record; its `length` bytes follow as Payload events."""
-
+class _Range:
     offset: int
     length: int
+
+
+class Data(_Range):
+    """A 'w' record; its `length` bytes follow as Payload events."""
+
+
+class Zero(_Range):
+    """A 'z' record: the range reads zeros."""
 
 
 @dataclass(frozen=True)
 class Payload:
     data: bytes
-
-
-@dataclass(frozen=True)
-class Zero:
-    offset: int
-    length: int
 
 
 @dataclass(frozen=True)
