@@ -663,3 +663,50 @@ def test_a_full_destination_or_a_full_pool_fails_cleanly(tmp_path: Path) -> None
     assert proc.returncode == 1 and "out of space" in proc.stderr, proc.stderr
     assert _names(tiny) == ["c"]  # the volume the import made is removed again
     thinblock("pool", "check", tiny)
+
+
+def test_export_of_a_live_volume_is_one_moment(tmp_path: Path) -> None:
+    """A client rewrites every block in turn (always in one shuffled order), each
+    round with the next generation. An exported image must be one moment of that:
+    the blocks of the newer generation are a prefix of the order, never a mix."""
+    import random
+    import threading
+
+    import nbd
+
+    blocks = 512
+    order = list(range(blocks))
+    random.Random(5).shuffle(order)
+    with served_pool(tmp_path, "256M", {"v": f"{blocks * BS // MiB}M"}) as served:
+        h = nbd.NBD()
+        h.connect_uri(served.unix_uri("v"))
+        for b in range(blocks):
+            h.pwrite(struct.pack("<Q", 1) * (BS // 8), b * BS)
+        stop = threading.Event()
+        rounds = [0]
+
+        def rewrite() -> None:
+            gen = 2
+            while not stop.is_set():
+                for b in order:
+                    h.pwrite(struct.pack("<Q", gen) * (BS // 8), b * BS)
+                gen += 1
+                rounds[0] += 1
+
+        writer = threading.Thread(target=rewrite)
+        writer.start()
+        try:
+            images = [_export_bytes(served.pool, "v") for _ in range(4)]
+        finally:
+            stop.set()
+            writer.join()
+        for image in images:
+            gens = [struct.unpack_from("<Q", image, b * BS)[0] for b in range(blocks)]
+            for b in range(blocks):
+                assert image[b * BS : (b + 1) * BS] == struct.pack("<Q", gens[b]) * (BS // 8), f"block {b} torn"
+            low = min(gens)
+            newer = {b for b in range(blocks) if gens[b] == low + 1}
+            assert set(gens) <= {low, low + 1}, sorted(set(gens))
+            assert newer == set(order[: len(newer)]), "the image mixes two moments"
+        h.shutdown()
+        assert _names(served.pool) == ["v"]  # the export's snapshot is gone
