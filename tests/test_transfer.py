@@ -710,3 +710,28 @@ def test_export_of_a_live_volume_is_one_moment(tmp_path: Path) -> None:
             assert newer == set(order[: len(newer)]), "the image mixes two moments"
         h.shutdown()
         assert _names(served.pool) == ["v"]  # the export's snapshot is gone
+
+
+def test_export_diff_piped_into_import_diff_on_one_pool(tmp_path: Path) -> None:
+    """`export-diff POOL ... - | import-diff - POOL ...` with no server: whichever
+    command opens the pool offers its control socket while its job runs, and the
+    other's job runs in its process. The diff is larger than a pipe holds."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "512M")
+    src = tmp_path / "src.raw"
+    src.write_bytes(os.urandom(24 * MiB) + bytes(8 * MiB))
+    thinblock("import", str(src), pool, "v")
+    thinblock("snapshot", "create", pool, "v@s1")
+    thinblock("volume", "create", pool, "w", "--size", "32M")
+    tb = f"{sys.executable} -m thinblock"
+    proc = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{tb} export-diff {pool} v@s1 - | {tb} import-diff - {pool} w"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _export_bytes(pool, "w@s1") == src.read_bytes()
+    assert _names(pool) == ["v", "v@s1", "w", "w@s1"]
+    thinblock("pool", "check", pool)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from thinblock.admin.control import ControlClient, env_seconds
+from thinblock.admin.control import ControlClient, ControlServer, env_seconds
 from thinblock.admin.jobs import run_job
 from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
 from thinblock.backends import locate
@@ -40,8 +40,16 @@ class LocalAdmin:
         return run_verb(self.pool, verb, args)
 
     def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
-        self.pool.start_committer()  # as a server would: writeback overlaps the work
-        return run_job(self.pool, verb, args, list(fds), progress or no_progress)
+        """While a job runs here, this process holds the pool as a server would: it
+        commits in the background, and it offers the control socket, so that other
+        commands get through meanwhile (`export-diff POOL ... - | import-diff - POOL
+        ...` on one pool: the second command's job runs in the first's process)."""
+        self.pool.start_committer()
+        server = ControlServer(self.pool)
+        try:
+            return run_job(self.pool, verb, args, list(fds), progress or no_progress)
+        finally:
+            server.drain()
 
 
 DEFAULT_WAIT_S = 60.0

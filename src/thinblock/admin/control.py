@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +50,7 @@ _ERRORS: dict[int, type[OpError]] = {
 IDLE_CLIENT_S = 300.0  # a control client silent this long is dropped
 MAX_FDS = 4  # open files a request may carry (a job takes one)
 HEARTBEAT_S = 5.0  # a running job tells its command it is alive this often
+DRAIN_GRACE_S = 2.0  # a stopping server waits this long for an idle client's next request
 
 
 class ControlServer:
@@ -60,6 +62,8 @@ class ControlServer:
         # We hold the pool lock, so a socket left here is a dead server's: replace it.
         # Only the pool's owner may connect (0600).
         self._stopping = threading.Event()
+        self._connections = 0  # being served (drain waits for them)
+        self._served = threading.Condition()
         self.sock = bind_unix(self.path, live_ok=True)
         self.sock.listen(16)
         self._thread = threading.Thread(target=self._accept_loop, name="thinblock-control", daemon=True)
@@ -69,24 +73,52 @@ class ControlServer:
         accept_loop(self.sock, self._stopping, self._take, log, "the control socket")
 
     def _take(self, conn: socket.socket) -> None:
-        conn.settimeout(IDLE_CLIENT_S)  # a client that connects and says nothing lets go
+        conn.settimeout(1.0)  # wake up now and then: to drop an idle client, or when stopping
+        with self._served:
+            self._connections += 1
         threading.Thread(target=self._serve, args=(conn,), name="thinblock-control-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            requests = _Requests(conn)
-            while True:
-                try:
-                    got = requests.next()
-                except OSError:
-                    return  # idle too long, or gone
-                if got is None:
+        try:
+            with conn:
+                self._requests(conn)
+        finally:
+            with self._served:
+                self._connections -= 1
+                self._served.notify_all()
+
+    def _requests(self, conn: socket.socket) -> None:
+        requests = _Requests(conn)
+        idle_since = time.monotonic()
+        while True:
+            try:
+                got = requests.next()
+            except TimeoutError:
+                idle = time.monotonic() - idle_since
+                # A client that connects and says nothing lets go; so does an idle one
+                # when this server is stopping.
+                if idle >= IDLE_CLIENT_S or (self._stopping.is_set() and idle >= DRAIN_GRACE_S):
                     return
-                line, fds = got
-                sender = _Sender(conn)
-                reply = self._handle(line, fds, sender)
-                if not sender.send(reply):
-                    return
+                continue
+            except OSError:
+                return  # gone
+            if got is None:
+                return
+            line, fds = got
+            sender = _Sender(conn)
+            reply = self._handle(line, fds, sender)
+            if not sender.send(reply):
+                return
+            idle_since = time.monotonic()
+
+    def drain(self) -> None:
+        """Stop taking connections, then wait for those being served to finish their
+        requests (a command that held the pool for a job lets the jobs of other
+        commands, run in its process meanwhile, end before it closes the pool)."""
+        self.close()
+        with self._served:
+            while self._connections:
+                self._served.wait(0.5)
 
     def _handle(self, line: bytes, fds: list[int], sender: _Sender) -> dict[str, Any]:
         try:
@@ -153,6 +185,7 @@ class _Requests:
         self.fds: list[int] = []
 
     def next(self) -> tuple[bytes, list[int]] | None:
+        """The next request line and the files that came with it; None at the end."""
         while True:
             end = self.buf.find(b"\n")
             if end >= 0 or len(self.buf) > MAX_LINE:
@@ -163,6 +196,8 @@ class _Requests:
                 return line, fds
             try:
                 data, fds, _flags, _addr = socket.recv_fds(self.conn, 1 << 16, MAX_FDS)
+            except TimeoutError:
+                raise  # nothing lost: what came so far stays for the next call
             except BaseException:
                 self._close_fds()
                 raise

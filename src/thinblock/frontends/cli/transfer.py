@@ -143,7 +143,15 @@ def _stdout(args: argparse.Namespace, command: str, what: str) -> list[int]:
         raise UsageError(f"{command} to - writes {what} to stdout: --json has nowhere to go")
     if sys.stdout.isatty():
         raise UsageError(f"refusing to write {what} to a terminal: redirect stdout or give a file")
-    return [os.dup(sys.stdout.fileno())]
+    fd = os.dup(sys.stdout.fileno())
+    # From here the job's copy is the only one: when the job closes it, the reader
+    # sees the end (| import-diff - on the same pool runs its job in this process,
+    # which then waits for it). Anything this command prints goes to stderr.
+    sys.stdout.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+    return [fd]
 
 
 @contextlib.contextmanager
