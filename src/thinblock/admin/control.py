@@ -1,15 +1,21 @@
 """The control socket: live administration of a pool a server holds.
 
-Whoever holds a pool (thinblock serve, the FUSE daemon) listens on
-POOL/control.sock (mode 0600). The protocol is one JSON object per line:
+Whoever holds a pool (thinblock serve, the FUSE daemon, a command running a
+job) listens on POOL/control.sock (mode 0600). The protocol is one JSON object
+per line:
 
     -> {"verb": "snapshot_create", "args": {"volume": "vm1", "name": "s1"}}
     <- {"ok": <result>}          or  {"error": "sentence", "errno": 28}
 
 Verbs are admin.verbs.VERBS, run in the server process on the live pool object
 (each takes the locks it needs, see core/pool.py), so a snapshot of a busy
-volume falls between its requests. A malformed line
-gets an error reply; it never stops the server.
+volume falls between its requests. Job verbs (admin/jobs.py) also carry the
+open files they read or write, passed with the request line (SCM_RIGHTS), and
+are answered with progress lines before the reply:
+
+    <- {"progress": [done, total]}   (at most ten a second, and every HEARTBEAT_S)
+
+A malformed line gets an error reply; it never stops the server.
 """
 
 from __future__ import annotations
