@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from thinblock.admin.jobs import JOBS, run_job
+from thinblock.admin.jobs import JOBS, close_fds, run_job
 from thinblock.admin.schema import validate
 from thinblock.admin.verbs import CONTROL_SOCKET, VERBS, run_validated
 from thinblock.core.pool import Pool
@@ -159,18 +159,11 @@ class ControlServer:
             return {"error": str(exc), "busy": True}
         except ThinblockError as exc:
             return {"error": str(exc)}
-        except OSError as exc:  # a job's file or NBD peer failed
-            return {
-                "error": f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""),
-                "errno": exc.errno or 5,
-            }
         except Exception as exc:
             log.exception("control request failed")
             return {"error": f"internal error: {exc}"}
         finally:
-            for fd in fds:  # passed with a request that takes none
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            close_fds(fds)  # passed with a request that takes none
 
     def close(self) -> None:
         self._stopping.set()
@@ -214,9 +207,7 @@ class _Requests:
             self.buf += data
 
     def _close_fds(self) -> None:
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        close_fds(self.fds)
         self.fds = []
 
 
@@ -251,8 +242,8 @@ class _Sender:
 
     def progress(self, done: int, total: int) -> None:
         self.last = [done, total]
-        if not self.send({"progress": self.last}):
-            raise JobCancelled("the command that started a job went away; the job stopped")
+        self.send({"progress": self.last})
+        self.check()
 
     @contextlib.contextmanager
     def heartbeat(self) -> Iterator[None]:
@@ -318,9 +309,7 @@ class ControlClient:
                 else:
                     self.sock.sendall(request)
             finally:
-                for fd in fds:  # the server has its own copies now: the files are the job's
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+                close_fds(fds)  # the server has its own copies now: the files are the job's
             while True:
                 line = self.rfile.readline()
                 if not line:

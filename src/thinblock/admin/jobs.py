@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from thinblock.admin.schema import validate
@@ -54,14 +54,6 @@ def _source(kind: str, fds: list[int], source: str, check: Check) -> RandomSourc
     return NbdSource(source, nbd_connector(uri=source))
 
 
-@contextlib.contextmanager
-def _closing(thing: Any) -> Iterator[Any]:
-    try:
-        yield thing
-    finally:
-        thing.close()
-
-
 def _import(
     pool: Pool,
     fds: list[int],
@@ -77,9 +69,9 @@ def _import(
     if source_kind == "rbd":  # an "rbd image v2" stream: a new volume, with its snapshots
         if force or size_bytes is not None:
             raise ThinblockError("an rbd image stream makes a new volume of its own size: no --force, no --size")
-        with _closing(StreamReader(fds[0], source, check)) as reader:
+        with contextlib.closing(StreamReader(fds[0], source, check)) as reader:
             return diffs.import_rbd_image(pool, name, reader, progress, total=_file_size(fds[0]))
-    with _closing(_source(source_kind, fds, source, check)) as src:
+    with contextlib.closing(_source(source_kind, fds, source, check)) as src:
         return imaging.import_image(pool, name, src, progress, size_bytes=size_bytes, force=force)
 
 
@@ -105,7 +97,7 @@ def _export(
         sink = NbdSink(dest, nbd_connector(uri=dest), vol.size_bytes)
     else:
         raise ThinblockError(f"cannot export to a {dest_kind}")
-    with _closing(sink):
+    with contextlib.closing(sink):
         return imaging.export_image(pool, name, sink, progress, fmt=format)
 
 
@@ -120,7 +112,7 @@ def _export_diff(
     version: int = 1,
 ) -> dict[str, Any]:
     _fds("export-diff", fds, 1)
-    with _closing(StreamWriter(fds[0], dest)) as out:
+    with contextlib.closing(StreamWriter(fds[0], dest)) as out:
         return diffs.export_diff(pool, name, from_snap, out, progress, version=version)
 
 
@@ -128,7 +120,7 @@ def _import_diff(
     pool: Pool, fds: list[int], progress: ProgressFn, check: Check, name: str, source: str, force: bool = False
 ) -> dict[str, Any]:
     _fds("import-diff", fds, 1)
-    with _closing(StreamReader(fds[0], source, check)) as reader:
+    with contextlib.closing(StreamReader(fds[0], source, check)) as reader:
         return diffs.import_diff(pool, name, reader, progress, total=_file_size(fds[0]), force=force)
 
 
@@ -174,6 +166,11 @@ def run_job(
         where = f" ({exc.filename})" if exc.filename else ""
         raise ThinblockError(f"{verb.replace('_', '-')} failed: {exc.strerror or exc}{where}") from None
     finally:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        close_fds(fds)
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close open files handed over for a job, whatever state they are in."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

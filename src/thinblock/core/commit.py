@@ -290,7 +290,7 @@ class CommitPipeline:
         """After an unclean shutdown, restore the two zero rules: free blocks and
         ZEROED blocks' dblocks may hold bytes written but never committed (a write
         into them ran, the commit recording it did not). Punch the free ones, zero
-        the ZEROED ones, durably. progress counts blocks: the free ones, then the ZEROED."""
+        the ZEROED ones, durably. progress counts their bytes: the free ones, then the ZEROED."""
         runs = self.space.free_runs()
         total = sum(count for _, count in runs)
         done = 0

@@ -44,7 +44,7 @@ SECTOR_BYTES = 512
 MAX_VOLUME_BYTES = (1 << 63) - MAX_BLOCK_SIZE
 DETECT_ZEROES = ("off", "on", "unmap")
 log = logging.getLogger("thinblock.pool")
-# Staging volumes (Pool.add_staging) are named with this; user names cannot start with it.
+# Staging volumes (snapshot.stage) are named with this; user names cannot start with it.
 STAGING_PREFIX = "."
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
 # Snapshots may also use '@', so that they can be named like rbd's (vm1@s1); volume
@@ -344,24 +344,9 @@ class Pool(CommitPipeline, SpaceAccounts):
         """The volume or snapshot called name, unless it is a staging one (or missing)."""
         return None if name.startswith(STAGING_PREFIX) else self.volumes.get(name)
 
-    def add_staging(self, source: Volume, purpose: str, *, kind: str = "volume") -> Volume:
-        """A hidden volume (or read-only snapshot) sharing source's contents, for work that
-        must not show until it is done (import-diff) or must read one moment (export of a
-        live volume). Its name starts with STAGING_PREFIX, which user names cannot; one
-        left behind by a crash is removed when the pool is next opened. Committed."""
-        with source.ranges.hold_all(exclusive=False), self.lock:  # between requests, as a snapshot
-            if source.removed:
-                raise ThinblockError(f"no volume {source.name!r} in pool {self.path}")
-            if source.row.reserve_bytes:  # it shares what source owned: as create_snapshot weighs it
-                self.check_reservable(source, self.reserve_target(source), purpose)
-            name = f"{STAGING_PREFIX}{purpose}.{self._next_volume_id}"
-            vol = self.add_volume(
-                name, source.size_bytes, source.row.detect_zeroes, sharing=source, kind=kind, staging=True
-            )
-            vol.readonly = kind == "snapshot"
-            source.owned_blocks = 0
-        self.commit()
-        return vol
+    def staging_name(self, purpose: str) -> str:
+        """A fresh name for a staging volume (snapshot.stage): one no user name can be."""
+        return f"{STAGING_PREFIX}{purpose}.{self._next_volume_id}"
 
     def _drop_stale_staging(self) -> None:
         for name in [n for n in self.volumes if n.startswith(STAGING_PREFIX)]:

@@ -19,23 +19,52 @@ from thinblock.errors import ThinblockError
 from thinblock.meta.base import reserve_blocks
 
 
+def _weigh(pool: Pool, vol: Volume, what: str) -> None:
+    """Refuse (ENOSPC) a share of vol's blocks its reservation cannot cover (call under
+    the pool lock). The share takes everything vol owned alone: vol's set-aside grows to
+    the whole reservation, which the pool must be able to hold. That is also what keeps
+    a fully reserved volume's thinblock:guaranteed ranges true: a share that cannot set
+    the space aside is refused, never taken."""
+    if vol.row.reserve_bytes:
+        why = " to keep every write to it sure of space" if vol.fully_reserved() else ""
+        pool.check_reservable(vol, pool.reserve_target(vol), what, why=why)
+
+
+def _share(pool: Pool, vol: Volume, name: str, kind: str, *, staging: bool = False) -> Volume:
+    """A new volume or read-only snapshot holding vol's contents (call under the pool
+    lock, after _weigh): vol owns nothing alone from now on."""
+    new = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, sharing=vol, kind=kind, staging=staging)
+    if kind == "snapshot":
+        new.row.origin_id = vol.row.id
+        new.readonly = True
+    vol.owned_blocks = 0
+    return new
+
+
 def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
     """A read-only snapshot of a volume or of another snapshot."""
     with pool.quiesced(source, exclusive=False) as vol, pool.lock:
         pool.check_new_name(name, "snapshot")  # a bad name is refused before a reservation is weighed
-        # The snapshot shares everything the volume owned: its set-aside grows to
-        # the whole reservation, which the pool must be able to hold. That is also
-        # what keeps a fully reserved volume's thinblock:guaranteed ranges true: a
-        # snapshot that cannot set the space aside is refused, never taken.
-        if vol.row.reserve_bytes:
-            why = " to keep every write to it sure of space" if vol.fully_reserved() else ""
-            pool.check_reservable(vol, pool.reserve_target(vol), "snapshot", why=why)
-        snap = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, sharing=vol, kind="snapshot")
-        snap.row.origin_id = vol.row.id
-        snap.readonly = True
-        vol.owned_blocks = 0
+        _weigh(pool, vol, "snapshot")
+        snap = _share(pool, vol, name, "snapshot")
     pool.commit()
     return snap
+
+
+def stage(pool: Pool, source: Volume, purpose: str, *, kind: str = "volume") -> Volume:
+    """A hidden volume (or read-only snapshot) sharing source's contents, for work that
+    must not show until it is done (import-diff) or must read one moment (export of a
+    live volume). It is taken between requests, as a snapshot is, and weighed against
+    source's reservation the same way. Its name starts with STAGING_PREFIX, which user
+    names cannot; one left behind by a crash is removed when the pool is next opened.
+    Committed."""
+    with source.ranges.hold_all(exclusive=False), pool.lock:
+        if source.removed:
+            raise ThinblockError(f"no volume {source.name!r} in pool {pool.path}")
+        _weigh(pool, source, purpose)
+        staged = _share(pool, source, pool.staging_name(purpose), kind, staging=True)
+    pool.commit()
+    return staged
 
 
 def clone(pool: Pool, snapshot: str, name: str) -> Volume:
@@ -91,16 +120,11 @@ def adopt(pool: Pool, volume: str, staging: Volume, snapshot: str | None) -> Vol
         pool.refuse_if_busy(vol, "import a diff into")
         if snapshot is not None:
             pool.check_new_name(snapshot, "snapshot")
-        if snapshot is not None and vol.row.reserve_bytes:  # as create_snapshot weighs it
-            pool.check_reservable(vol, pool.reserve_target(vol), "snapshot")
+            _weigh(pool, vol, "snapshot")
         pool.release_root(vol)
         pool.share_contents(vol, staging)
         pool.drop_volume(staging)
-        snap = None
-        if snapshot is not None:
-            snap = pool.add_volume(snapshot, vol.size_bytes, vol.row.detect_zeroes, sharing=vol, kind="snapshot")
-            snap.row.origin_id = vol.row.id
-            snap.readonly = True
+        snap = _share(pool, vol, snapshot, "snapshot") if snapshot is not None else None
         pool.recount_owned()
     pool.commit()
     return snap

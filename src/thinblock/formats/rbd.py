@@ -139,7 +139,27 @@ def image_header(order: int = 22) -> bytes:
 # ----- decoding ---------------------------------------------------------------------
 
 
-class DiffDecoder:
+class _Buffer:
+    """Bytes fed and not yet decoded, and where they start in the stream."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0  # offset of _buf[0] in the stream (or in the part this decodes)
+
+    def _take(self, n: int) -> bytes | None:
+        """The next n bytes, consumed; None until that many have been fed."""
+        if len(self._buf) < n:
+            return None
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        self._pos += n
+        return out
+
+    def _peek(self, n: int) -> bytes | None:
+        return bytes(self._buf[:n]) if len(self._buf) >= n else None
+
+
+class DiffDecoder(_Buffer):
     """Events from one diff stream (v1 or v2, told by its header).
 
     Checks as it goes: metadata before data, at most one f, t and s, a size before
@@ -149,13 +169,11 @@ class DiffDecoder:
     """
 
     def __init__(self, *, what: str = "rbd diff", base_offset: int = 0) -> None:
+        super().__init__()
         self.what = what
         self.version = 0
-        self._buf = bytearray()
-        self._pos = 0  # offset of _buf[0] in the stream
         self._base = base_offset  # where this stream starts in a larger one (messages)
         self._payload_left = 0
-        self._payload_end = 0
         self._skip_left = 0
         self._in_data = False
         self.from_snap: str | None = None
@@ -195,17 +213,6 @@ class DiffDecoder:
         return StreamError(
             f"truncated {self.what}: it ends at byte {self.offset + len(self._buf)} with no end ('e') record"
         )
-
-    def _take(self, n: int) -> bytes | None:
-        if len(self._buf) < n:
-            return None
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        self._pos += n
-        return out
-
-    def _peek(self, n: int) -> bytes | None:
-        return bytes(self._buf[:n]) if len(self._buf) >= n else None
 
     # -- events
 
@@ -336,13 +343,12 @@ class DiffDecoder:
         return self._take(head + n)
 
 
-class ImageDecoder:
+class ImageDecoder(_Buffer):
     """Events of an "rbd image v2" stream: the diffs it holds, one after another
     (each a DiffDecoder's events, ToSnap naming the snapshot it ends at)."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._pos = 0
+        super().__init__()
         self._stage = "header"
         self.order: int | None = None
         self.diffs_left = 0
@@ -372,14 +378,6 @@ class ImageDecoder:
         if self._stage == "header" and not IMAGE_V2.startswith(bytes(self._buf[: len(IMAGE_V2)])):
             return StreamError(f"not an rbd image v2 stream: it starts with {bytes(self._buf[:16])!r}")
         return StreamError(f"truncated rbd image stream: it ends at byte {self._pos + len(self._buf)}")
-
-    def _take(self, n: int) -> bytes | None:
-        if len(self._buf) < n:
-            return None
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        self._pos += n
-        return out
 
     def next_event(self) -> Event | NeedData:
         while True:

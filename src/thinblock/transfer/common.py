@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from thinblock.core.mapping import BlockState
 from thinblock.core.pool import Pool
+from thinblock.core.snapshot import stage
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.progress import ProgressFn
@@ -110,6 +111,44 @@ def data_extents(vol: Volume) -> list[tuple[int, int, bool]]:
     return out
 
 
+def read_extents(
+    vol: Volume, extents: Iterable[tuple[int, int, bool]], tell: Progress
+) -> Iterator[tuple[int, int, bytes | None]]:
+    """(offset, length, bytes) of each (offset, length, data) extent of vol, in order:
+    data cut into CHUNK requests read IN_FLIGHT at once (each counted by tell), a
+    range that is not data handed on whole as None, with no read."""
+
+    def read(piece: tuple[int, int, bool]) -> tuple[int, int, bytes | None]:
+        offset, n, data = piece
+        if not data:
+            return offset, n, None
+        got = vol.read(offset, n)
+        tell.add(n)
+        return offset, n, got
+
+    pieces = ((o, k, data) for offset, n, data in extents for o, k in (chunks(offset, n) if data else [(offset, n)]))
+    return ordered(read, pieces)
+
+
+class WriteBehind:
+    """Counts bytes written to a pool and, every WRITEBACK_STEP of them, asks its data
+    store to start writing back (Pool.start_writeback), so a bulk job's final sync
+    waits for the tail only, not for everything. Thread-safe."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.written = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            before = self.written
+            self.written += n
+            crossed = self.written // WRITEBACK_STEP != before // WRITEBACK_STEP
+        if crossed:
+            self.pool.start_writeback()
+
+
 def visible(pool: Pool, name: str, kind: str | None = None) -> Volume:
     vol = pool.visible_volume(name)
     if vol is None:
@@ -127,7 +166,7 @@ def stable(pool: Pool, name: str) -> Iterator[Volume]:
     if vol.readonly:
         yield vol
         return
-    snap = pool.add_staging(vol, "export", kind="snapshot")
+    snap = stage(pool, vol, "export", kind="snapshot")
     try:
         yield snap
     finally:
@@ -138,7 +177,7 @@ def elapsed(start: float) -> float:
     return round(time.monotonic() - start, 3)
 
 
-def put(vol: Volume, offset: int, data: bytes, overwrite: bool) -> tuple[int, int]:
+def put(vol: Volume, offset: int, data: bytes, overwrite: bool, behind: WriteBehind) -> tuple[int, int]:
     """Write data's non-zero blocks; its zero blocks only when overwriting, as metadata.
     Returns (bytes written, zero bytes)."""
     written = zero = 0
@@ -150,4 +189,5 @@ def put(vol: Volume, offset: int, data: bytes, overwrite: bool) -> tuple[int, in
         else:
             vol.write(start, memoryview(data)[start - offset : start - offset + n])
             written += n
+    behind.add(written)
     return written, zero

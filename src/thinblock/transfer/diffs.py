@@ -4,6 +4,7 @@ and "rbd image v2" streams in, with their snapshots."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from typing import Any
 
 from thinblock.core.delta import changed_extents, changed_ranges
 from thinblock.core.pool import SECTOR_BYTES, Pool
-from thinblock.core.snapshot import adopt, create_snapshot
+from thinblock.core.snapshot import adopt, create_snapshot, stage
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.formats import rbd
@@ -23,11 +24,11 @@ from thinblock.transfer.common import (
     IN_FLIGHT,
     WINDOW,
     Progress,
-    chunks,
+    WriteBehind,
     data_extents,
     elapsed,
-    ordered,
     put,
+    read_extents,
     stable,
     visible,
 )
@@ -92,16 +93,7 @@ def export_diff(
         out.write(head)
         written = len(head)
 
-        def read(piece: tuple[int, int, bool]) -> tuple[int, int, bytes | None]:
-            offset, n, data = piece
-            if not data:
-                return offset, n, None
-            got = vol.read(offset, n)
-            tell.add(n)
-            return offset, n, got
-
-        pieces = ((o, k, data) for offset, n, data in extents for o, k in chunks(offset, n, CHUNK if data else 1 << 62))
-        for offset, n, got in ordered(read, pieces):
+        for offset, n, got in read_extents(vol, extents, tell):
             record = encoder.zero(offset, n) if got is None else encoder.data(offset, n)
             out.write(record)
             written += len(record)
@@ -143,14 +135,31 @@ def _events(decoder: rbd.DiffDecoder | rbd.ImageDecoder, reader: StreamReader, t
 
 
 class _Applier:
-    """Writes of a diff into a staging volume, IN_FLIGHT at once; a record that
-    overlaps one in flight waits for it, so records apply in the stream's order."""
+    """A diff's data records applied to a volume, IN_FLIGHT writes at once; a record
+    that overlaps one in flight waits for it, so records apply in the stream's order."""
 
     def __init__(self, vol: Volume) -> None:
         self.vol = vol
         self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="thinblock-diff")
-        self.flight: deque[tuple[int, int, Future[None]]] = deque()
-        self.written = 0
+        self.flight: deque[tuple[int, int, Future[tuple[int, int]]]] = deque()
+        self.behind = WriteBehind(vol.pool)
+        self.data_at = 0  # where the payload of the current 'w' record goes next
+        self.written = self.zeroed = 0
+
+    def apply(self, event: rbd.Event) -> None:
+        """A 'w' record (Data, then its Payload) or a 'z' record (Zero); others are not data."""
+        if isinstance(event, rbd.Data):
+            self.data_at = event.offset
+        elif isinstance(event, rbd.Payload):
+            offset, n = self.data_at, len(event.data)
+            self._wait_overlapping(offset, n)
+            self.flight.append((offset, n, self.pool.submit(put, self.vol, offset, event.data, True, self.behind)))
+            self.data_at += n
+            self.written += n
+        elif isinstance(event, rbd.Zero):
+            self._wait_overlapping(event.offset, event.length)
+            self.vol.write_zeroes(event.offset, event.length)
+            self.zeroed += event.length
 
     def _wait_overlapping(self, offset: int, n: int) -> None:
         while len(self.flight) >= WINDOW:
@@ -160,18 +169,6 @@ class _Applier:
                 future.result()
         while self.flight and self.flight[0][2].done():
             self.flight.popleft()[2].result()
-
-    def write(self, offset: int, data: bytes) -> None:
-        self._wait_overlapping(offset, len(data))
-        self.flight.append((offset, len(data), self.pool.submit(self._write, offset, data)))
-        self.written += len(data)
-
-    def _write(self, offset: int, data: bytes) -> None:
-        put(self.vol, offset, data, True)
-
-    def zero(self, offset: int, n: int) -> None:
-        self._wait_overlapping(offset, n)
-        self.vol.write_zeroes(offset, n)
 
     def drain(self) -> None:
         while self.flight:
@@ -235,22 +232,13 @@ def import_diff(
     if to_name is not None:
         with pool.lock:
             pool.check_new_name(to_name, "snapshot")
-    staging = pool.add_staging(vol, "import-diff")
+    staging = stage(pool, vol, "import-diff")
     applier = _Applier(staging)
-    zeroed = 0
     try:
         if staging.size_bytes != size:
             staging.resize(size)
-        data_at = 0
-        for event in _chain([first] if first is not None else [], stream):
-            if isinstance(event, rbd.Data):
-                data_at = event.offset
-            elif isinstance(event, rbd.Payload):
-                applier.write(data_at, event.data)
-                data_at += len(event.data)
-            elif isinstance(event, rbd.Zero):
-                applier.zero(event.offset, event.length)
-                zeroed += event.length
+        for event in itertools.chain([first] if first is not None else [], stream):
+            applier.apply(event)
         if decoder.rest() or reader.read(1):
             raise rbd.StreamError(f"malformed rbd diff at byte {decoder.offset}: bytes follow its end ('e') record")
         applier.drain()
@@ -269,7 +257,7 @@ def import_diff(
         "to_snap": snap.name if snap is not None else None,
         "size_bytes": size,
         "written_bytes": applier.written,
-        "zeroed_bytes": zeroed,
+        "zeroed_bytes": applier.zeroed,
         "stream_bytes": decoder.offset,
         "seconds": elapsed(start),
     }
@@ -294,7 +282,6 @@ def import_rbd_image(
     applier: _Applier | None = None
     made: list[str] = []
     snap: str | None = None
-    data_at = written = 0
     try:
         for event in _events(decoder, reader, tell):
             if isinstance(event, rbd.Size):
@@ -313,14 +300,7 @@ def import_rbd_image(
             elif isinstance(event, rbd.Data | rbd.Payload | rbd.Zero):
                 if applier is None:
                     raise rbd.StreamError("malformed rbd image stream: data before any size record")
-                if isinstance(event, rbd.Data):
-                    data_at = event.offset
-                elif isinstance(event, rbd.Payload):
-                    applier.write(data_at, event.data)
-                    data_at += len(event.data)
-                    written += len(event.data)
-                else:
-                    applier.zero(event.offset, event.length)
+                applier.apply(event)
             elif isinstance(event, rbd.End):
                 if applier is not None:
                     applier.drain()
@@ -352,12 +332,7 @@ def import_rbd_image(
         "created": True,
         "snapshots": made,
         "read_bytes": decoder.offset,
-        "written_bytes": written,
+        "written_bytes": applier.written,
         "zero_bytes_skipped": 0,
         "seconds": elapsed(start),
     }
-
-
-def _chain(first: list[rbd.Event], rest: Iterator[rbd.Event]) -> Iterator[rbd.Event]:
-    yield from first
-    yield from rest

@@ -6,9 +6,10 @@ qemu-nbd that libnbd starts and stops), or a stream read front to back.
 Sinks: a raw file (holes stay holes), an NBD export (zeros sent as WRITE_ZEROES),
 or a stream (every byte, in order).
 
-Random-access sources and sinks are used from many threads at once: each
-thread gets its own NBD connection, and files are read and written with
-pread/pwrite, so several requests are always in flight.
+Several requests are always in flight: sinks are written from many threads at
+once (files with pwrite; NBD through one connection with many commands on the
+wire, as a server may take one client only), and NBD sources are read ahead
+the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from thinblock.errors import ThinblockError
+from thinblock.store.file import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, fallocate
 from thinblock.zeros import zero_bytes
 
 QCOW2_MAGIC = b"QFI\xfb"
@@ -42,8 +44,6 @@ class RandomSource(Protocol):
     def extents(self) -> Iterator[tuple[int, int, bool]]:
         """(offset, length, data) covering the image; data False where it reads zeros."""
         ...
-
-    def read(self, offset: int, length: int) -> bytes: ...
 
     def stream(self, pieces: Iterator[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
         """(offset, bytes) of each (offset, length) piece, in order, reads overlapping."""
@@ -155,7 +155,7 @@ class FileSink:
             return
         if self.regular:
             try:
-                _punch(self.fd, offset, length)
+                fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
                 return
             except OSError:
                 pass
@@ -170,16 +170,6 @@ class FileSink:
 
     def close(self) -> None:
         os.close(self.fd)
-
-
-def _punch(fd: int, offset: int, length: int) -> None:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    punch_keep = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-    if libc.fallocate(fd, punch_keep, ctypes.c_int64(offset), ctypes.c_int64(length)) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
 
 
 class StreamReader:
@@ -341,9 +331,6 @@ class NbdSource:
             conn.flight.append((cookie, buf, (offset, buf)))
         for done_offset, buf in conn.reap(1):
             yield done_offset, bytes(buf.to_bytearray())
-
-    def read(self, offset: int, length: int) -> bytes:
-        return next(iter(self.stream(iter([(offset, length)]))))[1]
 
     def close(self) -> None:
         self.conn.close()

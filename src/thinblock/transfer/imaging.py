@@ -17,14 +17,14 @@ from thinblock.progress import ProgressFn
 from thinblock.sizes import format_size
 from thinblock.transfer.common import (
     CHUNK,
-    WRITEBACK_STEP,
     Progress,
+    WriteBehind,
     block_runs,
     chunks,
     data_extents,
     elapsed,
-    ordered,
     put,
+    read_extents,
     run_all,
     stable,
 )
@@ -101,60 +101,57 @@ def _import_random(vol: Volume, source: RandomSource, overwrite: bool, progress:
         for offset, n, data in extents:
             if not data:
                 vol.write_zeroes(offset, n)
-    totals = [0, 0]
+    behind = WriteBehind(vol.pool)
+    zeros = [0]
     lock = threading.Lock()
 
     def copy(piece: tuple[int, bytes]) -> None:
         offset, got = piece
-        written, zero = put(vol, offset, got, overwrite)
+        _written, zero = put(vol, offset, got, overwrite, behind)
         with lock:
-            before = totals[0]
-            totals[0] += written
-            totals[1] += zero
-            crossed = totals[0] // WRITEBACK_STEP != before // WRITEBACK_STEP
-        if crossed:
-            vol.pool.start_writeback()  # the final sync then waits for the tail only
+            zeros[0] += zero
         tell.add(len(got))
 
     # Reads come in order from the source (overlapping on the wire, for NBD); the
     # writes into the volume run IN_FLIGHT at once.
     run_all(copy, source.stream(piece for offset, n, data in extents if data for piece in chunks(offset, n)))
     tell.end()
-    return {"read_bytes": data_total, "written_bytes": totals[0], "zero_bytes_skipped": totals[1]}
+    return {"read_bytes": data_total, "written_bytes": behind.written, "zero_bytes_skipped": zeros[0]}
 
 
 def _import_stream(
     vol: Volume, source: StreamReader, size: int, overwrite: bool, progress: ProgressFn
 ) -> dict[str, int]:
     tell = Progress(progress, size)
-    totals = [0, 0]
+    behind = WriteBehind(vol.pool)
+    zeros = [0]
     lock = threading.Lock()
 
+    read = 0  # bytes of the stream so far: the next piece's offset
+
     def pieces() -> Iterator[tuple[int, bytes]]:
-        offset = 0
+        nonlocal read
         while True:
-            data = source.read(CHUNK - offset % CHUNK)
+            data = source.read(CHUNK - read % CHUNK)
             if not data:
                 break
-            if offset + len(data) > size:
+            if read + len(data) > size:
                 raise ThinblockError(f"the stream holds more than volume {vol.name}'s {size} bytes")
-            yield offset, data
-            offset += len(data)
-        if offset < size and overwrite:
-            vol.write_zeroes(offset, size - offset)
-        totals.append(offset)
+            yield read, data
+            read += len(data)
+            tell.add(len(data))
+        if read < size and overwrite:
+            vol.write_zeroes(read, size - read)
 
     def copy(piece: tuple[int, bytes]) -> None:
         offset, data = piece
-        written, zero = put(vol, offset, data, overwrite)
+        _written, zero = put(vol, offset, data, overwrite, behind)
         with lock:
-            totals[0] += written
-            totals[1] += zero
-        tell.add(len(data))
+            zeros[0] += zero
 
     run_all(copy, pieces())
     tell.end()
-    return {"read_bytes": totals[2], "written_bytes": totals[0], "zero_bytes_skipped": totals[1]}
+    return {"read_bytes": read, "written_bytes": behind.written, "zero_bytes_skipped": zeros[0]}
 
 
 # ----- export -------------------------------------------------------------------------
@@ -169,30 +166,19 @@ def export_image(
     start = time.monotonic()
     if fmt not in ("raw", "rbd"):
         raise ThinblockError(f"unknown export format {fmt!r}: raw or rbd")
+    if fmt != "raw" and not isinstance(sink, StreamWriter):
+        raise ThinblockError("--format rbd writes a stream: give a file name or -, not an NBD URI")
     with stable(pool, name) as vol:
         extents = data_extents(vol)
         data_total = sum(n for _, n, data in extents if data)
         tell = Progress(progress, data_total)
         size = vol.size_bytes
-
-        def read(piece: tuple[int, int, bool]) -> tuple[int, int, bytes | None]:
-            offset, n, data = piece
-            got = vol.read(offset, n) if data else None
-            if data:
-                tell.add(n)
-            return offset, n, got
-
-        pieces = (
-            (o, n, data)
-            for offset, length, data in extents
-            for o, n in chunks(offset, length, CHUNK if data else 1 << 62)
-        )
         written = 0
         if isinstance(sink, StreamWriter):
             encoder = rbd.DiffEncoder(2)
             if fmt == "rbd":
                 sink.write(rbd.image_header() + encoder.header() + encoder.size(size))
-            for offset, n, got in ordered(read, pieces):
+            for offset, n, got in read_extents(vol, extents, tell):
                 if fmt == "raw":
                     if got is None:
                         sink.zeros(n)
@@ -210,26 +196,17 @@ def export_image(
             if fmt == "rbd":
                 sink.write(encoder.end())
         else:
-            if fmt != "raw":
-                raise ThinblockError("--format rbd writes a stream: give a file name or -, not an NBD URI")
-            lock = threading.Lock()
-            counts = [0]
-
-            def put(piece: tuple[int, int, bool]) -> None:
-                offset, n, got = read(piece)
+            # Reads IN_FLIGHT at once; the sink keeps its own requests in flight.
+            for offset, n, got in read_extents(vol, extents, tell):
                 if got is None:
                     sink.zero(offset, n)
-                    return
+                    continue
                 for o, k, zero in block_runs(offset, got, vol.block_size):
                     if zero:
                         sink.zero(o, k)
                     else:
                         sink.write(o, got[o - offset : o - offset + k])
-                        with lock:
-                            counts[0] += k
-
-            run_all(put, pieces)
-            written = counts[0]
+                        written += k
         sink.finish()
         tell.end()
     return {

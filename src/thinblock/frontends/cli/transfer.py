@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from thinblock.admin.access import open_admin
+from thinblock.admin.jobs import close_fds
 from thinblock.formats.rbd import IMAGE_V2
 from thinblock.frontends.cli.common import UsageError, emit, size_arg
 from thinblock.frontends.cli.progress import progress_bar, wanted
@@ -40,13 +41,7 @@ def _job(args: argparse.Namespace, label: str, verb: str, fds: list[int], **job_
             return admin.job(verb, fds, bar, **job_args)
     finally:
         if not handed:
-            _close(fds)
-
-
-def _close(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+            close_fds(fds)
 
 
 def _summary(args: argparse.Namespace, data: Any, human: Callable[[Any], str], *, to_stderr: bool = False) -> None:
@@ -67,10 +62,9 @@ def cmd_import(args: argparse.Namespace) -> None:
     source = args.source
     fds: list[int] = []
     if source == "-":
-        kind, fds = "rbd" if args.format == "rbd" else "stream", [os.dup(sys.stdin.fileno())]
         if args.format == "qcow2":
-            _close(fds)
             raise UsageError("a qcow2 image cannot be read from a stream: give its file name")
+        kind, fds = "rbd" if args.format == "rbd" else "stream", [os.dup(sys.stdin.fileno())]
         shown = "standard input"
     elif is_nbd_uri(source):
         if args.format not in ("auto", "raw"):
@@ -91,8 +85,8 @@ def cmd_import(args: argparse.Namespace) -> None:
         else:
             kind, fds = "rbd" if fmt == "rbd" else "file", [fd]
         shown = args.source
-    if args.size is not None and kind not in ("stream",):
-        _close(fds)
+    if args.size is not None and kind != "stream":
+        close_fds(fds)
         raise UsageError("--size is for a stream (-): a file or NBD export has its own size")
     result = _job(
         args,
