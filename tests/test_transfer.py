@@ -735,3 +735,73 @@ def test_export_diff_piped_into_import_diff_on_one_pool(tmp_path: Path) -> None:
     assert _export_bytes(pool, "w@s1") == src.read_bytes()
     assert _names(pool) == ["v", "v@s1", "w", "w@s1"]
     thinblock("pool", "check", pool)
+
+
+@pytest.mark.parametrize(
+    ("verb", "after", "kind", "outcome"),
+    [
+        ("pwritev", 0, "eio", "nothing"),  # writing the staging copy
+        ("pwritev", 0, "short", "nothing"),
+        ("flush", 0, "eio", "nothing"),  # the data sync of the staging copy's commit
+        ("flush", 1, "eio", "nothing"),  # the sync before adoption
+        ("commit", 0, "eio", "nothing"),  # the staging copy's commit
+        ("commit", 1, "eio", "nothing"),
+        ("commit", 2, "eio", "all"),  # adoption's own commit: pending, then written whole
+    ],
+)
+def test_the_layer_below_failing_under_import_diff_changes_nothing(
+    tmp_path: Path, verb: str, after: int, kind: str, outcome: str
+) -> None:
+    """The data store or a metadata commit fails somewhere in an import-diff (while
+    the staging copy is made, written, synced or adopted): the command fails, no
+    staging volume stays, the pool checks clean, also after it is opened again, and
+    the volume is as it was. Only when adoption's own commit fails is the adoption,
+    made in memory, written by the next commit: then whole (the pool's rule for a
+    failed commit), with its snapshot, never a part of the diff."""
+    from tests.faults import Fault, FaultyMeta, FaultyStore
+    from thinblock.core.pool import Pool
+    from thinblock.core.snapshot import clone, create_snapshot
+    from thinblock.meta.base import MetadataStore
+    from thinblock.progress import no_progress
+    from thinblock.tools.check import check_metadata
+    from thinblock.transfer import diffs
+    from thinblock.transfer.images import StreamReader, StreamWriter
+
+    path = str(tmp_path / "pool")
+    pool = Pool.create(path, 64 * BS * 8, block_size=BS)
+    v = pool.create_volume("v", 32 * BS)
+    v.write(0, os.urandom(8 * BS))
+    create_snapshot(pool, "v", "v@s1")
+    v.write(4 * BS, os.urandom(10 * BS))
+    v.trim(0, BS)
+    create_snapshot(pool, "v", "v@s2")
+    diff = tmp_path / "d.diff"
+    with open(diff, "wb") as f:
+        diffs.export_diff(pool, "v@s2", "s1", StreamWriter(os.dup(f.fileno()), "d"), no_progress)
+    clone(pool, "v@s1", "c")
+    create_snapshot(pool, "c", "c@s1")
+    pool.close()
+    pool = Pool.open(path, autocommit=False)  # commits only when asked: the fault hits the import's own
+    before = pool.volume("c").read(0, 32 * BS)
+    names = sorted(pool.visible())
+    store, meta = FaultyStore(pool.store), FaultyMeta(pool.meta)
+    pool.store, pool.meta = store, meta  # type: ignore[assignment]
+    (meta if verb == "commit" else store).arm(Fault((verb,), after, kind))
+    with pytest.raises(Exception), open(diff, "rb") as f:  # noqa: B017 (an OSError or a sentence: any failure)
+        diffs.import_diff(pool, "c", StreamReader(os.dup(f.fileno()), "d"), no_progress)
+    assert store.fired or meta.fired, "the fault never fired"
+    store.arm(None)
+    meta.arm(None)
+    if outcome == "all":
+        before = pool.volume("v@s2").read(0, 32 * BS)
+        names = sorted([*names, "c@s2"])
+    assert pool.volume("c").read(0, 32 * BS) == before
+    assert sorted(pool.visible()) == names
+    pool.commit()
+    assert not [n for n in pool.volumes if n.startswith(".")]  # the staging volume is gone
+    pool.close()
+    with Pool.open(path) as again:
+        assert again.volume("c").read(0, 32 * BS) == before
+        assert sorted(again.volumes) == names
+        checked: MetadataStore = again.meta
+        assert check_metadata(checked) == []

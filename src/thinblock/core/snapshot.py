@@ -13,6 +13,8 @@ returns, with no lock held.
 
 from __future__ import annotations
 
+import contextlib
+
 from thinblock.core.pool import Pool
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
@@ -63,7 +65,14 @@ def stage(pool: Pool, source: Volume, purpose: str, *, kind: str = "volume") -> 
             raise ThinblockError(f"no volume {source.name!r} in pool {pool.path}")
         _weigh(pool, source, purpose)
         staged = _share(pool, source, pool.staging_name(purpose), kind, staging=True)
-    pool.commit()
+    try:
+        pool.commit()
+    except BaseException:
+        # The copy is in memory, pending: take it away again before anything uses
+        # it, so no later commit writes it (a failing layer below may fail this too).
+        with contextlib.suppress(Exception):
+            pool.remove_volume(staged.name)
+        raise
     return staged
 
 
