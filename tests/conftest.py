@@ -24,13 +24,36 @@ from thinblock.store.file import FileStore
 BACKENDS = ["sparse", "loop", "emulated", "memory", "rados"]
 
 
-def _kernel_and_daemons() -> set[str]:
-    """Loop devices, thinblock FUSE mounts and thinblock server/daemon processes, as words."""
+# Every process this run starts inherits this marker: the leak check below counts
+# (and ends) only those, never another run's or anyone else's on the machine.
+SESSION_MARKER = "THINBLOCK_TEST_SESSION"
+os.environ.setdefault(SESSION_MARKER, uuid.uuid4().hex)
+
+
+def _ours(pid: str) -> bool:
+    """Whether process pid carries this run's marker in its environment."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"{SESSION_MARKER}={os.environ[SESSION_MARKER]}".encode() in environ
+
+
+def _kernel_and_daemons(base: str) -> set[str]:
+    """Loop devices and thinblock FUSE mounts over files below base (this run's
+    temporary directory), and thinblock server/daemon processes this run started."""
     found = set()
     out = subprocess.run(["losetup", "--list", "--noheadings", "-O", "NAME,BACK-FILE"], capture_output=True, text=True)
-    found |= {f"loop device {line.strip()}" for line in out.stdout.splitlines() if line.strip()}
+    for line in out.stdout.splitlines():
+        fields = line.split(None, 1)
+        if len(fields) == 2 and fields[1].strip().startswith(base):
+            found.add(f"loop device {line.strip()}")
     with open("/proc/mounts") as f:
-        found |= {f"FUSE mount {line.split()[1]}" for line in f if line.split()[2] == "fuse.thinblock"}
+        found |= {
+            f"FUSE mount {line.split()[1]}"
+            for line in f
+            if line.split()[2] == "fuse.thinblock" and line.split()[1].startswith(base)
+        }
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -38,19 +61,21 @@ def _kernel_and_daemons() -> set[str]:
         except OSError:
             continue
         words = [a.decode(errors="replace") for a in args if a]
-        if state != "Z" and "thinblock" in words and ({"serve", "fuse-daemon"} & set(words)):
+        if state != "Z" and "thinblock" in words and ({"serve", "fuse-daemon"} & set(words)) and _ours(pid):
             found.add(f"process {pid}: {' '.join(words)}")
     return found
 
 
 @pytest.fixture(scope="session", autouse=True)
-def nothing_leaks() -> Iterator[None]:
+def nothing_leaks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The whole run leaves no loop device, FUSE mount or thinblock process behind,
-    whether its tests passed or failed; a leak fails the run (and is cleaned up)."""
-    before = _kernel_and_daemons()
+    whether its tests passed or failed; a leak fails the run (and is cleaned up).
+    Only what this run made counts: parallel runs on one machine stay apart."""
+    base = os.path.realpath(tmp_path_factory.getbasetemp())
+    before = _kernel_and_daemons(base)
     yield
     deadline = time.monotonic() + 10  # daemons told to stop may still be committing
-    while (leaked := _kernel_and_daemons() - before) and time.monotonic() < deadline:
+    while (leaked := _kernel_and_daemons(base) - before) and time.monotonic() < deadline:
         time.sleep(0.2)
     for item in sorted(leaked):
         if item.startswith("loop device "):
