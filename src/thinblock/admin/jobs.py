@@ -33,10 +33,11 @@ from thinblock.transfer.images import (
     StreamWriter,
     nbd_connector,
 )
+from thinblock.transfer.qcow2 import open_qcow2
 from thinblock.transfer.sparsify import sparsify
 
 Check = Callable[[], None] | None
-FDS_NEEDED = {"file": 1, "stream": 1, "nbd": 0, "qcow2": 0, "rbd": 1}
+FDS_NEEDED = {"file": 1, "stream": 1, "nbd": 0, "qcow2": 1, "rbd": 1}  # qcow2: plus one per backing file
 
 
 def _fds(verb: str, fds: list[int], want: int) -> None:
@@ -49,8 +50,6 @@ def _source(kind: str, fds: list[int], source: str, check: Check) -> RandomSourc
         return FileSource(fds[0], source)
     if kind == "stream":
         return StreamReader(fds[0], source, check)
-    if kind == "qcow2":
-        return NbdSource(source, nbd_connector(qcow2_path=source))
     return NbdSource(source, nbd_connector(uri=source))
 
 
@@ -64,15 +63,29 @@ def _import(
     source: str,
     size_bytes: int | None = None,
     force: bool = False,
+    max_size_bytes: int | None = None,
+    backing: list[str] | None = None,
 ) -> dict[str, Any]:
-    _fds("import", fds, FDS_NEEDED[source_kind])
+    backing = backing or []
+    if backing and source_kind != "qcow2":
+        raise ThinblockError("a backing chain (--allow-backing) belongs to a qcow2 image")
+    _fds("import", fds, FDS_NEEDED[source_kind] + len(backing))
+    bound = {"max_size_bytes": max_size_bytes}
     if source_kind == "rbd":  # an "rbd image v2" stream: a new volume, with its snapshots
         if force or size_bytes is not None:
             raise ThinblockError("an rbd image stream makes a new volume of its own size: no --force, no --size")
         with contextlib.closing(StreamReader(fds[0], source, check)) as reader:
-            return diffs.import_rbd_image(pool, name, reader, progress, total=_file_size(fds[0]))
-    with contextlib.closing(_source(source_kind, fds, source, check)) as src:
-        return imaging.import_image(pool, name, src, progress, size_bytes=size_bytes, force=force)
+            return diffs.import_rbd_image(pool, name, reader, progress, total=_file_size(fds[0]), **bound)
+    src: RandomSource | StreamReader
+    if source_kind == "qcow2":  # checked, bounded and served here: nothing but these files is read
+        src = open_qcow2(fds, source, backing, force=force, max_size_bytes=max_size_bytes)
+    else:
+        src = _source(source_kind, fds, source, check)
+    with contextlib.closing(src):
+        result = imaging.import_image(pool, name, src, progress, size_bytes=size_bytes, force=force, **bound)
+    if source_kind == "qcow2":
+        result["files_read"] = [source, *[entry.split(":", 1)[1] for entry in backing]]
+    return result
 
 
 def _export(
@@ -117,11 +130,28 @@ def _export_diff(
 
 
 def _import_diff(
-    pool: Pool, fds: list[int], progress: ProgressFn, check: Check, name: str, source: str, force: bool = False
+    pool: Pool,
+    fds: list[int],
+    progress: ProgressFn,
+    check: Check,
+    name: str,
+    source: str,
+    force: bool = False,
+    allow_resize: bool = False,
+    max_size_bytes: int | None = None,
 ) -> dict[str, Any]:
     _fds("import-diff", fds, 1)
     with contextlib.closing(StreamReader(fds[0], source, check)) as reader:
-        return diffs.import_diff(pool, name, reader, progress, total=_file_size(fds[0]), force=force)
+        return diffs.import_diff(
+            pool,
+            name,
+            reader,
+            progress,
+            total=_file_size(fds[0]),
+            force=force,
+            allow_resize=allow_resize,
+            max_size_bytes=max_size_bytes,
+        )
 
 
 def _file_size(fd: int) -> int:

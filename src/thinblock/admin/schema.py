@@ -62,6 +62,24 @@ def optional(inner: Check) -> Check:
     return check
 
 
+def list_of(inner: Check) -> Check:
+    def check(name: str, value: object) -> None:
+        if not isinstance(value, list) or len(value) > 64:
+            _fail(name, "a list of at most 64 items", value)
+            return
+        for item in value:
+            inner(name, item)
+
+    return check
+
+
+def one_layer(name: str, value: object) -> None:
+    """A backing file of a qcow2 import: FORMAT:PATH, FORMAT qcow2 or raw."""
+    if not isinstance(value, str) or value.split(":", 1)[0] not in ("qcow2", "raw") or ":" not in value:
+        _fail(name, "FORMAT:PATH items, FORMAT qcow2 or raw", value)
+    text(name, value)
+
+
 def reserve(name: str, value: object) -> None:
     if value in ("full", "none"):
         return
@@ -114,6 +132,8 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
         "source": (text, True),
         "size_bytes": (optional(byte_size), False),
         "force": (flag, False),
+        "max_size_bytes": (optional(byte_size), False),
+        "backing": (list_of(one_layer), False),
     },
     "export": {
         "name": (name_text, True),
@@ -128,7 +148,13 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
         "from_snap": (optional(name_text), False),
         "version": (one_of(1, 2), False),
     },
-    "import_diff": {"name": (name_text, True), "source": (text, True), "force": (flag, False)},
+    "import_diff": {
+        "name": (name_text, True),
+        "source": (text, True),
+        "force": (flag, False),
+        "allow_resize": (flag, False),
+        "max_size_bytes": (optional(byte_size), False),
+    },
     "volume_sparsify": {"name": (name_text, True)},
 }
 

@@ -13,11 +13,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from thinblock.core.mapping import BlockState
-from thinblock.core.pool import Pool
+from thinblock.core.pool import MAX_VOLUME_BYTES, Pool
 from thinblock.core.snapshot import stage
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.progress import ProgressFn
+from thinblock.sizes import format_size
 from thinblock.zeros import is_zero
 
 CHUNK = 1 << 20  # bytes per request to a source, a sink or a volume
@@ -191,3 +192,15 @@ def put(vol: Volume, offset: int, data: bytes, overwrite: bool, behind: WriteBeh
             written += n
     behind.add(written)
     return written, zero
+
+
+def bound_size(size_bytes: int, max_size_bytes: int | None, what: str) -> None:
+    """One sentence for a size an untrusted source claims beyond --max-size, or beyond
+    the largest volume thinblock supports; called before any work starts."""
+    if max_size_bytes is not None and size_bytes > max_size_bytes:
+        why = f"--max-size {format_size(max_size_bytes)}"
+    elif size_bytes > MAX_VOLUME_BYTES:
+        why = f"the largest volume thinblock supports ({format_size(MAX_VOLUME_BYTES)})"
+    else:
+        return
+    raise ThinblockError(f"{what} is {format_size(size_bytes)} ({size_bytes} bytes), beyond {why}: refused")

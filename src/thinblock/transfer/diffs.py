@@ -25,6 +25,7 @@ from thinblock.transfer.common import (
     WINDOW,
     Progress,
     WriteBehind,
+    bound_size,
     data_extents,
     elapsed,
     put,
@@ -179,7 +180,15 @@ class _Applier:
 
 
 def import_diff(
-    pool: Pool, name: str, reader: StreamReader, progress: ProgressFn, *, total: int = 0, force: bool = False
+    pool: Pool,
+    name: str,
+    reader: StreamReader,
+    progress: ProgressFn,
+    *,
+    total: int = 0,
+    force: bool = False,
+    allow_resize: bool = False,
+    max_size_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Apply an rbd diff stream (v1 or v2) to volume `name`, all or nothing.
 
@@ -188,7 +197,11 @@ def import_diff(
     from-snapshot starts from an empty image, so a volume holding data needs force.
     The diff is applied to a staging volume sharing the volume's blocks; only a
     stream read whole and well-formed is then adopted, with the to-snapshot taken,
-    in one commit (core/snapshot.adopt). Anything else changes nothing."""
+    in one commit (core/snapshot.adopt). Anything else changes nothing.
+
+    A diff is untrusted: its size record resizes the volume only with allow_resize
+    (rbd import-diff resizes silently, so a 16 MiB volume could become 8 EiB), and
+    then never beyond max_size_bytes or the largest volume."""
     start = time.monotonic()
     vol = visible(pool, name, "volume")
     with pool.lock:
@@ -207,6 +220,14 @@ def import_diff(
     size = decoder.size_bytes
     if size % SECTOR_BYTES or not size:
         raise ThinblockError(f"the rbd diff's image size {size} is not a positive whole number of 512-byte sectors")
+    if size != vol.size_bytes:
+        if not allow_resize:
+            raise ThinblockError(
+                f"the diff is of a {format_size(size)} ({size} bytes) image and volume {name} is"
+                f" {format_size(vol.size_bytes)}: pass --allow-resize to let the diff resize it (as rbd import-diff"
+                " does), or resize the volume first"
+            )
+        bound_size(size, max_size_bytes, f"the rbd diff's image size (resizing volume {name})")
     base = None
     if decoder.from_snap is not None:
         base = find_snapshot(pool, vol, decoder.from_snap, exact_first=False)
@@ -264,12 +285,19 @@ def import_diff(
 
 
 def import_rbd_image(
-    pool: Pool, name: str, reader: StreamReader, progress: ProgressFn, *, total: int = 0
+    pool: Pool,
+    name: str,
+    reader: StreamReader,
+    progress: ProgressFn,
+    *,
+    total: int = 0,
+    max_size_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Read an "rbd image v2" stream (`rbd export --export-format 2`, or ours) into a
     new volume, as `rbd import` does: its diffs in turn, each that ends at a snapshot
     SNAP followed by taking VOLUME@SNAP, so the snapshots come along. A failure
-    removes the volume and the snapshots it made."""
+    removes the volume and the snapshots it made. Every size record is bounded by
+    max_size_bytes (and the largest volume) before the volume is made or resized."""
     start = time.monotonic()
     with pool.lock:
         if pool.visible_volume(name) is not None:
@@ -288,6 +316,7 @@ def import_rbd_image(
                 size = event.size_bytes
                 if size % SECTOR_BYTES or not size:
                     raise ThinblockError(f"the rbd image's size {size} is not a positive whole number of sectors")
+                bound_size(size, max_size_bytes, "the rbd image stream's size")
                 if vol is None:
                     vol = pool.create_volume(name, size)
                     applier = _Applier(vol)

@@ -1,8 +1,9 @@
 """Disk images outside the pool, read and written only where they hold data.
 
 Sources: a raw file or block device (SEEK_DATA/SEEK_HOLE say where data is), an
-NBD export (base:allocation block status says it; a qcow2 file is served by a
-qemu-nbd that libnbd starts and stops), or a stream read front to back.
+NBD export (base:allocation block status says it; a qcow2 image, once
+transfer/qcow2.py has checked it, is served by a qemu-nbd that libnbd starts and
+stops), or a stream read front to back.
 Sinks: a raw file (holes stay holes), an NBD export (zeros sent as WRITE_ZEROES),
 or a stream (every byte, in order).
 
@@ -234,12 +235,9 @@ class StreamWriter:
 NBD_IN_FLIGHT = 16  # commands on the wire at once, on one connection
 
 
-def nbd_connector(uri: str | None = None, qcow2_path: str | None = None) -> Any:
-    """How to connect a libnbd handle: to a URI, or to a qemu-nbd serving a qcow2
-    file read-only (started by libnbd with socket activation, stopped with the handle)."""
-    if qcow2_path is not None:
-        argv = ["qemu-nbd", "--read-only", "--format=qcow2", qcow2_path]
-        return lambda h: h.connect_systemd_socket_activation(argv)
+def nbd_connector(uri: str) -> Any:
+    """How to connect a libnbd handle to a URI (a qcow2 image is served by a qemu-nbd
+    that transfer/qcow2.py starts, on the image it has checked)."""
     return lambda h: h.connect_uri(uri)
 
 
@@ -295,11 +293,14 @@ class NbdSource:
         self.size_bytes = int(self.conn.h.get_size())
 
     def extents(self) -> Iterator[tuple[int, int, bool]]:
+        return self.status(0, self.size_bytes)
+
+    def status(self, pos: int, size: int) -> Iterator[tuple[int, int, bool]]:
+        """(offset, length, data) covering [pos, size), from base:allocation."""
         h = self.conn.h
-        pos, size = 0, self.size_bytes
         if not h.can_meta_context("base:allocation"):
-            if size:
-                yield 0, size, True
+            if size > pos:
+                yield pos, size - pos, True
             return
         while pos < size:
             found: list[tuple[int, bool]] = []

@@ -20,6 +20,7 @@ from thinblock.transfer.common import (
     Progress,
     WriteBehind,
     block_runs,
+    bound_size,
     chunks,
     data_extents,
     elapsed,
@@ -39,15 +40,19 @@ def import_image(
     *,
     size_bytes: int | None = None,
     force: bool = False,
+    max_size_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Copy a raw image (a file, an NBD export, a stream) into volume `name`, creating it
     with the source's size unless it exists with that size. Only what the source holds
     as data is read, and only blocks that are not all zero are written. A volume that
     holds data is overwritten only with force (then the source's zeros are written as
-    zeros, which costs metadata only). A volume this created is removed on failure."""
+    zeros, which costs metadata only). A volume this created is removed on failure.
+    A size beyond max_size_bytes (or the largest volume) is refused before anything starts."""
     start = time.monotonic()
     stream = isinstance(source, StreamReader)
     size = size_bytes if stream else source.size_bytes  # type: ignore[union-attr]
+    if size is not None:
+        bound_size(size, max_size_bytes, "the size given (--size)" if stream else f"the source {source.name}")
     with pool.lock:
         vol = pool.visible_volume(name)
         if vol is not None and vol.row.kind != "volume":

@@ -18,11 +18,13 @@ from typing import Any
 
 from thinblock.admin.access import open_admin
 from thinblock.admin.jobs import close_fds
+from thinblock.errors import ThinblockError
 from thinblock.formats.rbd import IMAGE_V2
 from thinblock.frontends.cli.common import UsageError, emit, size_arg
 from thinblock.frontends.cli.progress import progress_bar, wanted
 from thinblock.sizes import format_size
 from thinblock.transfer.images import QCOW2_MAGIC, is_nbd_uri
+from thinblock.transfer.qcow2 import backing_chain
 
 Add = Callable[..., argparse.ArgumentParser]
 
@@ -79,12 +81,23 @@ def cmd_import(args: argparse.Namespace) -> None:
         if fmt == "auto":
             head = os.pread(fd, len(IMAGE_V2), 0)
             fmt = "qcow2" if head[:4] == QCOW2_MAGIC else "rbd" if head == IMAGE_V2 else "raw"
-        if fmt == "qcow2":
-            os.close(fd)
-            kind, source = "qcow2", os.path.realpath(source)
-        else:
-            kind, fds = "rbd" if fmt == "rbd" else "file", [fd]
+        kind, fds = ("qcow2" if fmt == "qcow2" else "rbd" if fmt == "rbd" else "file"), [fd]
         shown = args.source
+    backing: list[str] = []
+    if args.allow_backing:
+        if kind != "qcow2":
+            close_fds(fds)
+            raise UsageError("--allow-backing is for a qcow2 image file")
+        try:
+            chain = backing_chain(fds[0], source)
+        except ThinblockError:
+            close_fds(fds)
+            raise
+        fds += [fd for _, _, fd in chain[1:]]
+        backing = [f"{fmt}:{path}" for path, fmt, _ in chain[1:]]
+        if backing:  # said before any of them is read
+            files = ", ".join(f"{path} ({fmt})" for path, fmt, _ in chain[1:])
+            print(f"import: --allow-backing: {source} reads its backing chain: {files}", file=sys.stderr)
     if args.size is not None and kind != "stream":
         close_fds(fds)
         raise UsageError("--size is for a stream (-): a file or NBD export has its own size")
@@ -98,6 +111,8 @@ def cmd_import(args: argparse.Namespace) -> None:
         source=source if kind != "stream" else "-",
         size_bytes=args.size,
         force=args.force,
+        max_size_bytes=args.max_size,
+        backing=backing,
     )
 
     def human(r: dict[str, Any]) -> str:
@@ -222,7 +237,17 @@ def cmd_import_diff(args: argparse.Namespace) -> None:
             fds = [os.open(args.file, os.O_RDONLY | os.O_CLOEXEC)]
         except OSError as exc:
             raise UsageError(f"cannot open {args.file}: {exc.strerror}") from None
-    result = _job(args, "import-diff", "import_diff", fds, name=args.volume, source=args.file, force=args.force)
+    result = _job(
+        args,
+        "import-diff",
+        "import_diff",
+        fds,
+        name=args.volume,
+        source=args.file,
+        force=args.force,
+        allow_resize=args.allow_resize,
+        max_size_bytes=args.max_size,
+    )
 
     def human(r: dict[str, Any]) -> str:
         snap = f", created snapshot {r['to_snap']}" if r["to_snap"] else ""
@@ -273,7 +298,25 @@ def register(sub: Any, vol_sub: Any, add: Add) -> None:
         help="SOURCE's format: auto (a file's first bytes say), raw, qcow2, or rbd (an 'rbd image v2' stream)",
     )
     p.add_argument("--size", type=size_arg, help="the volume's size when SOURCE is - and the volume is new")
-    p.add_argument("-f", "--force", action="store_true", help="overwrite a volume that holds data")
+    p.add_argument(
+        "--max-size",
+        type=size_arg,
+        metavar="SIZE",
+        help="refuse a source whose (virtual) size is beyond SIZE, before anything is read (default: the"
+        " largest volume, 8E)",
+    )
+    p.add_argument(
+        "--allow-backing",
+        action="store_true",
+        help="let a qcow2 image read its backing chain of local files (named before the import starts);"
+        " by default an image with a backing file is refused",
+    )
+    p.add_argument(
+        "-f",
+        "--force",
+        action="store_true",
+        help="overwrite a volume that holds data; import a qcow2 image that qemu-img check finds damaged",
+    )
     _job_options(p)
 
     p = add(sub, "export", cmd_export, "copy a volume or snapshot to a sparse raw file, an NBD export or a stream")
@@ -299,6 +342,18 @@ def register(sub: Any, vol_sub: Any, add: Add) -> None:
     p.add_argument("volume", metavar="VOLUME")
     p.add_argument(
         "-f", "--force", action="store_true", help="apply even if the volume changed since the diff's from-snapshot"
+    )
+    p.add_argument(
+        "--allow-resize",
+        action="store_true",
+        help="let the diff's size record resize the volume (as rbd import-diff does); by default a diff of"
+        " another size is refused",
+    )
+    p.add_argument(
+        "--max-size",
+        type=size_arg,
+        metavar="SIZE",
+        help="with --allow-resize, refuse a diff that would make the volume larger than SIZE (default: 8E)",
     )
     _job_options(p)
 
