@@ -200,7 +200,7 @@ def bound_size(size_bytes: int, max_size_bytes: int | None, what: str) -> None:
     if max_size_bytes is not None and size_bytes > max_size_bytes:
         why = f"--max-size {format_size(max_size_bytes)}"
     elif size_bytes > MAX_VOLUME_BYTES:
-        why = f"the largest volume thinblock supports ({format_size(MAX_VOLUME_BYTES)})"
+        why = f"the largest volume thinblock supports ({MAX_VOLUME_BYTES} bytes)"
     else:
         return
     raise ThinblockError(f"{what} is {format_size(size_bytes)} ({size_bytes} bytes), beyond {why}: refused")
