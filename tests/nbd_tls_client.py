@@ -89,7 +89,7 @@ class TLSClient:
             raw.sendall(option(c.OPT_STARTTLS))
             _magic, _opt, reply, length = struct.unpack(">QIII", _exact(raw, 20))
             assert reply == c.REP_ACK and length == 0
-            self.sock: socket.socket = ctx.wrap_socket(raw, server_hostname="localhost")
+            self.sock: ssl.SSLSocket = ctx.wrap_socket(raw, server_hostname="localhost")
         except BaseException:
             raw.close()
             raise
