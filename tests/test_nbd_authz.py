@@ -13,6 +13,8 @@ option replies.
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import struct
 import subprocess
@@ -24,7 +26,10 @@ import pytest
 
 from tests.nbd_server import Server, thinblock
 from tests.nbd_tls_client import PKI, TLSClient, client_context, name_request, wait_for_log
+from thinblock.errors import ThinblockError
 from thinblock.frontends.nbd import constants as c
+from thinblock.frontends.nbd.authz import Grant, identity, parse_rules
+from thinblock.logtext import shown
 
 MiB = 1 << 20
 RULES = "# who  access  exports\nadmin  rw  *\nbackup  ro  disk\n"
@@ -335,6 +340,10 @@ def test_a_file_others_can_write_is_reported(pool: str, pki: PKI, authz: Path, c
         srv.proc.send_signal(signal.SIGHUP)
         log = wait_for_log(srv.log, f"--tls-authz {authz} can be written by its group (mode 0620)")
         handle(srv, clients["backup"], "disk").shutdown()  # a warning, not a refusal
+        authz.chmod(0o600)
+        os.chown(authz, 54321, -1)  # a uid no user of this machine has
+        srv.proc.send_signal(signal.SIGHUP)
+        log = wait_for_log(srv.log, f"--tls-authz {authz} is owned by another user (uid 54321)")
     finally:
         srv.stop()
     assert "Traceback" not in log
@@ -358,3 +367,36 @@ def test_client_names_cannot_forge_log_lines(server: Server, pki: PKI, clients: 
     assert "may not use export '\\x1b[2J\\n2026-01-01 00:00:00,000 thinblock.nbd: forged\\u2028'" in log
     assert not any(line.startswith("2026-01-01") for line in log.splitlines()), log
     assert "\x1b" not in log and "\u2028" not in log
+
+
+# ----- the pieces alone (unit tests, in addition to the above) ---------------------------
+
+
+def test_shown_escapes_what_is_not_printable() -> None:
+    assert shown("vm1@monday é") == "vm1@monday é"
+    assert shown("a\nb\r\t\x1b[2J\x85\u2028\\") == "a\\nb\\r\\t\\x1b[2J\\x85\\u2028\\\\"
+    assert shown("\U000e0001") == "\\U000e0001"  # a format character
+
+
+def test_identity_needs_exactly_one_common_name() -> None:
+    one = identity({"subject": ((("organizationName", "x"),), (("commonName", "backup"),))})
+    assert (one.name, one.problem) == ("backup", None)
+    assert identity({"subject": ()}).shown == "(no common name)"
+    for subject in (
+        ((("commonName", "backup"),), (("commonName", "admin"),)),
+        ((("commonName", "backup"), ("commonName", "admin")),),
+    ):
+        assert "has 2 common names ('backup', 'admin')" in (identity({"subject": subject}).problem or "")
+
+
+def test_parse_rules() -> None:
+    rules = parse_rules("# c\r\nadmin\trw *\r\n\nbackup ro a,b  # note\n", "F")
+    assert rules == {"admin": Grant(None, False), "backup": Grant(frozenset({"a", "b"}), True)}
+    for text, message in (
+        ("admin rw", "F line 1: a rule is NAME rw|ro"),
+        ("admin rx *", "F line 1: a rule is NAME rw|ro"),
+        ("a ro x\na rw *", "F line 2: a second rule for 'a'"),
+        ("a ro x\u2029b rw *", "F line 1: a rule may not hold the control character U+2029"),
+    ):
+        with pytest.raises(ThinblockError, match=re.escape(message)):
+            parse_rules(text, "F")

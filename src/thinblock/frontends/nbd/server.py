@@ -653,6 +653,7 @@ class Session:
                     self.export = Export(self.server.pool, vol, read_only=event.export.read_only)
                 self.writer = threading.Thread(target=self._write_loop, name=f"{self.reader.name}-w", daemon=True)
                 self.writer.start()
+                self._check_grant()
                 log.info(
                     "%s: export '%s' (%s bytes%s%s)",
                     self.name,
@@ -686,11 +687,18 @@ class Session:
         if not isinstance(catalog, GrantedCatalog):
             return  # TLS not started yet: _authorise will use the new list
         catalog.regrant(authz.grant(catalog.who))
+        self._check_grant()
+
+    def _check_grant(self) -> None:
+        """End a connection in transmission that its current grant no longer covers.
+        Run by a reload after it swapped the grant, and by the reader after it entered
+        transmission, so a GO that raced a reload is caught by one or the other."""
+        catalog = self.conn.catalog
         export = self.conn.export
-        if export is None:
-            return  # still negotiating: the next option sees the new grant
+        if not isinstance(catalog, GrantedCatalog) or export is None:
+            return  # still negotiating: the next option sees the current grant
         why = catalog.lost(export, list(self.conn.neg.contexts.values()))
-        if why is not None:
+        if why is not None and self.lost_grant is None:
             self.lost_grant = why
             log.warning("%s: closing: client certificate %s: %s", self.name, catalog.who.shown, why)
             self.hang_up()
