@@ -6,6 +6,7 @@ import json
 import random
 import shutil
 import socket
+import ssl
 import struct
 import subprocess
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.nbd_server import Server, thinblock
+from tests.nbd_tls_client import TLSClient, client_context, name_request
 from thinblock.frontends.nbd import constants as c
 
 MiB = 1 << 20
@@ -78,6 +80,45 @@ def test_tls_with_nbdinfo_and_qemu(tls_server: Server, certs: Path) -> None:
     # over the unix socket too
     unix = f"nbds+unix:///disk?socket={tls_server.socket}&tls-certificates={certs}&tls-hostname=localhost"
     assert json.loads(run("nbdinfo", "--json", unix).stdout)["TLS"] is True
+
+
+# Suites a client may offer, and whether the server accepts them: TLS 1.2 with forward
+# secrecy (ECDHE) and an AEAD cipher, or TLS 1.3; never static RSA, CBC or TLS 1.1.
+CIPHER_CASES = [
+    ("AES128-SHA", ssl.TLSVersion.TLSv1_2, False),  # static RSA key exchange, CBC, SHA-1
+    ("AES256-GCM-SHA384", ssl.TLSVersion.TLSv1_2, False),  # static RSA, even with GCM
+    ("ECDHE-RSA-AES128-SHA256", ssl.TLSVersion.TLSv1_2, False),  # forward secret, but CBC
+    ("ECDHE-RSA-AES128-SHA", ssl.TLSVersion.TLSv1_1, False),  # TLS 1.1
+    ("ECDHE-RSA-AES128-GCM-SHA256", ssl.TLSVersion.TLSv1_2, True),
+    ("ECDHE-RSA-CHACHA20-POLY1305", ssl.TLSVersion.TLSv1_2, True),
+    (None, ssl.TLSVersion.TLSv1_3, True),
+]
+
+
+@pytest.mark.filterwarnings("ignore:ssl.TLSVersion.TLSv1_1 is deprecated:DeprecationWarning")
+@pytest.mark.parametrize(("suite", "version", "accepted"), CIPHER_CASES, ids=lambda v: str(getattr(v, "name", v)))
+def test_cipher_policy(
+    tls_server: Server, certs: Path, suite: str | None, version: ssl.TLSVersion, accepted: bool
+) -> None:
+    ctx = client_context(certs / "ca-cert.pem")
+    ctx.minimum_version = ctx.maximum_version = version
+    if suite is not None:
+        ctx.set_ciphers(f"{suite}:@SECLEVEL=0")  # the client offers only this suite
+    port = int(tls_server.tcp_uri("disk").rsplit(":", 1)[1].split("/")[0])
+    if accepted:
+        client = TLSClient(port, ctx)
+        try:
+            names = {ssl.TLSVersion.TLSv1_2: "TLSv1.2", ssl.TLSVersion.TLSv1_3: "TLSv1.3"}
+            assert client.sock.version() == names[version]
+            assert suite is None or (client.sock.cipher() or ("",))[0] == suite
+            replies = client.ask(c.OPT_GO, name_request("disk"))
+            assert replies[-1][0] == c.REP_ACK
+        finally:
+            client.close()
+    else:
+        with pytest.raises(ssl.SSLError):
+            TLSClient(port, ctx)
+    assert tls_server.alive()
 
 
 def test_plaintext_refused_when_tls_is_on(tls_server: Server) -> None:

@@ -333,11 +333,11 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    """Serve every volume over NBD until SIGINT/SIGTERM, then commit and stop."""
+    """Serve every volume over NBD until SIGINT/SIGTERM, then commit and stop; SIGHUP
+    reloads the --tls-authz file."""
     import logging
     import signal
     import ssl
-    import threading
 
     from thinblock.admin.control import ControlServer
     from thinblock.frontends.fuse.host import MountHost
@@ -375,9 +375,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise UsageError("--max-connections must be at least 1, and the timeouts more than 0 seconds")
     limits = Limits(args.max_connections, args.handshake_timeout, min(args.handshake_timeout, args.idle_timeout))
     socket_path = os.path.abspath(args.socket or os.path.join(locate(args.pool).runtime_dir(), "nbd.sock"))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     try:
         with progress_bar("recovering free space", sys.stderr.isatty()) as bar:
             pool = Pool.open(args.pool, purpose="thinblock serve", takeover=args.takeover, progress=bar)
@@ -413,12 +411,37 @@ def cmd_serve(args: argparse.Namespace) -> None:
         for uri in export_uris(sorted(pool.volumes), socket_path=socket_path, tcp=bound, tls=tls is not None):
             print(f"export {uri}", flush=True)
         print(f"ready: serving {len(pool.volumes)} volume(s) of {args.pool}", flush=True)
-        stop.wait()
+        while signals.next() == signal.SIGHUP:
+            server.reload_authz()
         print("stopping: finishing requests and committing", flush=True)
         control.close()
         host.close()
         server.close()
     print("stopped", flush=True)
+
+
+class _SignalQueue:
+    """Signals taken in order by the main thread: their numbers are written to a socket
+    by the interpreter (signal.set_wakeup_fd), and the handler itself does nothing, so
+    no lock is ever taken inside a handler (Event.set there can deadlock the thread
+    it interrupts). Signals that come early (while the pool opens) wait their turn."""
+
+    def __init__(self, *signums: int) -> None:
+        import signal
+        import socket
+
+        self._read, write = socket.socketpair()
+        write.setblocking(False)
+        self._write = write  # kept open as long as the queue
+        signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+        for signum in signums:
+            signal.signal(signum, lambda *_: None)
+        self._pending = bytearray()
+
+    def next(self) -> int:
+        while not self._pending:
+            self._pending += self._read.recv(64)
+        return self._pending.pop(0)
 
 
 def _octal_mode(text: str) -> int:
@@ -643,7 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
     p.add_argument("--tls-ca", metavar="FILE", help="CA for client certificates (then they are required)")
     p.add_argument(
-        "--tls-authz", metavar="FILE", help="client certificates allowed in: lines NAME rw|ro EXPORTS|* (see README)"
+        "--tls-authz",
+        metavar="FILE",
+        help="client certificates allowed in: lines NAME rw|ro EXPORTS|* (see README); re-read on SIGHUP",
     )
     p.add_argument("--tls-psk", metavar="FILE", help="not available: Python 3.11's ssl has no TLS-PSK (see README)")
     p.add_argument(

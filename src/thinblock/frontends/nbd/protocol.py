@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Protocol
 
 from thinblock.frontends.nbd import constants as c
+from thinblock.logtext import shown
 
 _OPTION_HEADER = struct.Struct(">QII")
 _OPTION_REPLY = struct.Struct(">QIII")
@@ -52,8 +53,9 @@ class ExportInfo:
 
 
 class ExportCatalog(Protocol):
-    """The exports a client may see. lookup raises ExportRefused for an export that
-    exists but that this client may not use (the server's authorisation)."""
+    """The exports a client may see. lookup answers None both for a name that does not
+    exist and for one the client may not see (authz.py), and raises ExportRefused
+    when the client may use nothing at all (the server's authorisation)."""
 
     def list_exports(self) -> list[ExportInfo]: ...
 
@@ -61,7 +63,7 @@ class ExportCatalog(Protocol):
 
 
 class ExportRefused(Exception):
-    """This client may not use the export: REP_ERR_POLICY with the message."""
+    """This client may use no export: REP_ERR_POLICY with the message."""
 
 
 class Phase(Enum):
@@ -409,15 +411,16 @@ class ServerConnection:
         return self._enter_transmission(export)
 
     def _lookup(self, option: int, name: str) -> ExportInfo | None:
-        """The export an option names, or None with the error reply sent: POLICY for one
-        this client may not use, UNKNOWN for one that does not exist."""
+        """The export an option names, or None with the error reply sent: POLICY for a
+        client refused everything, UNKNOWN for a name that does not exist or is hidden
+        from this client (the same reply, so names cannot be probed)."""
         try:
             export = self.catalog.lookup(name)
         except ExportRefused as exc:
             self._error(option, c.REP_ERR_POLICY, str(exc))
             return None
         if export is None:
-            self._error(option, c.REP_ERR_UNKNOWN, f"no export named {name!r}")
+            self._error(option, c.REP_ERR_UNKNOWN, f"no export named '{shown(name)}'")
         return export
 
     def _export_name(self, data: bytes) -> Event:
@@ -428,9 +431,9 @@ class ServerConnection:
         try:
             export = self.catalog.lookup(name)
         except ExportRefused as exc:
-            return Closed(f"refused export {name!r}: {exc}", clean=False)
+            return Closed(f"refused export '{shown(name)}': {exc}", clean=False)
         if export is None:
-            return Closed(f"client asked for unknown export {name!r}", clean=False)
+            return Closed(f"client asked for unknown export '{shown(name)}'", clean=False)
         self._outbuf += struct.pack(">QH", export.size_bytes, self._transmission_flags(export))
         if not self.neg.no_zeroes:
             self._outbuf += bytes(124)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from thinblock.core.delta import changed_ranges
 from thinblock.core.pool import Pool
 from thinblock.core.volume import Volume
-from thinblock.errors import OpError
+from thinblock.errors import OpError, ThinblockError
 from thinblock.frontends.export import Export, errno_of
 from thinblock.frontends.nbd import constants as c
 from thinblock.frontends.nbd.authz import Authz, GrantedCatalog
@@ -48,6 +48,7 @@ from thinblock.frontends.nbd.protocol import (
 )
 from thinblock.iovec import IOV_MAX, write_all
 from thinblock.listen import accept_loop, bind_unix
+from thinblock.logtext import shown
 from thinblock.privacy import PRIVATE_FILE
 
 log = logging.getLogger("thinblock.nbd")
@@ -129,6 +130,18 @@ class PoolCatalog:
     def lookup(self, name: str) -> ExportInfo | None:
         vol = self.volume(name)
         return None if vol is None else self.info(vol)
+
+    def context_owners(self, context: str) -> tuple[str, ...] | None:
+        """The exports whose use lets a client use this context (authz.py): for
+        thinblock:changed:SNAP, SNAP itself and the volume or snapshot it was taken
+        of; None for the contexts that only describe the export they are used on."""
+        if not context.startswith(CHANGED_PREFIX):
+            return None
+        name = context.removeprefix(CHANGED_PREFIX)
+        with self.pool.lock:
+            snapshot = self.pool.visible_volume(name)
+            origin = self.pool.volume_by_id(snapshot.row.origin_id) if snapshot is not None else None
+            return (name, origin.name) if origin is not None else (name,)
 
     def volume(self, name: str) -> Volume | None:
         """The volume behind an export name; "" is the default export when the pool has one volume."""
@@ -228,12 +241,25 @@ class TLSConfig:
 
     def context(self) -> ssl.SSLContext:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        cipher_policy(ctx)
         ctx.load_cert_chain(self.cert, self.key)
         if self.ca:
             ctx.load_verify_locations(self.ca)
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
+
+
+# TLS 1.2 suites with forward secrecy (ephemeral ECDH or DH) and an AEAD cipher
+# (AES-GCM, ChaCha20-Poly1305) only: no static-RSA key exchange, no CBC, no SHA-1
+# MACs. TLS 1.3 suites are all of that kind and are left to OpenSSL's defaults.
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:DHE+AESGCM:DHE+CHACHA20:!aNULL:!eNULL:!PSK:!SRP:!DSS:!SHA1"
+
+
+def cipher_policy(ctx: ssl.SSLContext) -> None:
+    """TLS 1.2 or newer, forward-secret AEAD suites only, no compression or renegotiation."""
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers(TLS12_CIPHERS)
+    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE | ssl.OP_NO_RENEGOTIATION
 
 
 class ByteBudget:
@@ -427,6 +453,26 @@ class NBDServer:
             with self.lock:
                 self._refusing -= 1
 
+    def reload_authz(self) -> bool:
+        """Read the --tls-authz file again (SIGHUP): new connections and options use the
+        new rules, and connections that lost their grant are ended. A file that does
+        not load changes nothing (one log line). True if the new rules are in force."""
+        if self.authz is None:
+            log.warning("SIGHUP: there is no --tls-authz file to reload")
+            return False
+        try:
+            authz = Authz.load(self.authz.path)
+        except ThinblockError as exc:
+            log.error("reloading --tls-authz failed, the previous rules stay in force: %s", exc)
+            return False
+        with self.lock:
+            self.authz = authz
+            sessions = list(self.sessions)
+        for session in sessions:
+            session.regrant(authz)
+        log.info("reloaded --tls-authz %s: %d rule(s)", authz.path, len(authz.rules))
+        return True
+
     def close(self) -> None:
         """Stop accepting, let in-flight requests finish, end every session."""
         self.stopping.set()
@@ -487,6 +533,7 @@ class Session:
         self.send_lock = threading.Lock()
         self.queued = 0  # replies handed to the writer thread and not yet sent
         self.inline_sends = True  # until TLS starts: an SSL socket is written by the writer only
+        self.lost_grant: str | None = None  # why a reloaded --tls-authz ended this connection
 
     def start(self) -> None:
         self.reader.start()
@@ -495,8 +542,10 @@ class Session:
         self.reader.join(timeout)
 
     def hang_up(self, *, both: bool = False) -> None:
+        # socket.socket.shutdown, not SSLSocket.shutdown: that one drops the TLS state at
+        # once, and the replies still going out would then leave in plaintext.
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR if both else socket.SHUT_RD)
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR if both else socket.SHUT_RD)
 
     def _run(self) -> None:
         log.info("%s: connected", self.name)
@@ -533,6 +582,8 @@ class Session:
                 self.server.sessions.discard(self)
             if self.export is not None:
                 self.export.close()
+            if self.lost_grant is not None:
+                reason = f"grant withdrawn: {self.lost_grant}"
             log.info("%s: closed (%s)", self.name, reason)
 
     def _loop(self) -> str:
@@ -593,10 +644,8 @@ class Session:
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
                 self.inline_sends = False
                 assert isinstance(self.sock, ssl.SSLSocket)
-                log.info("%s: TLS started (%s)", self.name, self.sock.version())
-                if self.server.authz is not None:
-                    who, grant = self.server.authz.client(self.sock.getpeercert())
-                    self.conn.catalog = GrantedCatalog(self.server.catalog, who, grant, self.name)
+                log.info("%s: TLS started (%s, %s)", self.name, self.sock.version(), (self.sock.cipher() or ("?",))[0])
+                self._authorise()
             elif isinstance(event, Transmission):
                 self.sock.settimeout(None)  # requests may be far apart; replies must not time out
                 vol = self.server.catalog.volume(event.export.name)
@@ -604,16 +653,65 @@ class Session:
                     self.export = Export(self.server.pool, vol, read_only=event.export.read_only)
                 self.writer = threading.Thread(target=self._write_loop, name=f"{self.reader.name}-w", daemon=True)
                 self.writer.start()
+                self._check_grant()
                 log.info(
-                    "%s: export %r (%s bytes%s%s)",
+                    "%s: export '%s' (%s bytes%s%s)",
                     self.name,
-                    event.export.name,
+                    shown(event.export.name),
                     event.export.size_bytes,
                     ", structured replies" if event.structured else "",
-                    f", contexts {sorted(event.contexts.values())}" if event.contexts else "",
+                    f", contexts {', '.join(shown(n) for n in sorted(event.contexts.values()))}"
+                    if event.contexts
+                    else "",
                 )
             elif isinstance(event, Closed):
                 return event.reason
+
+    def _authorise(self) -> None:
+        """Under --tls-authz, the client's view of the exports is its certificate's grant
+        (under the server lock, so a reload in between is never missed)."""
+        assert isinstance(self.sock, ssl.SSLSocket)
+        with self.server.lock:
+            if self.server.authz is None:
+                return
+            who, grant = self.server.authz.client(self.sock.getpeercert())
+            self.conn.catalog = GrantedCatalog(self.server.catalog, who, grant, self.name)
+        if who.problem:
+            log.warning("%s: client certificate %s %s", self.name, who.shown, who.problem)
+
+    def regrant(self, authz: Authz) -> None:
+        """A reloaded authorisation list: the client's grant is looked up again, and a
+        connection in transmission whose export, access or contexts it no longer
+        covers is ended (its requests in flight are answered first; _run)."""
+        catalog = self.conn.catalog
+        if not isinstance(catalog, GrantedCatalog):
+            return  # TLS not started yet: _authorise will use the new list
+        catalog.regrant(authz.grant(catalog.who))
+        self._check_grant()
+
+    def _check_grant(self) -> None:
+        """End a connection in transmission that its current grant no longer covers.
+        Run by a reload after it swapped the grant, and by the reader after it entered
+        transmission, so a GO that raced a reload is caught by one or the other."""
+        catalog = self.conn.catalog
+        export = self.conn.export
+        if not isinstance(catalog, GrantedCatalog) or export is None:
+            return  # still negotiating: the next option sees the current grant
+        why = catalog.lost(export, list(self.conn.neg.contexts.values()))
+        if why is not None and self.lost_grant is None:
+            self.lost_grant = why
+            log.warning("%s: closing: client certificate %s: %s", self.name, catalog.who.shown, why)
+            self.hang_up()
+
+    def _context_refused(self) -> str | None:
+        """A negotiated context this client may no longer use (its snapshot was replaced
+        by another of the same name, or the grant changed), or None."""
+        catalog = self.conn.catalog
+        if isinstance(catalog, GrantedCatalog):
+            for context in self.conn.neg.contexts.values():
+                if not catalog.allows_context(context):
+                    return context
+        return None
 
     def _take_budget(self, cost: int) -> bool:
         """The connection's share, then the server's (and its large-request share)."""
@@ -722,12 +820,14 @@ class Session:
         export = self.export
         if export is None or export.gone:
             return [conn.error_reply(req.cookie, c.EIO, "the volume behind this export was removed")]
+        if req.command == c.CMD_BLOCK_STATUS and (context := self._context_refused()) is not None:
+            return [conn.error_reply(req.cookie, c.EPERM, f"metadata context {context} is no longer granted")]
         try:
             return execute(conn, export, req)
         except OpError as exc:
             return [conn.error_reply(req.cookie, nbd_error(exc), exc.strerror or "")]
         except OSError as exc:
-            log.error("%s: I/O error on %s: %s", self.name, export.name, exc)
+            log.error("%s: I/O error on %s: %s", self.name, shown(export.name), exc)
             return [conn.error_reply(req.cookie, nbd_error(exc), str(exc))]
         except Exception:
             log.exception("%s: request %d failed", self.name, req.command)
