@@ -23,6 +23,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ from thinblock.frontends.nbd.protocol import (
     StartTLS,
     Transmission,
 )
+from thinblock.frontends.nbd.status import bounded_status
 from thinblock.iovec import IOV_MAX, write_all
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.privacy import PRIVATE_FILE
@@ -175,12 +177,30 @@ def execute(conn: ServerConnection, vol: Export, req: Request) -> list[bytes]:
     elif cmd == c.CMD_CACHE:
         pass  # the data store is a local file: the page cache already serves this
     elif cmd == c.CMD_BLOCK_STATUS:
-        replies = []
-        for ctx_id, name in conn.neg.contexts.items():
-            extents = context_extents(vol, name, req.offset, req.length)
-            replies.append((ctx_id, extents[:1] if req.flags & c.CMD_FLAG_REQ_ONE else extents))
+        # Bounded and paced (status.py): the reply may cover less than was asked.
+        replies = bounded_status(
+            lambda name, offset, length: context_extents(vol, name, offset, length),
+            conn.neg.contexts,
+            status_volumes(vol, conn.neg.contexts.values()),
+            req.offset,
+            req.length,
+            req_one=bool(req.flags & c.CMD_FLAG_REQ_ONE),
+        )
         return [conn.block_status_reply(req.cookie, replies)]
     return [conn.simple_reply(req.cookie)]
+
+
+def status_volumes(export: Export, contexts: Iterable[str]) -> list[Volume]:
+    """The volumes a block status walk reads: the export's, and each snapshot that a
+    thinblock:changed: context compares it with (status.slice_ends bounds the walk by
+    the pages of all of them)."""
+    vols = [export.volume]
+    for name in contexts:
+        if name.startswith(CHANGED_PREFIX):
+            snapshot = export.volume.pool.volumes.get(name.removeprefix(CHANGED_PREFIX))
+            if snapshot is not None:
+                vols.append(snapshot)
+    return vols
 
 
 def context_extents(export: Export, context: str, offset: int, length: int) -> list[tuple[int, int]]:
@@ -334,6 +354,8 @@ class NBDServer:
         self.executor = ThreadPoolExecutor(
             max_workers=max(WORKERS, min(depth, MAX_IN_FLIGHT)), thread_name_prefix="thinblock-nbd-worker"
         )
+        # Block status walks, every client's, one at a time and paced (status.py).
+        self.status_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thinblock-nbd-status")
         self.listeners: list[socket.socket] = []
         self.unix_paths: list[tuple[str, int]] = []
         self.threads: list[threading.Thread] = []
@@ -343,6 +365,10 @@ class NBDServer:
         self._next_id = 0
         self.budget = ByteBudget(SERVER_BUDGET_BYTES)
         self.large_budget = ByteBudget(LARGE_BUDGET_BYTES)
+
+    def executor_for(self, req: Request) -> ThreadPoolExecutor:
+        """BLOCK_STATUS goes to the one paced status thread, everything else to the workers."""
+        return self.status_executor if req.command == c.CMD_BLOCK_STATUS else self.executor
 
     def listen_unix(self, path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None) -> None:
         """Listen at path (mode 0600 unless shared with a group), replacing a dead
@@ -451,6 +477,7 @@ class NBDServer:
                 session.hang_up(both=True)  # a client that reads no replies must not hold up the stop
                 session.join()
         self.executor.shutdown(wait=True)
+        self.status_executor.shutdown(wait=True)
 
 
 class Session:
@@ -587,7 +614,7 @@ class Session:
                     self._work(event, cost, inline=True)  # no thread handoff for small requests
                 else:
                     self._flush_batch()
-                    self.server.executor.submit(self._work, event, cost)
+                    self.server.executor_for(event).submit(self._work, event, cost)
             elif isinstance(event, StartTLS):
                 assert self.server.ssl_context is not None
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
