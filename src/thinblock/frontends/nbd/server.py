@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import queue
+import select
 import socket
 import ssl
 import threading
@@ -34,6 +35,7 @@ from thinblock.errors import OpError
 from thinblock.frontends.export import Export, errno_of
 from thinblock.frontends.nbd import constants as c
 from thinblock.frontends.nbd.authz import Authz, GrantedCatalog
+from thinblock.frontends.nbd.limits import Admission, AdmissionLimits, Slot, certificate_identity
 from thinblock.frontends.nbd.protocol import (
     BASE_ALLOCATION,
     Closed,
@@ -323,11 +325,23 @@ REFUSE_S = 2.0
 
 @dataclass(frozen=True)
 class Limits:
-    """What one client may hold: a connection slot, and time to negotiate."""
+    """What one client may hold: a connection slot, and time to negotiate (the slot
+    rules are limits.py's)."""
 
     max_connections: int = 256
     handshake_s: float = 30.0  # from connect to the first request, TLS included
     idle_s: float = 10.0  # silence allowed between two negotiation messages
+    max_negotiating_per_address: int = AdmissionLimits.max_negotiating_per_address
+    max_connections_per_address: int = AdmissionLimits.max_connections_per_address
+    max_connections_per_identity: int = AdmissionLimits.max_connections_per_identity
+
+    def admission(self) -> AdmissionLimits:
+        return AdmissionLimits(
+            self.max_connections,
+            self.max_negotiating_per_address,
+            self.max_connections_per_address,
+            self.max_connections_per_identity,
+        )
 
 
 class NBDServer:
@@ -347,6 +361,7 @@ class NBDServer:
         self.ssl_context = tls.context() if tls else None
         self.authz = authz
         self.limits = limits or Limits()
+        self.admission = Admission(self.limits.admission())
         self._refusing = 0  # connections past the cap being told why
         self._refused_logged = 0.0  # when a refusal was last logged
         depth = pool.store.queue_depth
@@ -396,27 +411,31 @@ class NBDServer:
         accept_loop(listener, self.stopping, self._take, log, "the NBD listener")
 
     def _take(self, sock: socket.socket) -> None:
-        """A new connection: a session, or past the cap a refusal."""
+        """A new connection: a session, or past a limit (limits.py) a refusal."""
         with self.lock:
-            full = len(self.sessions) >= self.limits.max_connections
-            if not full:
-                self._next_id += 1
-                session = Session(self, sock, self._next_id)
-                self.sessions.add(session)
-        if full:
+            self._next_id += 1
+            sid = self._next_id
+        try:
+            address = sock.getpeername()[0] if sock.family != socket.AF_UNIX else None
+            session = Session(self, sock, sid)
+        except OSError:  # gone before it was looked at
+            sock.close()
+            return
+        admitted = self.admission.admit(address, session)
+        if isinstance(admitted, str):
             if time.monotonic() - self._refused_logged > 5:
                 self._refused_logged = time.monotonic()
-                log.warning(
-                    "refused a connection: %d clients connected, the limit (--max-connections)",
-                    self.limits.max_connections,
-                )
-            self._refuse(sock)
+                log.warning("refused a connection from %s: %s", address or "the unix socket", admitted)
+            self._refuse(sock, admitted)
             return
+        session.slot = admitted
+        with self.lock:
+            self.sessions.add(session)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session.start()
 
-    def _refuse(self, sock: socket.socket) -> None:
+    def _refuse(self, sock: socket.socket, message: str) -> None:
         """Tell a client past the connection cap why (NBD_REP_ERR_POLICY on its options),
         on a thread of its own with a short deadline; past REFUSERS such threads at
         once, the connection is just closed."""
@@ -425,10 +444,11 @@ class NBDServer:
                 sock.close()
                 return
             self._refusing += 1
-        threading.Thread(target=self._refuse_run, args=(sock,), name="thinblock-nbd-refuse", daemon=True).start()
+        threading.Thread(
+            target=self._refuse_run, args=(sock, message), name="thinblock-nbd-refuse", daemon=True
+        ).start()
 
-    def _refuse_run(self, sock: socket.socket) -> None:
-        message = f"the server has reached its limit of {self.limits.max_connections} connections; try again later"
+    def _refuse_run(self, sock: socket.socket, message: str) -> None:
         conn = ServerConnection(_Refusing(message))
         deadline = time.monotonic() + REFUSE_S
         try:
@@ -514,6 +534,46 @@ class Session:
         self.send_lock = threading.Lock()
         self.queued = 0  # replies handed to the writer thread and not yet sent
         self.inline_sends = True  # until TLS starts: an SSL socket is written by the writer only
+        self.slot: Slot | None = None  # its place under the admission rules (limits.py)
+
+    # ----- what the admission rules ask of an occupant (limits.Occupant) ------------
+
+    def readable(self) -> bool:
+        """The client sent bytes not yet read (or closed): it is not silent."""
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        try:
+            return bool(poller.poll(0))
+        except OSError:
+            return False
+
+    def displace(self) -> None:
+        """A newcomer takes this silent connection's slot: hang up (the reader then ends)."""
+        self.hang_up(both=True)
+
+    def _first_byte(self) -> bool:
+        """Wait for the client's first byte, leaving it unread (a peek), then tell the
+        admission rules it spoke; False if it was displaced first or closed."""
+        try:
+            if not self.sock.recv(1, socket.MSG_PEEK):
+                return False
+        except OSError:
+            if self.slot is not None and self.slot.displaced:
+                return False
+            raise
+        return self.slot is None or self.server.admission.heard(self.slot)
+
+    def _claim_identity(self) -> None:
+        """Count this TLS connection against its certificate; past the per-certificate
+        limit its options are refused with the reason (NBD_REP_ERR_POLICY)."""
+        assert isinstance(self.sock, ssl.SSLSocket)
+        identity = certificate_identity(self.sock.getpeercert())
+        if identity is None or self.slot is None:
+            return
+        problem = self.server.admission.claim_identity(self.slot, identity)
+        if problem is not None:
+            log.warning("%s: refused: %s", self.name, problem)
+            self.conn.catalog = _Refusing(problem)
 
     def start(self) -> None:
         self.reader.start()
@@ -533,7 +593,11 @@ class Session:
         try:
             self.sock.settimeout(limits.idle_s)  # until transmission: no client holds a slot forever
             self._send([self.conn.data_to_send()])  # the greeting
-            reason = self._loop()
+            if not self._first_byte():
+                displaced = self.slot is not None and self.slot.displaced
+                reason = "displaced by a newer connection: it had sent nothing" if displaced else "client closed"
+            else:
+                reason = self._loop()
         except RemoteProtocolError as exc:
             reason = f"protocol error: {exc}"
             log.warning("%s: %s", self.name, reason)
@@ -558,6 +622,8 @@ class Session:
                 self.sock.close()
             with self.server.lock:
                 self.server.sessions.discard(self)
+            if self.slot is not None:
+                self.server.admission.release(self.slot)
             if self.export is not None:
                 self.export.close()
             log.info("%s: closed (%s)", self.name, reason)
@@ -624,8 +690,11 @@ class Session:
                 if self.server.authz is not None:
                     who, grant = self.server.authz.client(self.sock.getpeercert())
                     self.conn.catalog = GrantedCatalog(self.server.catalog, who, grant, self.name)
+                self._claim_identity()
             elif isinstance(event, Transmission):
                 self.sock.settimeout(None)  # requests may be far apart; replies must not time out
+                if self.slot is not None:
+                    self.server.admission.serving(self.slot)
                 vol = self.server.catalog.volume(event.export.name)
                 if vol is not None:
                     self.export = Export(self.server.pool, vol, read_only=event.export.read_only)
