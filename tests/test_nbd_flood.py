@@ -8,6 +8,7 @@ states, and every wait is for a condition with a generous deadline.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 import threading
@@ -17,11 +18,221 @@ from pathlib import Path
 import nbd
 import pytest
 
-from tests.nbd_server import Server, connect, thinblock
-from thinblock import BlockState, Pool
+from tests.nbd_server import Server, connect, served_pool, thinblock
+from tests.test_access import _pki
+from thinblock import Pool
 from thinblock.frontends.nbd import constants as c
 
 KiB, MiB = 1 << 10, 1 << 20
+
+# ----- connection floods -------------------------------------------------------------------
+
+
+def _tcp(port: int, source: str) -> socket.socket:
+    """A TCP connection to the server from a chosen loopback address (127.0.0.x all
+    reach the loopback interface on Linux, each a different source address)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+class Flood:
+    """`count` TCP sockets that read the greeting and then send nothing, spread over
+    `sources`, each reopened as soon as the server drops it, on a thread of its own
+    until stopped (at most `max_s` seconds and `max_opens` connections in all)."""
+
+    def __init__(self, port: int, sources: list[str], count: int, *, max_s: float = 60, max_opens: int = 50_000):
+        self.port, self.sources, self.count = port, sources, count
+        self.max_s, self.max_opens = max_s, max_opens
+        self.opens = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Flood:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+    def _open(self, i: int) -> socket.socket | None:
+        if self.opens >= self.max_opens:
+            return None
+        self.opens += 1
+        with contextlib.suppress(OSError):
+            s = _tcp(self.port, self.sources[i % len(self.sources)])
+            s.setblocking(False)
+            return s
+        return None
+
+    def _run(self) -> None:
+        socks: dict[int, socket.socket | None] = {i: self._open(i) for i in range(self.count)}
+        deadline = time.monotonic() + self.max_s
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                poller = select.poll()
+                by_fd = {}
+                for i, s in socks.items():
+                    if s is None:
+                        socks[i] = s = self._open(i)
+                    if s is not None:
+                        poller.register(s.fileno(), select.POLLIN)
+                        by_fd[s.fileno()] = i
+                for fd, _ev in poller.poll(50):
+                    i = by_fd[fd]
+                    s = socks[i]
+                    assert s is not None
+                    try:
+                        alive = bool(s.recv(4096))  # the greeting (kept silent after it), or EOF
+                    except BlockingIOError:
+                        alive = True
+                    except OSError:
+                        alive = False
+                    if not alive:
+                        s.close()
+                        socks[i] = None  # dropped: reopened on the next round
+        finally:
+            for s in socks.values():
+                if s is not None:
+                    s.close()
+
+
+def _export_name(s: socket.socket, name: str = "disk") -> bool:
+    """A raw newstyle handshake straight to transmission (NBD_OPT_EXPORT_NAME): True
+    if the server let this connection in, False if it refused (closed) it."""
+    try:
+        greeting = _recv_exactly(s, 18)
+        if greeting is None:
+            return False
+        s.sendall(
+            struct.pack(">I", c.FLAG_C_FIXED_NEWSTYLE | c.FLAG_C_NO_ZEROES)
+            + struct.pack(">QII", c.IHAVEOPT, c.OPT_EXPORT_NAME, len(name))
+            + name.encode()
+        )
+        return _recv_exactly(s, 10) is not None  # size and transmission flags
+    except OSError:
+        return False
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes | None:
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        if not got:
+            return None
+        out += got
+    return out
+
+
+def _tcp_size(uri: str) -> int:
+    h = nbd.NBD()
+    h.connect_uri(uri)
+    size = int(h.get_size())
+    h.shutdown()
+    return size
+
+
+def test_silent_flood_does_not_lock_out_real_clients(tmp_path: Path) -> None:
+    """300 silent sockets from 20 addresses (more than the 256 slots) plus 20 from the
+    client's own address, reopened when dropped: 30 real clients in a row all get in."""
+    with served_pool(tmp_path, "64M", {"disk": "16M"}, "--listen", "0", "--insecure") as server:
+        uri = server.tcp_uri("disk")
+        port = int(uri.rsplit(":", 1)[1].split("/")[0])
+        others = [f"127.0.0.{i}" for i in range(2, 22)]
+        with Flood(port, others, 300) as flood, Flood(port, ["127.0.0.1"], 20) as own:
+            deadline = time.monotonic() + 30
+            while flood.opens < 300 and time.monotonic() < deadline:
+                time.sleep(0.05)  # wait until the flood is all there
+            time.sleep(1)
+            got_in = 0
+            for _ in range(30):
+                with contextlib.suppress(nbd.Error):
+                    got_in += _tcp_size(uri) == 16 * MiB
+            opened = flood.opens + own.opens
+        assert server.alive()
+        print(f"real clients in: {got_in} of 30; flood connections opened: {opened}")
+        assert got_in == 30
+        assert opened > 320  # the flood really was dropped and reopened
+    log = server.log.read_text()
+    assert "displaced by a newer connection" in log
+
+
+def test_one_address_cannot_hold_every_slot(tmp_path: Path) -> None:
+    """One address opening 256 connections (the whole cap) gets its 64 and no more:
+    clients from other addresses still get in; past the limit it is told why."""
+    with served_pool(tmp_path, "64M", {"disk": "16M"}, "--listen", "0", "--insecure") as server:
+        uri = server.tcp_uri("disk")
+        port = int(uri.rsplit(":", 1)[1].split("/")[0])
+        hog: list[socket.socket] = []
+        admitted = 0
+        try:
+            for _ in range(256):
+                s = _tcp(port, "127.0.0.2")
+                hog.append(s)
+                admitted += _export_name(s)
+            assert admitted == 64  # --max-connections-per-address's default
+            other = _tcp(port, "127.0.0.3")
+            hog.append(other)
+            assert _export_name(other)
+            assert _tcp_size(uri) == 16 * MiB  # from 127.0.0.1, with libnbd
+            # Past the limit, a client with options is told why (NBD_REP_ERR_POLICY).
+            refused = _tcp(port, "127.0.0.2")
+            hog.append(refused)
+            assert _recv_exactly(refused, 18)
+            refused.sendall(struct.pack(">I", c.FLAG_C_FIXED_NEWSTYLE) + struct.pack(">QII", c.IHAVEOPT, c.OPT_LIST, 0))
+            magic, option, reply, length = struct.unpack(">QIII", _recv_exactly(refused, 20) or bytes(20))
+            assert (magic, option, reply) == (c.OPTION_REPLY_MAGIC, c.OPT_LIST, c.REP_ERR_POLICY)
+            assert b"--max-connections-per-address" in (_recv_exactly(refused, length) or b"")
+        finally:
+            for s in hog:
+                s.close()
+        assert server.alive()
+    assert "the limit (--max-connections-per-address)" in server.log.read_text()
+
+
+def test_one_certificate_cannot_hold_every_slot(tmp_path: Path) -> None:
+    """With --max-connections-per-identity 3, a fourth connection with the same client
+    certificate is refused with the reason; another certificate still gets in."""
+    pki, clients = _pki(tmp_path / "pki")
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    thinblock("volume", "create", pool, "disk", "--size", "16M")
+    server = Server(
+        pool, "--listen", "0", "--tls-cert", str(pki / "server-cert.pem"), "--tls-key", str(pki / "server-key.pem"),
+        "--tls-ca", str(pki / "ca-cert.pem"), "--max-connections-per-identity", "3",
+    )  # fmt: skip
+    handles: list[nbd.NBD] = []
+    try:
+        port = server.tcp_uri("disk").rsplit(":", 1)[1].split("/")[0]
+
+        def handle(name: str) -> nbd.NBD:
+            h = nbd.NBD()
+            h.set_tls(nbd.TLS_REQUIRE)
+            h.set_tls_certificates(str(clients[name]))
+            h.connect_uri(f"nbds://localhost:{port}/disk")
+            handles.append(h)
+            return h
+
+        for _ in range(3):
+            assert handle("admin").get_size() == 16 * MiB
+        with pytest.raises(nbd.Error, match="server policy prevents"):
+            handle("admin")
+        assert handle("backup").get_size() == 16 * MiB
+        handles.pop(0).shutdown()  # one of admin's goes: admin may connect again
+        assert handle("admin").get_size() == 16 * MiB
+        assert server.alive()
+    finally:
+        for h in handles:
+            with contextlib.suppress(nbd.Error):
+                h.shutdown()
+        server.stop()
+    log = server.log.read_text()
+    assert "the limit (--max-connections-per-identity)" in log and "Traceback" not in log
+
 
 # ----- BLOCK_STATUS fairness ------------------------------------------------------------
 
