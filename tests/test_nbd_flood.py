@@ -22,6 +22,7 @@ from tests.nbd_server import Server, connect, served_pool, thinblock
 from tests.test_access import _pki
 from thinblock import Pool
 from thinblock.frontends.nbd import constants as c
+from thinblock.frontends.nbd.limits import Admission, AdmissionLimits, Slot, certificate_identity
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -374,3 +375,53 @@ def _merged(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append([n, flags])
     return [(n, f) for n, f in out]
+
+
+# ----- the admission rules alone ------------------------------------------------------------
+
+
+class _Occupant:
+    def __init__(self, readable: bool = False) -> None:
+        self.pending = readable
+        self.displaced = False
+
+    def readable(self) -> bool:
+        return self.pending
+
+    def displace(self) -> None:
+        self.displaced = True
+
+
+def test_admission_rules_alone() -> None:
+    rules = Admission(AdmissionLimits(4, 2, 3, 1))
+    a1, a2 = _Occupant(), _Occupant(readable=True)  # a2's first byte is waiting, unread
+    s1, s2 = rules.admit("a", a1), rules.admit("a", a2)
+    assert isinstance(s1, Slot) and isinstance(s2, Slot)
+    # A third negotiating from "a" displaces the oldest silent one of "a": s1, not s2.
+    s3 = rules.admit("a", _Occupant())
+    assert isinstance(s3, Slot) and a1.displaced and not a2.displaced
+    assert not rules.heard(s1)  # the displaced one must close
+    assert rules.heard(s2) and rules.heard(s3)
+    # Nobody silent left at "a": refused, with the reason.
+    refused = rules.admit("a", _Occupant())
+    assert isinstance(refused, str) and "--max-negotiating-per-address" in refused
+    rules.serving(s2)
+    rules.serving(s3)
+    s4 = rules.admit("a", _Occupant())
+    assert isinstance(s4, Slot)  # two negotiating at most: s2, s3 are serving now
+    rules.heard(s4)
+    total = rules.admit("a", _Occupant())
+    assert isinstance(total, str) and "--max-connections-per-address" in total
+    # Other addresses fill the server; the global cap displaces a silent one anywhere.
+    b = _Occupant()
+    assert isinstance(rules.admit("b", b), Slot)
+    assert len(rules) == 4
+    assert isinstance(rules.admit(None, _Occupant()), Slot) and b.displaced
+    # One certificate, one connection (the limit here).
+    assert rules.claim_identity(s2, "CN=admin") is None
+    assert "--max-connections-per-identity" in (rules.claim_identity(s3, "CN=admin") or "")
+    rules.release(s2)
+    assert rules.claim_identity(s3, "CN=admin") is None
+    assert certificate_identity({"subject": ((("commonName", "a"),), (("organizationName", "o"),))}) == (
+        "commonName=a,organizationName=o"
+    )
