@@ -137,6 +137,11 @@ def _tcp_size(uri: str) -> int:
     return size
 
 
+def _threads_and_rss(pid: int) -> tuple[int, int]:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["Threads"]), int(fields["VmRSS"].split()[0]) * KiB
+
+
 def test_silent_flood_does_not_lock_out_real_clients(tmp_path: Path) -> None:
     """300 silent sockets from 20 addresses (more than the 256 slots) plus 20 from the
     client's own address, reopened when dropped: 30 real clients in a row all get in."""
@@ -150,13 +155,22 @@ def test_silent_flood_does_not_lock_out_real_clients(tmp_path: Path) -> None:
                 time.sleep(0.05)  # wait until the flood is all there
             time.sleep(1)
             got_in = 0
+            peak_threads = peak_rss = 0
             for _ in range(30):
                 with contextlib.suppress(nbd.Error):
                     got_in += _tcp_size(uri) == 16 * MiB
+                threads, rss = _threads_and_rss(server.proc.pid)
+                peak_threads, peak_rss = max(peak_threads, threads), max(peak_rss, rss)
             opened = flood.opens + own.opens
         assert server.alive()
-        print(f"real clients in: {got_in} of 30; flood connections opened: {opened}")
+        print(
+            f"real clients in: {got_in} of 30; flood connections opened: {opened}; "
+            f"server peak {peak_threads} threads, {peak_rss >> 20} MiB RSS"
+        )
         assert got_in == 30
+        # Bounded: a reader thread per slot (256), a writer per connection in
+        # transmission, 16 refusers, the workers; never a thread per flood connection.
+        assert peak_threads < 600 and peak_rss < 512 * MiB
         assert opened > 320  # the flood really was dropped and reopened
     log = server.log.read_text()
     assert "displaced by a newer connection" in log

@@ -408,7 +408,16 @@ class NBDServer:
         thread.start()
 
     def _accept_loop(self, listener: socket.socket) -> None:
-        accept_loop(listener, self.stopping, self._take, log, "the NBD listener")
+        accept_loop(listener, self.stopping, self._take_safely, log, "the NBD listener")
+
+    def _take_safely(self, sock: socket.socket) -> None:
+        """_take, such that a bug met by one connection never ends the accept loop."""
+        try:
+            self._take(sock)
+        except Exception:
+            log.exception("dropped a new connection: internal error")
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def _take(self, sock: socket.socket) -> None:
         """A new connection: a session, or past a limit (limits.py) a refusal."""
@@ -540,8 +549,11 @@ class Session:
 
     def readable(self) -> bool:
         """The client sent bytes not yet read (or closed): it is not silent."""
+        fd = self.sock.fileno()
+        if fd < 0:  # closed already: its slot is about to be released
+            return False
         poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
+        poller.register(fd, select.POLLIN)
         try:
             return bool(poller.poll(0))
         except OSError:
@@ -618,12 +630,12 @@ class Session:
             if self.reserved:  # the client left in the middle of a write payload
                 self._give_budget(self.reserved)
                 self.reserved = 0
+            if self.slot is not None:  # before the socket closes: nobody polls a closed one
+                self.server.admission.release(self.slot)
             with contextlib.suppress(OSError):
                 self.sock.close()
             with self.server.lock:
                 self.server.sessions.discard(self)
-            if self.slot is not None:
-                self.server.admission.release(self.slot)
             if self.export is not None:
                 self.export.close()
             log.info("%s: closed (%s)", self.name, reason)
