@@ -382,6 +382,7 @@ def test_handshake_timeout_and_connection_cap(pool: str, tmp_path: Path) -> None
         held = [_raw(server.socket) for _ in range(3)]
         for s in held:
             assert s.recv(18)
+            s.sendall(struct.pack(">I", c.FLAG_C_FIXED_NEWSTYLE))  # not silent: a newcomer cannot displace it
         with pytest.raises(nbd.Error, match="server policy prevents"):  # told why: NBD_REP_ERR_POLICY
             connect(server, "disk")
         extra = _raw(server.socket)

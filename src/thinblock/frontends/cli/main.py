@@ -371,9 +371,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
     authz = Authz.load(args.tls_authz) if args.tls_authz else None
     socket_mode = _octal_mode(args.socket_mode)
     socket_gid = _group_id(args.socket_group) if args.socket_group else None
-    if args.max_connections < 1 or args.handshake_timeout <= 0 or args.idle_timeout <= 0:
-        raise UsageError("--max-connections must be at least 1, and the timeouts more than 0 seconds")
-    limits = Limits(args.max_connections, args.handshake_timeout, min(args.handshake_timeout, args.idle_timeout))
+    counts = (
+        args.max_connections,
+        args.max_negotiating_per_address,
+        args.max_connections_per_address,
+        args.max_connections_per_identity,
+    )
+    if min(counts) < 1 or args.handshake_timeout <= 0 or args.idle_timeout <= 0:
+        raise UsageError("the --max-* limits must be at least 1, and the timeouts more than 0 seconds")
+    limits = Limits(
+        args.max_connections,
+        args.handshake_timeout,
+        min(args.handshake_timeout, args.idle_timeout),
+        max_negotiating_per_address=args.max_negotiating_per_address,
+        max_connections_per_address=args.max_connections_per_address,
+        max_connections_per_identity=args.max_connections_per_identity,
+    )
     socket_path = os.path.abspath(args.socket or os.path.join(locate(args.pool).runtime_dir(), "nbd.sock"))
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     try:
@@ -677,6 +690,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket-mode", default="0600", metavar="MODE", help="unix socket mode (default 0600: owner only)")
     p.add_argument("--socket-group", metavar="GROUP", help="unix socket group, e.g. kvm (with --socket-mode 0660)")
     p.add_argument("--max-connections", type=int, default=256, metavar="N", help="clients at once (default 256)")
+    p.add_argument(
+        "--max-negotiating-per-address",
+        type=int,
+        default=16,
+        metavar="N",
+        help="connections one TCP address may have still negotiating (default 16)",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=64,
+        metavar="N",
+        help="connections one TCP address may hold (default 64; unix-socket peers are not counted per address)",
+    )
+    p.add_argument(
+        "--max-connections-per-identity",
+        type=int,
+        default=64,
+        metavar="N",
+        help="connections one TLS client certificate (its subject) may hold (default 64)",
+    )
     p.add_argument(
         "--handshake-timeout", type=float, default=30.0, metavar="S", help="seconds to negotiate (default 30)"
     )

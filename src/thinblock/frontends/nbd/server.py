@@ -19,10 +19,12 @@ import errno
 import logging
 import os
 import queue
+import select
 import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,6 +35,7 @@ from thinblock.errors import OpError, ThinblockError
 from thinblock.frontends.export import Export, errno_of
 from thinblock.frontends.nbd import constants as c
 from thinblock.frontends.nbd.authz import Authz, GrantedCatalog
+from thinblock.frontends.nbd.limits import Admission, AdmissionLimits, Slot, certificate_identity
 from thinblock.frontends.nbd.protocol import (
     BASE_ALLOCATION,
     Closed,
@@ -46,6 +49,7 @@ from thinblock.frontends.nbd.protocol import (
     StartTLS,
     Transmission,
 )
+from thinblock.frontends.nbd.status import bounded_status
 from thinblock.iovec import IOV_MAX, write_all
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.logtext import shown
@@ -188,12 +192,30 @@ def execute(conn: ServerConnection, vol: Export, req: Request) -> list[bytes]:
     elif cmd == c.CMD_CACHE:
         pass  # the data store is a local file: the page cache already serves this
     elif cmd == c.CMD_BLOCK_STATUS:
-        replies = []
-        for ctx_id, name in conn.neg.contexts.items():
-            extents = context_extents(vol, name, req.offset, req.length)
-            replies.append((ctx_id, extents[:1] if req.flags & c.CMD_FLAG_REQ_ONE else extents))
+        # Bounded and paced (status.py): the reply may cover less than was asked.
+        replies = bounded_status(
+            lambda name, offset, length: context_extents(vol, name, offset, length),
+            conn.neg.contexts,
+            status_volumes(vol, conn.neg.contexts.values()),
+            req.offset,
+            req.length,
+            req_one=bool(req.flags & c.CMD_FLAG_REQ_ONE),
+        )
         return [conn.block_status_reply(req.cookie, replies)]
     return [conn.simple_reply(req.cookie)]
+
+
+def status_volumes(export: Export, contexts: Iterable[str]) -> list[Volume]:
+    """The volumes a block status walk reads: the export's, and each snapshot that a
+    thinblock:changed: context compares it with (status.slice_ends bounds the walk by
+    the pages of all of them)."""
+    vols = [export.volume]
+    for name in contexts:
+        if name.startswith(CHANGED_PREFIX):
+            snapshot = export.volume.pool.volumes.get(name.removeprefix(CHANGED_PREFIX))
+            if snapshot is not None:
+                vols.append(snapshot)
+    return vols
 
 
 def context_extents(export: Export, context: str, offset: int, length: int) -> list[tuple[int, int]]:
@@ -329,11 +351,23 @@ REFUSE_S = 2.0
 
 @dataclass(frozen=True)
 class Limits:
-    """What one client may hold: a connection slot, and time to negotiate."""
+    """What one client may hold: a connection slot, and time to negotiate (the slot
+    rules are limits.py's)."""
 
     max_connections: int = 256
     handshake_s: float = 30.0  # from connect to the first request, TLS included
     idle_s: float = 10.0  # silence allowed between two negotiation messages
+    max_negotiating_per_address: int = AdmissionLimits.max_negotiating_per_address
+    max_connections_per_address: int = AdmissionLimits.max_connections_per_address
+    max_connections_per_identity: int = AdmissionLimits.max_connections_per_identity
+
+    def admission(self) -> AdmissionLimits:
+        return AdmissionLimits(
+            self.max_connections,
+            self.max_negotiating_per_address,
+            self.max_connections_per_address,
+            self.max_connections_per_identity,
+        )
 
 
 class NBDServer:
@@ -353,6 +387,7 @@ class NBDServer:
         self.ssl_context = tls.context() if tls else None
         self.authz = authz
         self.limits = limits or Limits()
+        self.admission = Admission(self.limits.admission())
         self._refusing = 0  # connections past the cap being told why
         self._refused_logged = 0.0  # when a refusal was last logged
         depth = pool.store.queue_depth
@@ -360,6 +395,8 @@ class NBDServer:
         self.executor = ThreadPoolExecutor(
             max_workers=max(WORKERS, min(depth, MAX_IN_FLIGHT)), thread_name_prefix="thinblock-nbd-worker"
         )
+        # Block status walks, every client's, one at a time and paced (status.py).
+        self.status_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thinblock-nbd-status")
         self.listeners: list[socket.socket] = []
         self.unix_paths: list[tuple[str, int]] = []
         self.threads: list[threading.Thread] = []
@@ -369,6 +406,10 @@ class NBDServer:
         self._next_id = 0
         self.budget = ByteBudget(SERVER_BUDGET_BYTES)
         self.large_budget = ByteBudget(LARGE_BUDGET_BYTES)
+
+    def executor_for(self, req: Request) -> ThreadPoolExecutor:
+        """BLOCK_STATUS goes to the one paced status thread, everything else to the workers."""
+        return self.status_executor if req.command == c.CMD_BLOCK_STATUS else self.executor
 
     def listen_unix(self, path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None) -> None:
         """Listen at path (mode 0600 unless shared with a group), replacing a dead
@@ -393,30 +434,43 @@ class NBDServer:
         thread.start()
 
     def _accept_loop(self, listener: socket.socket) -> None:
-        accept_loop(listener, self.stopping, self._take, log, "the NBD listener")
+        accept_loop(listener, self.stopping, self._take_safely, log, "the NBD listener")
+
+    def _take_safely(self, sock: socket.socket) -> None:
+        """_take, such that a bug met by one connection never ends the accept loop."""
+        try:
+            self._take(sock)
+        except Exception:
+            log.exception("dropped a new connection: internal error")
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def _take(self, sock: socket.socket) -> None:
-        """A new connection: a session, or past the cap a refusal."""
+        """A new connection: a session, or past a limit (limits.py) a refusal."""
         with self.lock:
-            full = len(self.sessions) >= self.limits.max_connections
-            if not full:
-                self._next_id += 1
-                session = Session(self, sock, self._next_id)
-                self.sessions.add(session)
-        if full:
+            self._next_id += 1
+            sid = self._next_id
+        try:
+            address = sock.getpeername()[0] if sock.family != socket.AF_UNIX else None
+            session = Session(self, sock, sid)
+        except OSError:  # gone before it was looked at
+            sock.close()
+            return
+        admitted = self.admission.admit(address, session)
+        if isinstance(admitted, str):
             if time.monotonic() - self._refused_logged > 5:
                 self._refused_logged = time.monotonic()
-                log.warning(
-                    "refused a connection: %d clients connected, the limit (--max-connections)",
-                    self.limits.max_connections,
-                )
-            self._refuse(sock)
+                log.warning("refused a connection from %s: %s", address or "the unix socket", admitted)
+            self._refuse(sock, admitted)
             return
+        session.slot = admitted
+        with self.lock:
+            self.sessions.add(session)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session.start()
 
-    def _refuse(self, sock: socket.socket) -> None:
+    def _refuse(self, sock: socket.socket, message: str) -> None:
         """Tell a client past the connection cap why (NBD_REP_ERR_POLICY on its options),
         on a thread of its own with a short deadline; past REFUSERS such threads at
         once, the connection is just closed."""
@@ -425,10 +479,11 @@ class NBDServer:
                 sock.close()
                 return
             self._refusing += 1
-        threading.Thread(target=self._refuse_run, args=(sock,), name="thinblock-nbd-refuse", daemon=True).start()
+        threading.Thread(
+            target=self._refuse_run, args=(sock, message), name="thinblock-nbd-refuse", daemon=True
+        ).start()
 
-    def _refuse_run(self, sock: socket.socket) -> None:
-        message = f"the server has reached its limit of {self.limits.max_connections} connections; try again later"
+    def _refuse_run(self, sock: socket.socket, message: str) -> None:
         conn = ServerConnection(_Refusing(message))
         deadline = time.monotonic() + REFUSE_S
         try:
@@ -497,6 +552,7 @@ class NBDServer:
                 session.hang_up(both=True)  # a client that reads no replies must not hold up the stop
                 session.join()
         self.executor.shutdown(wait=True)
+        self.status_executor.shutdown(wait=True)
 
 
 class Session:
@@ -534,6 +590,49 @@ class Session:
         self.queued = 0  # replies handed to the writer thread and not yet sent
         self.inline_sends = True  # until TLS starts: an SSL socket is written by the writer only
         self.lost_grant: str | None = None  # why a reloaded --tls-authz ended this connection
+        self.slot: Slot | None = None  # its place under the admission rules (limits.py)
+
+    # ----- what the admission rules ask of an occupant (limits.Occupant) ------------
+
+    def readable(self) -> bool:
+        """The client sent bytes not yet read (or closed): it is not silent."""
+        fd = self.sock.fileno()
+        if fd < 0:  # closed already: its slot is about to be released
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        try:
+            return bool(poller.poll(0))
+        except OSError:
+            return False
+
+    def displace(self) -> None:
+        """A newcomer takes this silent connection's slot: hang up (the reader then ends)."""
+        self.hang_up(both=True)
+
+    def _first_byte(self) -> bool:
+        """Wait for the client's first byte, leaving it unread (a peek), then tell the
+        admission rules it spoke; False if it was displaced first or closed."""
+        try:
+            if not self.sock.recv(1, socket.MSG_PEEK):
+                return False
+        except OSError:
+            if self.slot is not None and self.slot.displaced:
+                return False
+            raise
+        return self.slot is None or self.server.admission.heard(self.slot)
+
+    def _claim_identity(self) -> None:
+        """Count this TLS connection against its certificate; past the per-certificate
+        limit its options are refused with the reason (NBD_REP_ERR_POLICY)."""
+        assert isinstance(self.sock, ssl.SSLSocket)
+        identity = certificate_identity(self.sock.getpeercert())
+        if identity is None or self.slot is None:
+            return
+        problem = self.server.admission.claim_identity(self.slot, identity)
+        if problem is not None:
+            log.warning("%s: refused: %s", self.name, problem)
+            self.conn.catalog = _Refusing(problem)
 
     def start(self) -> None:
         self.reader.start()
@@ -555,7 +654,11 @@ class Session:
         try:
             self.sock.settimeout(limits.idle_s)  # until transmission: no client holds a slot forever
             self._send([self.conn.data_to_send()])  # the greeting
-            reason = self._loop()
+            if not self._first_byte():
+                displaced = self.slot is not None and self.slot.displaced
+                reason = "displaced by a newer connection: it had sent nothing" if displaced else "client closed"
+            else:
+                reason = self._loop()
         except RemoteProtocolError as exc:
             reason = f"protocol error: {exc}"
             log.warning("%s: %s", self.name, reason)
@@ -576,6 +679,8 @@ class Session:
             if self.reserved:  # the client left in the middle of a write payload
                 self._give_budget(self.reserved)
                 self.reserved = 0
+            if self.slot is not None:  # before the socket closes: nobody polls a closed one
+                self.server.admission.release(self.slot)
             with contextlib.suppress(OSError):
                 self.sock.close()
             with self.server.lock:
@@ -638,7 +743,7 @@ class Session:
                     self._work(event, cost, inline=True)  # no thread handoff for small requests
                 else:
                     self._flush_batch()
-                    self.server.executor.submit(self._work, event, cost)
+                    self.server.executor_for(event).submit(self._work, event, cost)
             elif isinstance(event, StartTLS):
                 assert self.server.ssl_context is not None
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
@@ -646,8 +751,11 @@ class Session:
                 assert isinstance(self.sock, ssl.SSLSocket)
                 log.info("%s: TLS started (%s, %s)", self.name, self.sock.version(), (self.sock.cipher() or ("?",))[0])
                 self._authorise()
+                self._claim_identity()
             elif isinstance(event, Transmission):
                 self.sock.settimeout(None)  # requests may be far apart; replies must not time out
+                if self.slot is not None:
+                    self.server.admission.serving(self.slot)
                 vol = self.server.catalog.volume(event.export.name)
                 if vol is not None:
                     self.export = Export(self.server.pool, vol, read_only=event.export.read_only)
