@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.cli import thinblock
+from tests.conftest import new_rados_locator, rados_objects
 from thinblock.frontends.cli.main import main as cli_main
 from thinblock.meta.sqlite import SqliteMetadata
 
@@ -419,3 +420,37 @@ def test_a_restored_host_path_name_never_reaches_attach(tmp_path: Path, runtime:
     proc = thinblock("attach", pool, str(victim), check=False)
     assert proc.returncode == 1 and "no volume" in proc.stderr
     assert victim.read_bytes() == b"\xcd" * (4 << 20)
+
+
+# ----- pools in Ceph --------------------------------------------------------------------
+
+
+def test_rados_restore_checks_first_and_keeps_a_copy(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The same rules on RADOS: a wrong dump (another pool's size, a host-path name)
+    changes nothing; a good one keeps the old metadata as thinblock.NAME.before-restore."""
+    locator = new_rados_locator(request, "dumps")
+    thinblock("pool", "create", locator, "--size", "64M")
+    thinblock("volume", "create", locator, "v", "--size", "4M")
+    dump = dump_of(locator)
+    listing = thinblock("volume", "list", locator, "--json").stdout
+    for edit, words in (
+        (_set("pool", "size_bytes", 1 << 30), "another pool's dump"),
+        (_set("pool", "block_size", 4096), "another pool's dump"),
+        (_set("v", "name", "/srv/images/victim.img"), "invalid volume name"),
+    ):
+        bad = copy.deepcopy(dump)
+        edit(bad)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        proc = thinblock("pool", "restore", locator, str(path), check=False)
+        assert proc.returncode == 1 and words in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert thinblock("volume", "list", locator, "--json").stdout == listing
+    name = locator.split("/", 1)[1]
+    assert rados_objects(f"thinblock.{name}.before-restore") == []
+    volume(dump, "v")["name"] = "w"
+    path = tmp_path / "good.json"
+    path.write_text(json.dumps(dump))
+    assert "before-restore" in thinblock("pool", "restore", locator, str(path)).stdout
+    assert rados_objects(f"thinblock.{name}.before-restore") == [f"thinblock.{name}.before-restore"]
+    assert "w" in thinblock("volume", "list", locator).stdout
+    thinblock("pool", "check", locator)

@@ -375,7 +375,13 @@ def current_state(location: Location) -> tuple[dict[str, Any] | None, int]:
                 meta.close()
         except (CorruptionError, OSError, ThinblockError, KeyError, ValueError):
             superblock = None  # damaged: the dump replaces it (a copy is kept)
-    store = location.open_data(superblock or {}, readonly=True)
+    try:
+        store = location.open_data(superblock or {}, readonly=True)
+    except (KeyError, ValueError):  # a backend that needs its superblock to find its data
+        raise ThinblockError(
+            f"cannot restore into {location.name}: its metadata is unreadable and it says where its data is;"
+            " create the pool again first"
+        ) from None
     try:
         return superblock, store.size_bytes
     finally:
