@@ -454,3 +454,16 @@ def test_rados_restore_checks_first_and_keeps_a_copy(tmp_path: Path, request: py
     assert rados_objects(f"thinblock.{name}.before-restore") == [f"thinblock.{name}.before-restore"]
     assert "w" in thinblock("volume", "list", locator).stdout
     thinblock("pool", "check", locator)
+
+
+def test_repair_drops_a_staging_volume_left_by_a_killed_job(pool: str) -> None:
+    """Repair rebuilds through the same checks as restore: the '.…' staging volume of an
+    interrupted job is dropped (as the next open would), not refused by the names rule."""
+    conn = sqlite3.connect(Path(pool) / "metadata.sqlite")
+    with conn:
+        conn.execute("UPDATE volumes SET name = '.import.9' WHERE name = 'c'")
+    conn.close()
+    thinblock("pool", "repair", pool)
+    thinblock("pool", "check", pool)
+    names = [v["name"] for v in json.loads(thinblock("volume", "list", pool, "--json").stdout)]
+    assert sorted(names) == ["a", "a@s1"]

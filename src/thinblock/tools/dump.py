@@ -28,7 +28,7 @@ from thinblock.admin.schema import DUMP_POOL, DUMP_VOLUME, check_fields
 from thinblock.backends import Location
 from thinblock.backends.base import KEEP_BEFORE_RESTORE
 from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock, entry_pinned, entry_state, make_entry
-from thinblock.core.pool import validate_name
+from thinblock.core.pool import STAGING_PREFIX, validate_name
 from thinblock.core.space_policy import check_autogrow
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
@@ -429,7 +429,15 @@ def salvage(
     block_size = int(sb["block_size"])
     n_blocks = int(sb["size_bytes"]) // block_size
     present = n_blocks if data_bytes is None else min(n_blocks, data_bytes // block_size)
-    rows = {row.id: row for row in meta.volumes()}
+    # A staging volume (an unfinished job's, named '.…') is no part of a dump: the next
+    # open would remove it, and restore refuses such names.
+    rows: dict[int, VolumeRow] = {}
+    staging: set[int] = set()
+    for volume_row in meta.volumes():
+        if volume_row.name.startswith(STAGING_PREFIX):
+            staging.add(volume_row.id)
+        else:
+            rows[volume_row.id] = volume_row
     by_volume: dict[int, list[tuple[int, int]]] = {vid: [] for vid in rows}
     pages: dict[int, Page | None] = {}
     all_roots = sorted(meta.all_roots())
@@ -438,6 +446,8 @@ def salvage(
         if done % 64 == 0:
             tell(done, len(all_roots))
         row = rows.get(volume_id)
+        if volume_id in staging:
+            continue
         if row is None:
             lost.append(f"root table rows of missing volume id {volume_id} dropped")
             continue
