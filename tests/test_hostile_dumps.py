@@ -22,8 +22,10 @@ import pytest
 
 from tests.cli import thinblock
 from tests.conftest import new_rados_locator, rados_objects
+from thinblock.errors import ThinblockError
 from thinblock.frontends.cli.main import main as cli_main
 from thinblock.meta.sqlite import SqliteMetadata
+from thinblock.paths import child_path
 
 BS = 64 << 10
 Dump = dict[str, Any]
@@ -198,7 +200,7 @@ def test_names_with_a_trailing_newline_are_refused_everywhere(pool: str) -> None
         ("wrong version", b'{"format": "thinblock-dump", "version": 9}', "version 9 is not supported"),
         ("no volumes", b'{"format": "thinblock-dump", "version": 1, "pool": {}}', "not a thinblock dump"),
         ("text", b"hello\n", "first line"),
-        ("deep JSON", b"[" * 100000 + b"]" * 100000, "dump"),
+        ("deep JSON", b'{"a": ' * 100000 + b"1" + b"}" * 100000, "nests too deep"),
     ],
 )
 def test_a_file_that_is_not_a_dump_gets_one_sentence(
@@ -467,3 +469,14 @@ def test_repair_drops_a_staging_volume_left_by_a_killed_job(pool: str) -> None:
     thinblock("pool", "check", pool)
     names = [v["name"] for v in json.loads(thinblock("volume", "list", pool, "--json").stdout)]
     assert sorted(names) == ["a", "a@s1"]
+
+
+@pytest.mark.parametrize("name", ["/srv/x.img", "../x", "a/b", ".hidden", "..", "", "a\0b", "a\nb", "x" * 256])
+def test_child_path_refuses_names_that_leave_their_directory(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ThinblockError, match="refusing the name"):
+        child_path(tmp_path, name)
+
+
+def test_child_path_joins_a_tame_name(tmp_path: Path) -> None:
+    assert child_path(tmp_path, "vm1@s1") == tmp_path / "vm1@s1"
+    assert child_path(str(tmp_path), "a.b-c+d_e") == tmp_path / "a.b-c+d_e"
