@@ -10,10 +10,15 @@ JSON (`--json`) and a line-oriented text for people:
     volume id=1 name="vm1" kind="volume" origin_id=null size_bytes=... ...
       map VBLOCK DBLOCK COUNT data|zeroed [pinned]
 
-Every `key=value` value is JSON. Restore rebuilds every table from the dict;
-identical pages at one page index of several volumes become one shared page
-again, so snapshots keep sharing pages. Repair salvages what it can read into
-that dict and restores it, reporting what it could not save.
+Every `key=value` value is JSON. A dump is untrusted input (people keep,
+pass around and edit them): restore checks all of it against the pool first
+(plan_restore: admin/schema.py's field checks, then block size, data store
+size, origins, ranges and shared blocks), takes only the settings DUMP_SETS
+names from it, and has the backend switch the new metadata in at once.
+Restore rebuilds every table from the dict; identical pages at one page index
+of several volumes become one shared page again, so snapshots keep sharing
+pages. Repair salvages what it can read into that dict and restores it
+through the same checks, reporting what it could not save.
 """
 
 from __future__ import annotations
@@ -220,10 +225,11 @@ def plan_restore(
     pool = dump["pool"]
     check_fields("dump, pool", DUMP_POOL, pool)
     block_size, size_bytes = int(pool["block_size"]), int(pool["size_bytes"])
-    if current is not None and int(current["block_size"]) != block_size:
+    pool_block_size = block_size if current is None else int(current.get("block_size") or block_size)
+    if pool_block_size != block_size:
         raise ThinblockError(
             f"the dump's block size is {format_size(block_size)} but this pool's is"
-            f" {format_size(int(current['block_size']))}: it is another pool's dump; nothing was changed"
+            f" {format_size(pool_block_size)}: it is another pool's dump; nothing was changed"
         )
     if size_bytes % block_size:
         raise ThinblockError(f"the dump's pool size {size_bytes} is not a multiple of its block size {block_size}")
