@@ -6,15 +6,24 @@ sentence and change nothing, never reach the pool as a value it cannot handle.
 `validate(verb, args)` checks names, types and ranges before run_verb calls the
 verb; the verbs' own rules (a size a multiple of 512, an existing volume) still
 apply after it.
+
+A dump given to `pool restore` is untrusted in the same way (people edit and
+pass them around): DUMP_POOL and DUMP_VOLUME are its fields' schemas, built of
+the same checks, and `check_fields` applies a schema to a verb's arguments and
+to a dump's records alike. What only the pool can judge (its block size, its
+data store's size, origins, block ranges, shared blocks) is tools/dump.py's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
-from thinblock.core.pool import MAX_VOLUME_BYTES
+from thinblock.core.pool import MAX_BLOCK_SIZE, MAX_VOLUME_BYTES, MIN_BLOCK_SIZE, validate_volume_size
+from thinblock.core.space_policy import parse_percent, parse_when_full
 from thinblock.errors import ThinblockError
+from thinblock.meta.base import RESERVE_FULL
 
 MAX_TEXT = 4096  # a shell command, a policy string, a name: never longer
 
@@ -95,6 +104,64 @@ def scalar(name: str, value: object) -> None:
         _fail(name, "a string or a number", value)
 
 
+def whole(low: int, high: int) -> Check:
+    def check(name: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            _fail(name, f"a whole number from {low} to {high}", value)
+
+    return check
+
+
+def block_size(name: str, value: object) -> None:
+    whole(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)(name, value)
+    assert isinstance(value, int)
+    if value & (value - 1):
+        _fail(name, "a power of two", value)
+
+
+def volume_size(name: str, value: object) -> None:
+    byte_size(name, value)
+    assert isinstance(value, int)
+    validate_volume_size(value)
+
+
+def timestamp(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        _fail(name, "a time in seconds since 1970", value)
+
+
+def percent(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        _fail(name, "a percentage between 0 and 100", value)
+    parse_percent(str(value))
+
+
+def when_full(name: str, value: object) -> None:
+    text(name, value)
+    assert isinstance(value, str)
+    parse_when_full(value)
+
+
+def autogrow_pair(name: str, value: object) -> None:
+    """The superblock's autogrow: [STEP_BYTES, MAX_BYTES] (the pool checks STEP against its block size)."""
+    if not isinstance(value, list) or len(value) != 2:
+        _fail(name, "a list [STEP_BYTES, MAX_BYTES]", value)
+    assert isinstance(value, list)
+    for item in value:
+        byte_size(name, item)
+
+
+def reserve_bytes(name: str, value: object) -> None:
+    """A reservation as stored: bytes, or RESERVE_FULL (the whole size)."""
+    if value != RESERVE_FULL:
+        whole(0, MAX_VOLUME_BYTES)(name, value)
+
+
+def list_of_lists(name: str, value: object) -> None:
+    if not isinstance(value, list) or not all(isinstance(item, list) for item in value):
+        _fail(name, "a list of lists", value)
+
+
 KIND = optional(one_of("volume", "snapshot"))
 DETECT = one_of("off", "on", "unmap")
 
@@ -159,20 +226,55 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
 }
 
 
+# A dump's records (tools/dump.py). data_path and the identity of the pool are taken
+# as text here and never used: the pool's own location decides them.
+DUMP_POOL: dict[str, tuple[Check, bool]] = {
+    "block_size": (block_size, True),
+    "size_bytes": (byte_size, True),
+    "data_path": (optional(text), False),
+    "created": (optional(timestamp), False),
+    "when_full": (optional(when_full), False),
+    "low_water": (optional(percent), False),
+    "on_low_water": (optional(text), False),
+    "autogrow": (optional(autogrow_pair), False),
+    "transaction_id": (optional(whole(0, 1 << 62)), False),
+}
+DUMP_VOLUME: dict[str, tuple[Check, bool]] = {
+    "id": (whole(1, 1 << 62), True),
+    "name": (name_text, True),  # and the names rule of its kind (tools/dump.py)
+    "kind": (one_of("volume", "snapshot"), True),
+    "origin_id": (optional(whole(1, 1 << 62)), True),
+    "size_bytes": (volume_size, True),
+    "detect_zeroes": (DETECT, True),
+    "created": (timestamp, True),
+    "reserve_bytes": (reserve_bytes, True),
+    "low_water": (optional(percent), True),
+    "on_low_water": (optional(text), True),
+    "mappings": (list_of_lists, True),
+}
+
+
+def check_fields(what: str, schema: dict[str, tuple[Check, bool]], fields: object) -> None:
+    """ThinblockError starting with what (a verb's arguments, a dump's record), or nothing."""
+    if not isinstance(fields, dict):
+        raise ThinblockError(f"{what}: an object of named fields was expected, not {type(fields).__name__}")
+    unknown = sorted(str(k) for k in set(fields) - set(schema))
+    if unknown:
+        raise ThinblockError(f"{what}: unknown argument(s) {', '.join(unknown)[:200]}")
+    for arg, (check, required) in schema.items():
+        if arg not in fields:
+            if required:
+                raise ThinblockError(f"{what}: {arg} is required")
+            continue
+        try:
+            check(arg, fields[arg])
+        except ThinblockError as exc:
+            raise ThinblockError(f"{what}: {exc}") from None
+
+
 def validate(verb: str, args: dict[str, Any]) -> None:
     """ThinblockError naming the verb and the argument, or nothing."""
     schema = SCHEMAS.get(verb)
     if schema is None:
         raise ThinblockError(f"unknown administration verb {verb[:60]!r}")
-    unknown = sorted(set(args) - set(schema))
-    if unknown:
-        raise ThinblockError(f"bad arguments for {verb}: unknown argument(s) {', '.join(unknown)[:200]}")
-    for arg, (check, required) in schema.items():
-        if arg not in args:
-            if required:
-                raise ThinblockError(f"bad arguments for {verb}: {arg} is required")
-            continue
-        try:
-            check(arg, args[arg])
-        except ThinblockError as exc:
-            raise ThinblockError(f"bad arguments for {verb}: {exc}") from None
+    check_fields(f"bad arguments for {verb}", schema, args)

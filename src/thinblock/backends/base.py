@@ -16,6 +16,9 @@ from thinblock.meta.base import MetadataStore, Transaction
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace
 
+# What restore keeps the replaced metadata as (metadata.sqlite.before-restore, ...).
+KEEP_BEFORE_RESTORE = "before-restore"
+
 
 class Ownership(ABC):
     """The right to change a pool, held by one process (or pool object) at a time."""
@@ -78,9 +81,12 @@ class Location(ABC):
         """The layer under the data and metadata: free space and the metadata slack."""
 
     @abstractmethod
-    def replace_meta(self, superblock: dict[str, Any], txn: Transaction) -> None:
+    def replace_meta(self, superblock: dict[str, Any], txn: Transaction, *, keep: str | None = None) -> str | None:
         """Restore and repair: metadata holding exactly superblock and txn replaces the
-        current one atomically (the caller owns the pool)."""
+        current one atomically (the caller owns the pool): written beside it, then
+        switched in; a failure before the switch leaves the old one as it was and no
+        leftovers. keep (KEEP_BEFORE_RESTORE): the old one is kept under that label,
+        replacing an earlier copy so labelled; returns where, or None."""
 
     @abstractmethod
     def keep_copy(self) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 from thinblock.backends.base import Location, Ownership
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
-from thinblock.meta.sqlite import DB_NAME, SqliteMetadata
+from thinblock.meta.sqlite import DB_NAME, SqliteError, SqliteMetadata
 from thinblock.privacy import create_private_file, make_private_dir
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
@@ -204,27 +204,50 @@ class DirLocation(Location):
             data_on_device=bool(superblock.get("data_path")),
         )
 
-    def replace_meta(self, superblock: dict[str, Any], txn: Transaction) -> None:
-        """Build the new database beside the old one, then rename it over it."""
+    def replace_meta(self, superblock: dict[str, Any], txn: Transaction, *, keep: str | None = None) -> str | None:
+        """Build the new database beside the old one (metadata.sqlite.restore), then
+        rename it over it. keep: the old one stays as metadata.sqlite.KEEP, a hard link
+        to its file (no copy, nothing to run out of space). Until the rename, any
+        failure removes what was built and leaves the old database as it was."""
         tmp = self.db + ".restore"
-        for leftover in (tmp, tmp + "-wal", tmp + "-shm"):
-            if os.path.lexists(leftover):
-                os.unlink(leftover)
-        meta = SqliteMetadata.create(tmp, superblock)
+        _remove_database(tmp)
         try:
-            meta.commit(txn)
-            meta.checkpoint()
-        finally:
-            meta.close()
+            meta = SqliteMetadata.create(tmp, superblock)
+            try:
+                meta.commit(txn)
+                meta.checkpoint()
+            finally:
+                meta.close()
+            _fsync_file(tmp)
+            # Fold the old WAL into its database first: it is removed below, and a
+            # WAL beside the new database would be replayed into it.
+            SqliteMetadata.fold_wal(self.db)
+            kept = self._keep_old(keep) if keep else None
+        except BaseException as exc:
+            _remove_database(tmp)
+            if isinstance(exc, SqliteError):
+                raise ThinblockError(f"cannot write the new metadata {tmp}: {exc}; nothing was changed") from None
+            if isinstance(exc, ThinblockError):
+                raise ThinblockError(f"{exc}; nothing was changed") from None
+            raise
         for suffix in ("-wal", "-shm"):
-            if os.path.exists(self.db + suffix):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.db + suffix)
         os.replace(tmp, self.db)
-        dirfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
+        _fsync_dir(self.dir)
+        return kept
+
+    def _keep_old(self, label: str) -> str | None:
+        """Keep the current database (and its WAL when it could not be folded) as DB.label."""
+        if not os.path.exists(self.db):
+            return None
+        dest = f"{self.db}.{label}"
+        _remove_database(dest)
+        os.link(self.db, dest)
+        wal = self.db + "-wal"
+        if os.path.exists(wal) and os.path.getsize(wal) > 0:
+            os.link(wal, dest + "-wal")
+        return dest
 
     def local_paths(self, superblock: dict[str, Any]) -> list[str]:
         names = [DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LOCK_FILE, SLACK_FILE]
@@ -237,3 +260,25 @@ class DirLocation(Location):
             os.unlink(backup)
         SqliteMetadata.copy_database(self.db, backup)
         return backup
+
+
+def _remove_database(path: str) -> None:
+    for name in (path, path + "-wal", path + "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

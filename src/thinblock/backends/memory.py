@@ -104,10 +104,11 @@ class MemoryLocation(Location):
     def host(self, superblock: dict[str, Any]) -> HostSpace:
         return NoHostSpace()
 
-    def replace_meta(self, superblock: dict[str, Any], txn: Transaction) -> None:
+    def replace_meta(self, superblock: dict[str, Any], txn: Transaction, *, keep: str | None = None) -> str | None:
         meta = MemoryMetadata.create(superblock)
         meta.commit(txn)
         self._held().meta = meta.state
+        return None
 
     def keep_copy(self) -> str:
         return f"{self.name} (no copy kept in memory)"

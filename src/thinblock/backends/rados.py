@@ -350,13 +350,23 @@ class RadosLocation(Location):
     def host(self, superblock: dict[str, Any]) -> HostSpace:
         return RadosSpace(self)
 
-    def replace_meta(self, superblock: dict[str, Any], txn: Transaction) -> None:
+    def replace_meta(self, superblock: dict[str, Any], txn: Transaction, *, keep: str | None = None) -> str | None:
+        """The replacement itself is one journalled write (RadosMetadata.replace); keep
+        copies the object's omap to thinblock.NAME.KEEP first."""
+        kept = self._copy_meta(f"{self.meta_object}.{keep}", fresh=True) if keep else None
         self.open_meta(readonly=False).replace(superblock, txn)
+        return kept
 
     def keep_copy(self) -> str:
         """Copy the metadata object's omap to thinblock.NAME.bad.TIME."""
+        return self._copy_meta(f"{self.meta_object}.bad.{int(time.time())}")
+
+    def _copy_meta(self, dest: str, *, fresh: bool = False) -> str:
+        """Copy the metadata object's omap to dest (fresh: an earlier dest is removed first)."""
         io = self._io()
-        dest = f"{self.meta_object}.bad.{int(time.time())}"
+        if fresh:
+            with contextlib.suppress(rados.ObjectNotFound):
+                io.remove_object(dest)
         meta = RadosMetadata(self.cluster(), self.ceph_pool, self.meta_object, epoch=lambda: None)
         batch: dict[str, bytes] = {}
 

@@ -46,14 +46,15 @@ DETECT_ZEROES = ("off", "on", "unmap")
 log = logging.getLogger("thinblock.pool")
 # Staging volumes (snapshot.stage) are named with this; user names cannot start with it.
 STAGING_PREFIX = "."
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
+# Matched whole (fullmatch): "$" would also match before a trailing newline.
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}")
 # Snapshots may also use '@', so that they can be named like rbd's (vm1@s1); volume
 # names never contain it, so VOLUME@SNAP cannot be mistaken for a volume.
-_SNAPSHOT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+@-]{0,127}$")
+_SNAPSHOT_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+@-]{0,127}")
 
 
 def validate_name(name: str, kind: str = "volume") -> None:
-    if not (_SNAPSHOT_NAME_RE if kind == "snapshot" else _NAME_RE).match(name):
+    if not (_SNAPSHOT_NAME_RE if kind == "snapshot" else _NAME_RE).fullmatch(name):
         extra = ", '@'" if kind == "snapshot" else ""
         raise ThinblockError(
             f"invalid {kind} name {name!r}: use 1-128 letters, digits, '_', '.', '+', '-'{extra},"

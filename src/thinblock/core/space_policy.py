@@ -58,6 +58,11 @@ def parse_autogrow(text: str) -> tuple[int, int]:
     return parse_size(step), parse_size(maximum)
 
 
+def check_autogrow(step_bytes: int, block_size: int) -> None:
+    if step_bytes % block_size or step_bytes <= 0:
+        raise ThinblockError(f"autogrow step must be a positive multiple of the block size ({format_size(block_size)})")
+
+
 def parse_percent(text: str) -> float:
     try:
         value = float(text.rstrip("%"))
@@ -113,10 +118,8 @@ class SpacePolicy:
         if "autogrow" in changes:
             text = changes["autogrow"]
             autogrow = None if text in (None, "none", "off") else parse_autogrow(text)
-            if autogrow is not None and (autogrow[0] % self.pool.block_size or autogrow[0] <= 0):
-                raise ThinblockError(
-                    f"autogrow step must be a positive multiple of the block size ({format_size(self.pool.block_size)})"
-                )
+            if autogrow is not None:
+                check_autogrow(autogrow[0], self.pool.block_size)
         low_water = parse_low_water(changes["low_water"]) if "low_water" in changes else self.low_water
         # Validated everything: now apply.
         self.when_full = changes.get("when_full", self.when_full)

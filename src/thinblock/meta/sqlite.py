@@ -30,6 +30,7 @@ from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, Volu
 from thinblock.privacy import touch_private
 
 DB_NAME = "metadata.sqlite"
+SqliteError = sqlite3.Error  # what the backend catches, without knowing SQLite itself
 
 _SCHEMA = """
 CREATE TABLE superblock (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -248,8 +249,27 @@ class SqliteMetadata(MetadataStore):
     def copy_database(path: str, dest: str) -> None:
         """A consistent copy of the database at path (repair keeps one)."""
         touch_private(dest)
-        with sqlite3.connect(path) as src, sqlite3.connect(dest) as dst:
-            src.backup(dst)
+        try:
+            with contextlib.closing(sqlite3.connect(path)) as src, contextlib.closing(sqlite3.connect(dest)) as dst:
+                src.backup(dst)
+        except sqlite3.Error as exc:
+            for name in (dest, dest + "-journal"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name)
+            raise ThinblockError(f"cannot copy the metadata database {path} to {dest}: {exc}") from None
+
+    @staticmethod
+    def fold_wal(path: str) -> bool:
+        """Fold the WAL of the (closed) database at path into it; False when it cannot be
+        read (a damaged database: its WAL then stays beside it)."""
+        if not os.path.exists(path + "-wal"):
+            return True
+        try:
+            with contextlib.closing(sqlite3.connect(path)) as conn:
+                busy, _log, _done = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                return not busy
+        except sqlite3.Error:
+            return False
 
     def checkpoint(self) -> None:
         """Fold the WAL into the database file (before it is renamed or copied)."""

@@ -10,10 +10,15 @@ JSON (`--json`) and a line-oriented text for people:
     volume id=1 name="vm1" kind="volume" origin_id=null size_bytes=... ...
       map VBLOCK DBLOCK COUNT data|zeroed [pinned]
 
-Every `key=value` value is JSON. Restore rebuilds every table from the dict;
-identical pages at one page index of several volumes become one shared page
-again, so snapshots keep sharing pages. Repair salvages what it can read into
-that dict and restores it, reporting what it could not save.
+Every `key=value` value is JSON. A dump is untrusted input (people keep,
+pass around and edit them): restore checks all of it against the pool first
+(plan_restore: admin/schema.py's field checks, then block size, data store
+size, origins, ranges and shared blocks), takes only the settings DUMP_SETS
+names from it, and has the backend switch the new metadata in at once.
+Restore rebuilds every table from the dict; identical pages at one page index
+of several volumes become one shared page again, so snapshots keep sharing
+pages. Repair salvages what it can read into that dict and restores it
+through the same checks, reporting what it could not save.
 """
 
 from __future__ import annotations
@@ -24,12 +29,17 @@ from array import array
 from collections import Counter
 from typing import Any
 
+from thinblock.admin.schema import DUMP_POOL, DUMP_VOLUME, check_fields
 from thinblock.backends import Location
+from thinblock.backends.base import KEEP_BEFORE_RESTORE
 from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock, entry_pinned, entry_state, make_entry
+from thinblock.core.pool import STAGING_PREFIX, validate_name
+from thinblock.core.space_policy import check_autogrow
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import MetadataStore, Transaction, VolumeRow
 from thinblock.progress import ProgressFn, no_progress
+from thinblock.sizes import format_size
 from thinblock.store.base import DataStore
 
 DUMP_FORMAT = "thinblock-dump"
@@ -100,11 +110,15 @@ def format_text(dump: dict[str, Any]) -> str:
 
 def parse_dump(text: str) -> dict[str, Any]:
     """Either form back into the dict; ThinblockError with a line number when malformed."""
-    if text.lstrip().startswith("{"):
+    if not text.strip():
+        raise ThinblockError("not a thinblock dump: it is empty")
+    if text.lstrip().startswith(("{", "[")):
         try:
             loaded = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ThinblockError(f"dump is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ThinblockError("not a thinblock dump: its JSON nests too deep") from None
         if not isinstance(loaded, dict):
             raise ThinblockError("dump is not a thinblock dump")
         _check_header(loaded.get("format"), loaded.get("version"))
@@ -120,7 +134,7 @@ def parse_dump(text: str) -> dict[str, Any]:
                 _check_header(DUMP_FORMAT, int(words[1]))
                 dump["version"] = int(words[1])
             elif "version" not in dump:
-                raise ValueError(f"the first line must be '{DUMP_FORMAT} {DUMP_VERSION}'")
+                raise ValueError(f"not a thinblock dump: the first line must be '{DUMP_FORMAT} {DUMP_VERSION}'")
             elif words[0] == "pool":
                 dump["pool"] = _pairs(line[4:])
             elif words[0] == "volume":
@@ -152,18 +166,83 @@ def _pairs(text: str) -> dict[str, Any]:
 
 # ----- restore ---------------------------------------------------------------------
 
+# The superblock keys a dump may set: the pool's settings and its size. Every other
+# key is the pool's own and is kept from its current metadata, never taken from a
+# dump: data_path (and any other host path), the pool's identity (pool_uuid or
+# whatever id the backend or the data store checks), its generation,
+# object_size, metadata_slack_bytes, format_version. A key added to the
+# superblock later is thereby the pool's until it is named here.
+DUMP_SETS = ("size_bytes", "when_full", "low_water", "on_low_water", "autogrow")
+# Taken from the dump only when the pool has no readable metadata left to keep them from.
+_DUMP_FALLBACK = ("block_size", "created")
+MAX_DUMP_BYTES = 1 << 30  # larger than any dump of a pool thinblock can open in memory
 
-def build_metadata(location: Location, dump: dict[str, Any]) -> None:
-    """Write fresh metadata from a dump (validated first; nothing is
-    written when it is inconsistent). The pool is marked unclean so that its
-    next open punches every free block (the data file may hold stale bytes there)."""
+
+def read_dump(path: str) -> dict[str, Any]:
+    """The dump in the file at path (either form), or one sentence saying why it is none."""
     try:
-        pool = dump["pool"]
-        block_size, size_bytes = int(pool["block_size"]), int(pool["size_bytes"])
-        n_blocks = size_bytes // block_size
-        rows, roots = _validated_volumes(dump["volumes"], block_size, n_blocks)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ThinblockError(f"dump is incomplete or malformed: {exc!r}") from None
+        with open(path, "rb") as f:
+            raw = f.read(MAX_DUMP_BYTES + 1)
+    except OSError as exc:
+        raise ThinblockError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_DUMP_BYTES:
+        raise ThinblockError(f"{path} is not a thinblock dump: it is larger than {MAX_DUMP_BYTES >> 20} MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\0" in text:
+        raise ThinblockError(f"{path} is not a thinblock dump: it is binary, not text")
+    try:
+        return parse_dump(text)
+    except ThinblockError as exc:
+        raise ThinblockError(f"{path}: {exc}") from None
+
+
+def build_metadata(
+    location: Location,
+    dump: dict[str, Any],
+    current: dict[str, Any] | None,
+    data_bytes: int | None,
+    keep: str | None = None,
+) -> str | None:
+    """Validate the whole dump against the pool, then replace the metadata with it at
+    once (nothing is written when anything is wrong). current is the pool's superblock
+    now (None when it has no readable metadata), data_bytes what its data store holds
+    (None: not checked, repair extends it). The pool is marked unclean so that its next
+    open punches every free block (the data file may hold stale bytes there). keep:
+    where the old metadata goes (see Location.replace_meta)."""
+    superblock, txn = plan_restore(dump, current, data_bytes)
+    return location.replace_meta(superblock, txn, keep=keep)
+
+
+def plan_restore(
+    dump: dict[str, Any], current: dict[str, Any] | None, data_bytes: int | None
+) -> tuple[dict[str, Any], Transaction]:
+    """The superblock and transaction that restore writes, or one sentence on what is wrong."""
+    if not isinstance(dump.get("pool"), dict) or not isinstance(dump.get("volumes"), list):
+        raise ThinblockError("not a thinblock dump: it needs a 'pool' object and a 'volumes' list")
+    pool = dump["pool"]
+    check_fields("dump, pool", DUMP_POOL, pool)
+    block_size, size_bytes = int(pool["block_size"]), int(pool["size_bytes"])
+    pool_block_size = block_size if current is None else int(current.get("block_size") or block_size)
+    if pool_block_size != block_size:
+        raise ThinblockError(
+            f"the dump's block size is {format_size(block_size)} but this pool's is"
+            f" {format_size(pool_block_size)}: it is another pool's dump; nothing was changed"
+        )
+    if size_bytes % block_size:
+        raise ThinblockError(f"the dump's pool size {size_bytes} is not a multiple of its block size {block_size}")
+    if data_bytes is not None and size_bytes > data_bytes:
+        raise ThinblockError(
+            f"the dump is of a pool of {format_size(size_bytes)} but this pool's data store holds"
+            f" {format_size(data_bytes)}: it is another pool's dump (or grow the data store first); nothing was changed"
+        )
+    autogrow = pool.get("autogrow")
+    if autogrow is not None:
+        check_autogrow(int(autogrow[0]), block_size)
+    n_blocks = size_bytes // block_size
+    rows, roots = _validated_volumes(dump["volumes"], block_size, n_blocks)
     txn = Transaction()
     page_ids: dict[tuple[int, bytes], int] = {}
     page_refs: Counter[int] = Counter()
@@ -175,88 +254,171 @@ def build_metadata(location: Location, dump: dict[str, Any]) -> None:
             blobs[page_id] = blob
             page_refs[page_id] += 1
             txn.roots[(row.id, page_index)] = page_id
-    refcounts = array("I", bytes(4 * n_blocks))
+    # Refcounts are derived, never read from the dump: one per page that maps the block.
+    refcounts: dict[int, array[int]] = {}
+    used_blocks = 0
     for blob in blobs.values():
         for entry in Page.from_blob(0, 0, blob).entries:
             if entry:
-                refcounts[entry_dblock(entry)] += 1
+                index, slot = divmod(entry_dblock(entry), REFCOUNT_PAGE_ENTRIES)
+                chunk = refcounts.setdefault(index, array("I", bytes(4 * REFCOUNT_PAGE_ENTRIES)))
+                used_blocks += chunk[slot] == 0
+                chunk[slot] += 1
     txn.pages = {pid: (page_refs[pid], blob) for pid, blob in blobs.items()}
-    for index in range(0, n_blocks, REFCOUNT_PAGE_ENTRIES):
-        chunk = refcounts[index : index + REFCOUNT_PAGE_ENTRIES]
-        if any(chunk):
-            txn.refcount_pages[index // REFCOUNT_PAGE_ENTRIES] = chunk.tobytes()
+    for index, chunk in refcounts.items():  # the last page stops at the pool's end
+        txn.refcount_pages[index] = chunk[: n_blocks - index * REFCOUNT_PAGE_ENTRIES].tobytes()
     txn.volumes = rows
-    superblock = {k: pool.get(k) for k in _POOL_KEYS}
-    superblock.update(page_entries=PAGE_ENTRIES, used_blocks=sum(1 for c in refcounts if c), clean=False)
-    location.replace_meta(superblock, txn)
+    kept = dict(current or {})
+    superblock = {**kept, **{k: pool.get(k) for k in DUMP_SETS}}
+    for key in _DUMP_FALLBACK:
+        superblock.setdefault(key, pool.get(key))
+    # Above both the dump's and the metadata's transaction: restored metadata is never
+    # taken for metadata rolled back to an older transaction.
+    transaction_id = max(int(kept.get("transaction_id") or 0), int(pool.get("transaction_id") or 0)) + 1
+    superblock.update(page_entries=PAGE_ENTRIES, used_blocks=used_blocks, clean=False, transaction_id=transaction_id)
+    return superblock, txn
 
 
 def _validated_volumes(
-    volumes: list[dict[str, Any]], block_size: int, n_blocks: int
+    volumes: list[Any], block_size: int, n_blocks: int
 ) -> tuple[list[VolumeRow], dict[int, dict[int, array[int]]]]:
     rows: list[VolumeRow] = []
     roots: dict[int, dict[int, array[int]]] = {}
-    ids = {int(v["id"]) for v in volumes}
     names: set[str] = set()
-    for v in volumes:
+    for number, v in enumerate(volumes, 1):
+        check_fields(f"dump, volume {number}", DUMP_VOLUME, v)
         row = VolumeRow(
-            id=int(v["id"]),
-            name=str(v["name"]),
-            size_bytes=int(v["size_bytes"]),
-            detect_zeroes=str(v["detect_zeroes"]),
+            id=v["id"],
+            name=v["name"],
+            size_bytes=v["size_bytes"],
+            detect_zeroes=v["detect_zeroes"],
             created=float(v["created"]),
-            kind=str(v["kind"]),
-            origin_id=None if v["origin_id"] is None else int(v["origin_id"]),
-            reserve_bytes=int(v["reserve_bytes"]),
+            kind=v["kind"],
+            origin_id=v["origin_id"],
+            reserve_bytes=v["reserve_bytes"],
             low_water=None if v["low_water"] is None else float(v["low_water"]),
             on_low_water=v["on_low_water"],
         )
-        where = f"volume {row.name!r}"
+        where = f"dump, volume {row.name!r}"
+        try:
+            validate_name(row.name, row.kind)
+        except ThinblockError as exc:
+            raise ThinblockError(f"dump, volume {number}: {exc}") from None
         if row.id in roots or row.name in names:
             raise ThinblockError(f"{where}: id or name appears twice in the dump")
-        if row.kind not in ("volume", "snapshot") or row.detect_zeroes not in ("off", "on", "unmap"):
-            raise ThinblockError(f"{where}: invalid kind or detect_zeroes")
-        if row.origin_id is not None and row.origin_id not in ids:
-            raise ThinblockError(f"{where}: origin id {row.origin_id} is not in the dump")
-        if row.size_bytes <= 0 or row.size_bytes % 512:
-            raise ThinblockError(f"{where}: invalid size {row.size_bytes}")
         names.add(row.name)
-        pages: dict[int, array[int]] = {}
+        roots[row.id] = {}
+        rows.append(row)
+    by_id = {row.id: row for row in rows}
+    for row in rows:
+        seen = {row.id}
+        origin = row.origin_id
+        while origin is not None:
+            if origin not in by_id:
+                raise ThinblockError(f"dump, volume {row.name!r}: origin id {origin} is not in the dump")
+            if origin in seen:
+                raise ThinblockError(
+                    f"dump, volume {row.name!r}: it is its own origin (through {len(seen) - 1} other(s))"
+                )
+            seen.add(origin)
+            origin = by_id[origin].origin_id
+    # Which vblock holds each dblock: a block has two owners only at one vblock of
+    # several volumes (a shared page, or a copy of one: snapshots and clones).
+    owners = array("q", b"\xff" * 8 * n_blocks)
+    for row, v in zip(rows, volumes, strict=True):
+        where = f"dump, volume {row.name!r}"
+        pages = roots[row.id]
         n_vblocks = -(-row.size_bytes // block_size)
-        for vblock, dblock, count, state, pinned in v["mappings"]:
-            vblock, dblock, count = int(vblock), int(dblock), int(count)
-            if state not in _STATES or count <= 0 or vblock < 0 or dblock < 0:
+        for run in v["mappings"]:
+            if (
+                len(run) != 5
+                or not all(type(x) is int for x in run[:3])
+                or run[3] not in _STATES
+                or type(run[4]) is not bool
+            ):
+                raise ThinblockError(
+                    f"{where}: a mapping must be [VBLOCK, DBLOCK, COUNT, 'data'|'zeroed', PINNED], not {str(run)[:80]}"
+                )
+            vblock, dblock, count, state, pinned = run
+            if count <= 0 or vblock < 0 or dblock < 0:
                 raise ThinblockError(f"{where}: invalid mapping {vblock} {dblock} {count} {state}")
             if vblock + count > n_vblocks or dblock + count > n_blocks:
                 raise ThinblockError(
-                    f"{where}: mapping {vblock}+{count} -> {dblock} lies beyond the volume or the data store"
+                    f"{where}: mapping {vblock}+{count} -> {dblock} lies beyond the volume or the pool"
                 )
             for i in range(count):
                 page_index, slot = divmod(vblock + i, PAGE_ENTRIES)
                 entries = pages.setdefault(page_index, array("Q", bytes(8 * PAGE_ENTRIES)))
                 if entries[slot]:
                     raise ThinblockError(f"{where}: vblock {vblock + i} is mapped twice")
+                owner = owners[dblock + i]
+                if owner < 0:
+                    owners[dblock + i] = vblock + i
+                elif owner != vblock + i:
+                    raise ThinblockError(
+                        f"{where}: dblock {dblock + i} is mapped at vblock {vblock + i} and at vblock {owner};"
+                        " only snapshots and clones share a block, at one vblock"
+                    )
                 entries[slot] = make_entry(dblock + i, _STATES[state], pinned)
                 if state == "data":
                     row.data_blocks += 1
                 else:
                     row.zeroed_blocks += 1
                 row.pinned_blocks += bool(pinned)
-        roots[row.id] = pages
-        rows.append(row)
     return rows, roots
+
+
+def current_state(location: Location) -> tuple[dict[str, Any] | None, int]:
+    """The pool's superblock as it is (None when its metadata is missing or unreadable:
+    what restore is for) and the bytes its data store holds."""
+    superblock: dict[str, Any] | None = None
+    if location.exists():
+        try:
+            meta = location.open_meta(readonly=True)
+            try:
+                superblock = meta.superblock()
+            finally:
+                meta.close()
+        except (CorruptionError, OSError, ThinblockError, KeyError, ValueError):
+            superblock = None  # damaged: the dump replaces it (a copy is kept)
+    try:
+        store = location.open_data(superblock or {}, readonly=True)
+    except (KeyError, ValueError):  # a backend that needs its superblock to find its data
+        raise ThinblockError(
+            f"cannot restore into {location.name}: its metadata is unreadable and it says where its data is;"
+            " create the pool again first"
+        ) from None
+    try:
+        return superblock, store.size_bytes
+    finally:
+        store.close()
 
 
 def restore(locator: str, dump: dict[str, Any], progress: ProgressFn | None = None) -> dict[str, Any]:
     """`pool restore`: replace the pool's metadata with the dump's (pool not in use).
-    progress follows the punching of free space at the first open (bytes)."""
+    All or nothing: the whole dump is checked against the pool, the new metadata
+    is written beside the old and switched in at once; the old is kept
+    (metadata.sqlite.before-restore). progress follows the punching of free
+    space at the first open (bytes), after the switch."""
     from thinblock.core.pool import Pool, owned
 
     with owned(locator, "thinblock restore") as location:
-        build_metadata(location, dump)
-    with Pool.open(locator, autocommit=False, progress=progress) as pool:  # recovers free space, then closes clean
-        used_bytes = pool.space_figures()["used_bytes"]
-    return {"volumes": len(dump["volumes"]), "used_bytes": used_bytes}
+        name = location.name
+        try:
+            current, data_bytes = current_state(location)
+            kept = build_metadata(location, dump, current, data_bytes, keep=KEEP_BEFORE_RESTORE)
+        except OSError as exc:
+            raise ThinblockError(f"cannot restore {name}: {exc.strerror or exc}; nothing was changed") from None
+    try:
+        with Pool.open(locator, autocommit=False, progress=progress) as pool:  # recovers free space, then closes clean
+            used_bytes = pool.space_figures()["used_bytes"]
+    except (OSError, ThinblockError) as exc:
+        detail = exc.strerror if isinstance(exc, OSError) and not isinstance(exc, ThinblockError) else str(exc)
+        raise ThinblockError(
+            f"restored {name}, but its first open failed ({detail}); the next open finishes it"
+            f" (the old metadata is kept in {kept})"
+        ) from None
+    return {"volumes": len(dump["volumes"]), "used_bytes": used_bytes, "backup": kept}
 
 
 # ----- repair ----------------------------------------------------------------------
@@ -273,7 +435,15 @@ def salvage(
     block_size = int(sb["block_size"])
     n_blocks = int(sb["size_bytes"]) // block_size
     present = n_blocks if data_bytes is None else min(n_blocks, data_bytes // block_size)
-    rows = {row.id: row for row in meta.volumes()}
+    # A staging volume (an unfinished job's, named '.…') is no part of a dump: the next
+    # open would remove it, and restore refuses such names.
+    rows: dict[int, VolumeRow] = {}
+    staging: set[int] = set()
+    for volume_row in meta.volumes():
+        if volume_row.name.startswith(STAGING_PREFIX):
+            staging.add(volume_row.id)
+        else:
+            rows[volume_row.id] = volume_row
     by_volume: dict[int, list[tuple[int, int]]] = {vid: [] for vid in rows}
     pages: dict[int, Page | None] = {}
     all_roots = sorted(meta.all_roots())
@@ -282,6 +452,8 @@ def salvage(
         if done % 64 == 0:
             tell(done, len(all_roots))
         row = rows.get(volume_id)
+        if volume_id in staging:
+            continue
         if row is None:
             lost.append(f"root table rows of missing volume id {volume_id} dropped")
             continue
@@ -355,7 +527,7 @@ def repair(locator: str, progress: ProgressFn | None = None) -> dict[str, Any]:
             raise ThinblockError(f"cannot repair {name}: the metadata cannot be read ({exc})") from None
         try:
             backup = location.keep_copy()
-            build_metadata(location, dump)
+            build_metadata(location, dump, sb, None)
             if data_bytes < size_bytes:
                 _extend(store, data_bytes, size_bytes, lost, location.data_name(sb))
         except OSError as exc:

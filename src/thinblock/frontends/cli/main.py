@@ -213,16 +213,14 @@ def cmd_pool_dump(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_restore(args: argparse.Namespace) -> None:
-    from thinblock.tools.dump import parse_dump, restore
+    from thinblock.tools.dump import read_dump, restore
 
-    try:
-        with open(args.file) as f:
-            text = f.read()
-    except OSError as exc:
-        raise ThinblockError(f"cannot read {args.file}: {exc.strerror}") from None
+    dump = read_dump(args.file)
     with progress_bar("restore: punching free space", wanted(args)) as bar:
-        result = restore(args.pool, parse_dump(text), bar)
+        result = restore(args.pool, dump, bar)
     print(f"restored {result['volumes']} volume(s) into {args.pool}; {format_size(result['used_bytes'])} in use")
+    if result["backup"]:
+        print(f"the old metadata is kept in {result['backup']}")
 
 
 def cmd_pool_repair(args: argparse.Namespace) -> int:

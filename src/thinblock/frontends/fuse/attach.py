@@ -22,6 +22,7 @@ from pathlib import Path
 from thinblock.admin.verbs import CONTROL_SOCKET
 from thinblock.backends import locate
 from thinblock.errors import ThinblockError
+from thinblock.paths import child_path
 from thinblock.privacy import create_private_file, make_private_dir
 
 RUNTIME_DIR = Path(os.environ.get("THINBLOCK_RUNTIME_DIR", "/run/thinblock"))
@@ -183,11 +184,11 @@ def attach(pool: str, volume: str) -> str:
     if volume not in kinds:
         raise ThinblockError(f"no volume {volume!r} in pool {pool}")
     pdir = _pool_dir(pool)
+    backing = str(child_path(pdir / "mnt", volume))  # before anything starts: the name may be hostile
     info = _daemon_info(pdir)
     if info is None or not _alive(int(info["pid"])) or not is_mounted(pdir / "mnt"):  # type: ignore[call-overload]
         _cleanup_dead(pdir)
         _start_daemon(pool, pdir)
-    backing = str(pdir / "mnt" / volume)
     for device, back in _loops():
         if back == backing:
             return device

@@ -29,6 +29,7 @@ from thinblock.core.pool import Pool
 from thinblock.core.volume import Volume
 from thinblock.errors import OpError
 from thinblock.frontends.export import Export, errno_of
+from thinblock.paths import safe_name_problem
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -56,8 +57,9 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
             conn.max_write = MAX_IO_BYTES
 
     def _volume(self, path: str) -> Volume:
-        vol = self.pool.visible_volume(path.lstrip("/"))
-        if vol is None or "/" in path.lstrip("/"):
+        name = path.lstrip("/")
+        vol = self.pool.visible_volume(name)
+        if vol is None or safe_name_problem(name) is not None:
             raise mfusepy.FuseOSError(errno.ENOENT)
         return vol
 
@@ -80,7 +82,8 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
     def readdir(self, path: str, fh: int) -> list[str]:
         if path != "/":
             raise mfusepy.FuseOSError(errno.ENOTDIR)
-        return [".", "..", *sorted(self.pool.visible())]
+        # A name that cannot be a file (paths.py) is not listed: it never reaches a host path.
+        return [".", "..", *sorted(n for n in self.pool.visible() if safe_name_problem(n) is None)]
 
     def open(self, path: str, flags: int) -> int:
         vol = self._volume(path)

@@ -19,12 +19,13 @@ from typing import Any
 from thinblock.core.pool import read_status
 from thinblock.errors import ThinblockError
 from thinblock.frontends.fuse.attach import _pool_dir, attach, detach, list_attached
+from thinblock.paths import child_path
 from thinblock.sizes import format_size
 
 
 def _volume_status(pool: str, volume: str) -> tuple[dict[str, Any], int]:
     """The volume's figures and the pool's used bytes, after making the daemon commit."""
-    path = _pool_dir(pool) / "mnt" / volume
+    path = child_path(_pool_dir(pool) / "mnt", volume)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)  # FUSE fsync -> Volume.flush -> a pool commit
