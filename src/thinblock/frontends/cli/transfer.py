@@ -21,6 +21,7 @@ from thinblock.admin.jobs import close_fds
 from thinblock.formats.rbd import IMAGE_V2
 from thinblock.frontends.cli.common import UsageError, emit, size_arg
 from thinblock.frontends.cli.progress import progress_bar, wanted
+from thinblock.frontends.cli.signals import Interrupted, job_signals
 from thinblock.sizes import format_size
 from thinblock.transfer.images import QCOW2_MAGIC, is_nbd_uri
 
@@ -32,13 +33,22 @@ def _job(args: argparse.Namespace, label: str, verb: str, fds: list[int], **job_
     show = wanted(args)
     handed = False
     try:
+        # SIGTERM and SIGHUP cancel the job as Ctrl-C does (signals.py): the job
+        # unwinds, then the pool closes and its control socket goes.
         with (
+            job_signals() as signals,
             progress_bar("recovering free space", show) as recovering,
             progress_bar(label, show) as bar,
             open_admin(args.pool, progress=recovering) as admin,
         ):
             handed = True  # the job owns the files from here on, and closes them
-            return admin.job(verb, fds, bar, **job_args)
+            try:
+                return admin.job(verb, fds, bar, **job_args)
+            finally:
+                signals.defer()
+    except Interrupted as exc:
+        print(f"thinblock: {label} cancelled by {exc}", file=sys.stderr)
+        raise
     finally:
         if not handed:
             close_fds(fds)
