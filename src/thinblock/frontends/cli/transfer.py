@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import stat
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from thinblock.admin.access import open_admin
+from thinblock.admin.access import open_admin, wait_s
 from thinblock.admin.jobs import close_fds
 from thinblock.formats.rbd import IMAGE_V2
 from thinblock.frontends.cli.common import UsageError, emit, size_arg
@@ -81,19 +82,19 @@ def cmd_import(args: argparse.Namespace) -> None:
             raise UsageError("an NBD source is read as it is served: --format applies to files")
         kind, shown = "nbd", source
     else:
-        try:
-            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise UsageError(f"cannot open {source}: {exc.strerror}") from None
+        fd, fifo = _open_source(source)  # a named pipe is read as a stream, as - is
+        if fifo and args.format == "qcow2":
+            os.close(fd)
+            raise UsageError("a qcow2 image cannot be read from a stream: give its file name")
         fmt = args.format
-        if fmt == "auto":
+        if fmt == "auto" and not fifo:
             head = os.pread(fd, len(IMAGE_V2), 0)
             fmt = "qcow2" if head[:4] == QCOW2_MAGIC else "rbd" if head == IMAGE_V2 else "raw"
         if fmt == "qcow2":
             os.close(fd)
             kind, source = "qcow2", os.path.realpath(source)
         else:
-            kind, fds = "rbd" if fmt == "rbd" else "file", [fd]
+            kind, fds = "rbd" if fmt == "rbd" else "stream" if fifo else "file", [fd]
         shown = args.source
     if args.size is not None and kind != "stream":
         close_fds(fds)
@@ -120,6 +121,28 @@ def cmd_import(args: argparse.Namespace) -> None:
         )
 
     _summary(args, result, human)
+
+
+def _open_source(path: str) -> tuple[int, bool]:
+    """(fd, whether it is a named pipe) of a file to read. A FIFO is opened without
+    blocking (a blocking open waits for a writer forever) and then waited on for a
+    writer for at most --wait seconds, with a sentence if none comes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UsageError(f"cannot open {path}: {exc.strerror}") from None
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.set_blocking(fd, True)
+        return fd, False
+    budget = wait_s()
+    # Until a writer opens it, a FIFO polls as nothing at all (no POLLIN, no POLLHUP).
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    if not poller.poll(int(budget * 1000)):
+        os.close(fd)
+        raise UsageError(f"nothing writes to the named pipe {path}: waited {budget:g} s (--wait) for a writer")
+    os.set_blocking(fd, True)
+    return fd, True
 
 
 def _open_dest(dest: str, force: bool) -> tuple[int, bool]:
@@ -228,10 +251,7 @@ def cmd_import_diff(args: argparse.Namespace) -> None:
     if args.file == "-":
         fds = [os.dup(sys.stdin.fileno())]
     else:
-        try:
-            fds = [os.open(args.file, os.O_RDONLY | os.O_CLOEXEC)]
-        except OSError as exc:
-            raise UsageError(f"cannot open {args.file}: {exc.strerror}") from None
+        fds = [_open_source(args.file)[0]]
     result = _job(args, "import-diff", "import_diff", fds, name=args.volume, source=args.file, force=args.force)
 
     def human(r: dict[str, Any]) -> str:
