@@ -374,3 +374,36 @@ def test_a_socket_that_is_not_nbd_fails_in_seconds(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert _names(pool) == []
+
+
+# ----- a failing disk under the pool ------------------------------------------------------
+
+
+def test_opening_a_pool_on_a_failing_disk_is_one_sentence(tmp_path: Path) -> None:
+    """The disk under the pool fails every write and sync (EIO): each command that
+    opens the pool says so in one sentence, no traceback; once the disk works
+    again the pool opens and check accepts it."""
+    rig = PowerCutRig(tmp_path)
+    try:
+        thinblock("pool", "create", rig.pool, "--size", "64M")
+        _import_stream(rig.pool, "v")
+        with open(rig.mnt / ".powercut", "w") as f:
+            f.write("eio")
+        src = tmp_path / "small.raw"
+        src.write_bytes(b"\x11" * MiB)
+        for args in (
+            ("volume", "list", rig.pool),
+            ("volume", "create", rig.pool, "w", "--size", "1M"),
+            ("import", str(src), rig.pool, "w"),
+            ("volume", "sparsify", rig.pool, "v"),
+        ):
+            out = thinblock(*args, check=False)  # thinblock() asserts: no traceback
+            assert out.returncode == 1, (args, out.stderr)
+            assert out.stderr.count("\n") == 1 and "the storage under it fails" in out.stderr, (args, out.stderr)
+        with open(rig.mnt / ".powercut", "w") as f:
+            f.write("ok")
+        _check(rig.pool)
+        assert _names(rig.pool) == ["v"]
+        assert _contents(rig.pool, "v", tmp_path) == WHOLE
+    finally:
+        rig.close()
