@@ -171,7 +171,9 @@ def test_a_commit_during_a_writes_io_records_nothing_of_its_fresh_blocks(tmp_pat
         writer = threading.Thread(target=pool.volume("v").write, args=(0, b"\x5a" * (4 * MiB)))
         writer.start()
         assert held.started.wait(30)
-        pool.commit()  # what the background committer does every second
+        # Any commit now: here one with a change of its own (a new volume), as the
+        # background committer's, once a second, has the writes published meanwhile.
+        pool.create_volume("w", MiB)
         meta = locate(path).open_meta(readonly=True)
         try:
             assert check_metadata(meta) == []
