@@ -282,7 +282,8 @@ def test_sigkill_and_sigterm_at_fixed_delays_of_sparsify(tmp_path: Path) -> None
         vol = p.volume("z")
         for offset in range(0, 256 * MiB, 4 * MiB):
             vol.write(offset, bytes(4 * MiB))
-    for delay, sig in ((0.5, signal.SIGKILL), (1.0, signal.SIGTERM), (2.0, signal.SIGKILL)):
+    runtime = Path(locate(pool).runtime_dir())
+    for delay, sig in ((0.2, signal.SIGKILL), (0.0, signal.SIGTERM), (1.0, signal.SIGKILL)):
         proc = subprocess.Popen(
             [sys.executable, "-m", "thinblock", "volume", "sparsify", pool, "z", "--no-progress"],
             stdout=subprocess.PIPE,
@@ -290,10 +291,14 @@ def test_sigkill_and_sigterm_at_fixed_delays_of_sparsify(tmp_path: Path) -> None
             text=True,
             env=ENV,
         )
+        _wait_for(runtime / "control.sock", proc)  # the job runs
         time.sleep(delay)
         proc.send_signal(sig)
         _out, err = proc.communicate(timeout=120)
         assert "Traceback" not in err, err
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143 and "cancelled by SIGTERM" in err, (proc.returncode, err)
+            assert not (runtime / "control.sock").exists()
         _check(pool)
         assert _names(pool) == ["z"]
     thinblock("volume", "sparsify", pool, "z")
