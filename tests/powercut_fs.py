@@ -11,7 +11,7 @@ to the file `.powercut` at the mount's root cuts the power like a disk that
 reorders: a random subset of each file's unsynced changes (SEED picks it)
 reaches the backing files, the rest is lost, and the process exits. Writing
 "eio" makes every later write, truncate, fallocate and fsync fail with EIO (a
-failing disk) until "ok" is written. Software
+failing disk), "eio-sync" only every fsync, until "ok" is written. Software
 that only relies on fsync as a barrier, as SQLite and thinblock must, survives
 both.
 
@@ -79,10 +79,12 @@ class PowerCutFS(mfusepy.Operations):  # type: ignore[misc]
         self.backing = backing
         self.files: dict[str, _File] = {}
         self._mutex = threading.Lock()
-        self.failing = False  # "eio" written to CUT_FILE: every change fails with EIO ("ok" ends it)
+        # "eio" written to CUT_FILE: every change fails with EIO; "eio-sync": only
+        # fsync does; "ok" ends it.
+        self.failing = ""
 
-    def _fail(self, path: str) -> None:
-        if self.failing and path != CUT_FILE:
+    def _fail(self, path: str, *, sync: bool = False) -> None:
+        if path != CUT_FILE and (self.failing == "eio" or (self.failing == "eio-sync" and sync)):
             raise mfusepy.FuseOSError(errno.EIO)
 
     def _path(self, path: str) -> str:
@@ -207,8 +209,8 @@ class PowerCutFS(mfusepy.Operations):  # type: ignore[misc]
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
         if path == CUT_FILE:
             mode, _, seed = bytes(data).decode().partition(" ")
-            if mode.strip() in ("eio", "ok"):
-                self.failing = mode.strip() == "eio"
+            if mode.strip() in ("eio", "eio-sync", "ok"):
+                self.failing = "" if mode.strip() == "ok" else mode.strip()
                 return len(data)
             if mode.strip() != "reorder":
                 raise mfusepy.FuseOSError(errno.EINVAL)
@@ -238,7 +240,7 @@ class PowerCutFS(mfusepy.Operations):  # type: ignore[misc]
         return 0
 
     def fsync(self, path: str, datasync: int, fh: int) -> int:
-        self._fail(path)
+        self._fail(path, sync=True)
         with self._mutex:
             state = self.files.pop(path, None)
             if state is not None:
