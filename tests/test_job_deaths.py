@@ -118,9 +118,19 @@ def _die(proc: subprocess.Popen[str], writer: int, sig: int) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
+def _inode(path: Path) -> tuple[int, int] | None:
+    """Which file path is (inode and change time: an inode number alone may be reused)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], stale: tuple[int, int] | None) -> None:
+    """Wait until the job's process made path (not the one a killed run left: stale)."""
     deadline = time.monotonic() + 60
-    while not path.exists():
+    while _inode(path) in (None, stale):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.02)
@@ -230,8 +240,9 @@ def test_sigterm_and_sighup_cancel_an_import_like_sigint(tmp_path: Path, sig: in
     points = POINTS if sig == signal.SIGTERM else POINTS[2:3]
     for i, point in enumerate(points):
         name = f"v{i}"
+        stale = _inode(runtime / "control.sock")
         proc, writer = _start(["import", "-", pool, name, "--size", VOLUME, "--no-progress"])
-        _wait_for(runtime / "control.sock", proc)  # the job runs (a signal before it is Python's default)
+        _wait_for(runtime / "control.sock", proc, stale)  # the job runs (a signal before it is Python's default)
         _feed(writer, _stream(STREAM_BYTES), point)
         code, err = _die(proc, writer, sig)
         assert code == status, (code, err)
@@ -259,8 +270,9 @@ def test_sigkill_at_fixed_points_of_import_diff(tmp_path: Path) -> None:
     data = diff.read_bytes()
     runtime = Path(locate(pool).runtime_dir())
     for point, sig in zip(POINTS[1:], (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL), strict=True):
+        stale = _inode(runtime / "control.sock")  # a SIGKILLed job's socket stays
         proc, writer = _start(["import-diff", "-", pool, "d", "--force", "--no-progress"])
-        _wait_for(runtime / "control.sock", proc)
+        _wait_for(runtime / "control.sock", proc, stale)
         _feed(writer, iter([data]), point)
         code, _err = _die(proc, writer, sig)
         assert code == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
@@ -284,6 +296,7 @@ def test_sigkill_and_sigterm_at_fixed_delays_of_sparsify(tmp_path: Path) -> None
             vol.write(offset, bytes(4 * MiB))
     runtime = Path(locate(pool).runtime_dir())
     for delay, sig in ((0.2, signal.SIGKILL), (0.0, signal.SIGTERM), (1.0, signal.SIGKILL)):
+        stale = _inode(runtime / "control.sock")  # a SIGKILLed job's socket stays
         proc = subprocess.Popen(
             [sys.executable, "-m", "thinblock", "volume", "sparsify", pool, "z", "--no-progress"],
             stdout=subprocess.PIPE,
@@ -291,7 +304,7 @@ def test_sigkill_and_sigterm_at_fixed_delays_of_sparsify(tmp_path: Path) -> None
             text=True,
             env=ENV,
         )
-        _wait_for(runtime / "control.sock", proc)  # the job runs
+        _wait_for(runtime / "control.sock", proc, stale)  # the job runs
         time.sleep(delay)
         proc.send_signal(sig)
         _out, err = proc.communicate(timeout=120)
