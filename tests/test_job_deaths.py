@@ -254,6 +254,45 @@ def test_sigterm_and_sighup_cancel_an_import_like_sigint(tmp_path: Path, sig: in
     _check(pool)
 
 
+def _rbd_image_with_a_snapshot() -> bytes:
+    """An "rbd image v2" stream of two diffs, as `rbd export --export-format 2` writes
+    for an image with one snapshot: the first ends at snapshot s1 (the stream's first
+    half), the second adds the rest."""
+    from thinblock.formats import rbd
+
+    head = rbd.IMAGE_V2 + b"O" + (8).to_bytes(8, "little") + (22).to_bytes(8, "little") + b"E"
+    out = [head + rbd.IMAGE_DIFFS_V2 + (2).to_bytes(8, "little")]
+    half = STREAM_BYTES // MiB // 2
+    for first, snap in ((0, "s1"), (half, None)):
+        enc = rbd.DiffEncoder(2)
+        out.append(enc.header() + (enc.from_snap("s1") if snap is None else enc.to_snap(snap)) + enc.size(32 * MiB))
+        for i in range(first, first + half):
+            out.append(enc.data(i * MiB, MiB) + _chunk(i))
+        out.append(enc.end())
+    return b"".join(out)
+
+
+def test_sigkill_of_an_rbd_image_import_leaves_neither_volume_nor_snapshots(tmp_path: Path) -> None:
+    """An "rbd image v2" stream brings snapshots: killed half way, neither the volume
+    nor the snapshots it took so far show; the rerun brings them all."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "512M")
+    image = tmp_path / "img.rbd"
+    image.write_bytes(_rbd_image_with_a_snapshot())
+    data = image.read_bytes()
+    for point in (3 * MiB, len(data) // 2 + 3 * MiB, len(data) - 2 * MiB):  # in each diff, near the end
+        proc, writer = _start(["import", "-", pool, "copy", "--format", "rbd", "--no-progress"])
+        _feed(writer, iter([data]), point)
+        _die(proc, writer, signal.SIGKILL)
+        _check(pool)
+        assert _names(pool) == [], f"a half rbd image import shows after a kill at byte {point}"
+    thinblock("import", str(image), pool, "copy")
+    assert _names(pool) == ["copy", "copy@s1"]
+    assert _contents(pool, "copy", tmp_path) == WHOLE
+    half = _digest(_stream(STREAM_BYTES // 2), 32 * MiB)
+    assert _contents(pool, "copy@s1", tmp_path) == half
+
+
 # ----- import-diff and sparsify --------------------------------------------------------
 
 
