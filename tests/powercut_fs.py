@@ -9,7 +9,9 @@ what a disk that honours flushes would.
 Killing it drops every unsynced change (LazyFS's model). Writing "reorder SEED"
 to the file `.powercut` at the mount's root cuts the power like a disk that
 reorders: a random subset of each file's unsynced changes (SEED picks it)
-reaches the backing files, the rest is lost, and the process exits. Software
+reaches the backing files, the rest is lost, and the process exits. Writing
+"eio" makes every later write, truncate, fallocate and fsync fail with EIO (a
+failing disk), "eio-sync" only every fsync, until "ok" is written. Software
 that only relies on fsync as a barrier, as SQLite and thinblock must, survives
 both.
 
@@ -77,6 +79,13 @@ class PowerCutFS(mfusepy.Operations):  # type: ignore[misc]
         self.backing = backing
         self.files: dict[str, _File] = {}
         self._mutex = threading.Lock()
+        # "eio" written to CUT_FILE: every change fails with EIO; "eio-sync": only
+        # fsync does; "ok" ends it.
+        self.failing = ""
+
+    def _fail(self, path: str, *, sync: bool = False) -> None:
+        if path != CUT_FILE and (self.failing == "eio" or (self.failing == "eio-sync" and sync)):
+            raise mfusepy.FuseOSError(errno.EIO)
 
     def _path(self, path: str) -> str:
         return os.path.join(self.backing, path.lstrip("/"))
@@ -200,9 +209,13 @@ class PowerCutFS(mfusepy.Operations):  # type: ignore[misc]
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
         if path == CUT_FILE:
             mode, _, seed = bytes(data).decode().partition(" ")
+            if mode.strip() in ("eio", "eio-sync", "ok"):
+                self.failing = "" if mode.strip() == "ok" else mode.strip()
+                return len(data)
             if mode.strip() != "reorder":
                 raise mfusepy.FuseOSError(errno.EINVAL)
             self._cut_reordering(int(seed))
+        self._fail(path)
         with self._mutex:
             state = self._file(path)
             state.ops.append(("write", offset, bytes(data)))
@@ -210,6 +223,7 @@ class PowerCutFS(mfusepy.Operations):  # type: ignore[misc]
         return len(data)
 
     def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+        self._fail(path)
         with self._mutex:
             state = self._file(path)
             state.ops.append(("truncate", length))
@@ -217,6 +231,7 @@ class PowerCutFS(mfusepy.Operations):  # type: ignore[misc]
         return 0
 
     def fallocate(self, path: str, mode: int, offset: int, size: int, fh: int) -> int:
+        self._fail(path)
         with self._mutex:
             state = self._file(path)
             state.ops.append(("fallocate", mode, offset, size))
@@ -225,6 +240,7 @@ class PowerCutFS(mfusepy.Operations):  # type: ignore[misc]
         return 0
 
     def fsync(self, path: str, datasync: int, fh: int) -> int:
+        self._fail(path, sync=True)
         with self._mutex:
             state = self.files.pop(path, None)
             if state is not None:

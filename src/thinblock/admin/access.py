@@ -45,11 +45,13 @@ class LocalAdmin:
         commands get through meanwhile (`export-diff POOL ... - | import-diff - POOL
         ...` on one pool: the second command's job runs in the first's process)."""
         self.pool.start_committer()
-        server = ControlServer(self.pool)
+        server: ControlServer | None = None
         try:
+            server = ControlServer(self.pool)
             return run_job(self.pool, verb, args, list(fds), progress or no_progress)
         finally:
-            server.drain()
+            if server is not None:
+                server.drain()
 
 
 DEFAULT_WAIT_S = 60.0

@@ -70,10 +70,15 @@ class ControlServer:
         self._stopping = threading.Event()
         self._connections = 0  # being served (drain waits for them)
         self._served = threading.Condition()
-        self.sock = bind_unix(self.path, live_ok=True)
-        self.sock.listen(16)
-        self._thread = threading.Thread(target=self._accept_loop, name="thinblock-control", daemon=True)
-        self._thread.start()
+        try:
+            self.sock = bind_unix(self.path, live_ok=True)
+            self.sock.listen(16)
+            self._thread = threading.Thread(target=self._accept_loop, name="thinblock-control", daemon=True)
+            self._thread.start()
+        except BaseException:  # a Ctrl-C or SIGTERM of the command just now, too: leave no socket
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
 
     def _accept_loop(self) -> None:
         accept_loop(self.sock, self._stopping, self._take, log, "the control socket")

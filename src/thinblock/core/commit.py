@@ -220,7 +220,7 @@ class CommitPipeline:
         txn = Transaction(
             superblock={
                 "transaction_id": self.transaction_id,
-                "used_blocks": self.space.used_blocks,
+                "used_blocks": self.space.durable_used_blocks,
                 "size_bytes": self.size_bytes,
                 **self.policy.to_superblock(),
             },

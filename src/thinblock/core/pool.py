@@ -27,7 +27,7 @@ from thinblock.core.space import SpaceAccounts
 from thinblock.core.space_policy import SpacePolicy, parse_low_water
 from thinblock.core.spacemap import SpaceMap
 from thinblock.core.volume import Volume
-from thinblock.errors import CorruptionError, PoolBusyError, ThinblockError
+from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.progress import ProgressFn
 from thinblock.sizes import format_size
@@ -294,6 +294,28 @@ class Pool(CommitPipeline, SpaceAccounts):
         takeover fences a live holder off first (pools in Ceph); progress is told how
         the recovery after an unclean shutdown goes, when there is one."""
         location = locate(locator)
+        try:
+            return cls._open(location, autocommit, purpose, takeover, progress)
+        except OSError as exc:
+            if isinstance(exc, OpError):  # the pool's own errors are sentences already
+                raise
+            # The layer below failed while opening (EIO from the disk, a commit of
+            # the metadata refused): one sentence, and the pool as it was.
+            raise ThinblockError(
+                f"cannot open pool {location.name}: {exc.strerror or exc}"
+                + (f" ({exc.filename})" if exc.filename else "")
+                + "; the storage under it fails (see the system log), nothing was changed"
+            ) from None
+
+    @classmethod
+    def _open(
+        cls,
+        location: Location,
+        autocommit: bool,
+        purpose: str,
+        takeover: bool,
+        progress: ProgressFn | None,
+    ) -> Pool:
         meta = location.open_meta(readonly=False)
         try:
             ownership = location.own(purpose, takeover=takeover)

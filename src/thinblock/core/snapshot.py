@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
-from thinblock.core.pool import Pool
+from thinblock.core.pool import Pool, validate_volume_size
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.meta.base import reserve_blocks
@@ -74,6 +74,37 @@ def stage(pool: Pool, source: Volume, purpose: str, *, kind: str = "volume") -> 
             pool.remove_volume(staged.name)
         raise
     return staged
+
+
+def stage_empty(pool: Pool, purpose: str, size_bytes: int, detect_zeroes: str) -> Volume:
+    """A hidden, empty volume for a job that builds a volume's whole contents (import):
+    it shows under its real name only when `publish_staged` (or `adopt`) says so, so
+    a job that dies leaves nothing that looks like a volume. Like every staging
+    volume, one left behind is removed when the pool is next opened. Not committed:
+    the job's own writes and commits carry it."""
+    validate_volume_size(size_bytes)
+    with pool.lock:
+        return pool.add_volume(pool.staging_name(purpose), size_bytes, detect_zeroes, staging=True)
+
+
+def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
+    """Give staging volumes (and staged snapshots of them) their real names, all in one
+    metadata commit: a crash leaves every one of them hidden (removed at the next
+    open) or every one visible, never some. The names are checked first; nothing
+    changes if one is taken (or invalid)."""
+    with pool.lock:
+        for staged, name in renames:
+            if staged.removed or pool.volumes.get(staged.name) is not staged:
+                raise ThinblockError(f"the staging volume for {name} is gone")
+            pool.check_new_name(name, staged.row.kind)
+        if len({name for _, name in renames}) != len(renames):
+            raise ThinblockError("two staging volumes cannot take one name")
+        for staged, name in renames:
+            del pool.volumes[staged.name]
+            staged.row.name = name
+            pool.volumes[name] = staged
+            pool.mark_volume_dirty(staged)
+    pool.commit()
 
 
 def clone(pool: Pool, snapshot: str, name: str) -> Volume:

@@ -563,6 +563,7 @@ class Volume:
                 raise
             with pool.lock:
                 self._publish(change)
+                pool.space.published(change.fresh)  # the next commit records them, with the entries
 
     def _publish(self, change: Change) -> None:
         pool = self.pool

@@ -78,7 +78,14 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-def _damaged(where: str, exc: sqlite3.Error) -> CorruptionError:
+def _damaged(where: str, exc: sqlite3.Error) -> ThinblockError:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if (code is not None and code & 0xFF == sqlite3.SQLITE_IOERR) or "disk I/O error" in str(exc):
+        # The file may be fine: the disk under it fails. Restoring would not help.
+        return ThinblockError(
+            f"{where} cannot be read or written ({exc}): the storage under it fails (see the system log);"
+            " nothing was changed"
+        )
     return CorruptionError(
         f"{where} is damaged or not a thinblock pool's ({exc}); restore it from a dump with 'thinblock pool restore'"
     )

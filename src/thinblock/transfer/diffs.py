@@ -12,8 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from thinblock.core.delta import changed_extents, changed_ranges
-from thinblock.core.pool import SECTOR_BYTES, Pool
-from thinblock.core.snapshot import adopt, create_snapshot, stage
+from thinblock.core.pool import SECTOR_BYTES, STAGING_PREFIX, Pool
+from thinblock.core.snapshot import adopt, publish_staged, stage, stage_empty
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.formats import rbd
@@ -295,20 +295,23 @@ def import_rbd_image(
 ) -> dict[str, Any]:
     """Read an "rbd image v2" stream (`rbd export --export-format 2`, or ours) into a
     new volume, as `rbd import` does: its diffs in turn, each that ends at a snapshot
-    SNAP followed by taking VOLUME@SNAP, so the snapshots come along. A failure
-    removes the volume and the snapshots it made. Every size record is bounded by
-    max_size_bytes (and the largest volume) before the volume is made or resized."""
+    SNAP followed by taking VOLUME@SNAP, so the snapshots come along. The volume and
+    its snapshots are built hidden (staging, as import_image does) and get their
+    names together, in one commit, once the stream was read whole: a failure or a
+    death leaves none of them. Every size record is bounded by max_size_bytes (and
+    the largest volume) before the volume is made or resized."""
     start = time.monotonic()
     with pool.lock:
         if pool.visible_volume(name) is not None:
             raise ThinblockError(
                 f"{name!r} exists in pool {pool.path}: an rbd image stream makes a new volume, as rbd import does"
             )
+        pool.check_new_name(name)  # refused now, not after the whole stream
     decoder = rbd.ImageDecoder()
     tell = Progress(progress, total)
     vol: Volume | None = None
     applier: _Applier | None = None
-    made: list[str] = []
+    made: list[tuple[Volume, str]] = []  # staged snapshots, with their real names
     snap: str | None = None
     try:
         for event in _events(decoder, reader, tell):
@@ -318,7 +321,7 @@ def import_rbd_image(
                     raise ThinblockError(f"the rbd image's size {size} is not a positive whole number of sectors")
                 bound_size(size, max_size_bytes, "the rbd image stream's size")
                 if vol is None:
-                    vol = pool.create_volume(name, size)
+                    vol = stage_empty(pool, "import", size, "on")
                     applier = _Applier(vol)
                 elif size != vol.size_bytes:
                     assert applier is not None
@@ -336,21 +339,23 @@ def import_rbd_image(
                 if snap is not None:
                     if vol is None:
                         raise rbd.StreamError("malformed rbd image stream: a snapshot of an image with no size")
-                    create_snapshot(pool, name, f"{name}@{snap}")
-                    made.append(f"{name}@{snap}")
+                    with pool.lock:
+                        pool.check_new_name(f"{name}@{snap}", "snapshot")
+                    made.append((stage(pool, vol, "import-snap", kind="snapshot"), f"{name}@{snap}"))
                     snap = None
         if decoder.rest() or reader.read(1):
             raise rbd.StreamError(f"malformed rbd image stream at byte {decoder.offset}: bytes follow its last diff")
         if vol is None:
             raise rbd.StreamError("malformed rbd image stream: it has no size record")
         vol.flush()
+        publish_staged(pool, [(vol, name), *made])
     except BaseException:
         if applier is not None:
             applier.close()
-        for gone in [*reversed(made), name if vol is not None else None]:
-            if gone is not None:
+        for gone in [*(staged for staged, _ in reversed(made)), vol]:
+            if gone is not None and not gone.removed and gone.name.startswith(STAGING_PREFIX):
                 with contextlib.suppress(Exception):
-                    pool.remove_volume(gone)
+                    pool.remove_volume(gone.name)
         raise
     assert applier is not None
     applier.close()
@@ -359,7 +364,7 @@ def import_rbd_image(
         "volume": name,
         "size_bytes": vol.size_bytes,
         "created": True,
-        "snapshots": made,
+        "snapshots": [snap_name for _, snap_name in made],
         "read_bytes": decoder.offset,
         "written_bytes": applier.written,
         "zero_bytes_skipped": 0,

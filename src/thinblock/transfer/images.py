@@ -21,6 +21,7 @@ import os
 import select
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -236,9 +237,27 @@ NBD_IN_FLIGHT = 16  # commands on the wire at once, on one connection
 
 
 def nbd_connector(uri: str) -> Any:
-    """How to connect a libnbd handle to a URI (a qcow2 image is served by a qemu-nbd
-    that transfer/qcow2.py starts, on the image it has checked)."""
-    return lambda h: h.connect_uri(uri)
+    """How to connect a libnbd handle to a URI, within NBD_CONNECT_TIMEOUT_S (a qcow2
+    image is served by a qemu-nbd that transfer/qcow2.py starts, on the image it has checked)."""
+    return lambda h: _connect_within(h, uri, NBD_CONNECT_TIMEOUT_S)
+
+
+NBD_CONNECT_TIMEOUT_S = 5.0  # a URI's server has this long to connect and finish the handshake
+
+
+def _connect_within(h: Any, uri: str, timeout_s: float) -> None:
+    """connect_uri, given up after timeout_s: something that accepts the connection
+    but never speaks NBD (a pool's control socket, a wrong port) would otherwise
+    keep a blocking connect waiting for its greeting for as long as it stays open."""
+    h.aio_connect_uri(uri)
+    deadline = time.monotonic() + timeout_s
+    while h.aio_is_connecting():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ThinblockError(
+                f"cannot open NBD export {uri}: no NBD handshake within {timeout_s:g} s (is an NBD server there?)"
+            )
+        h.poll(max(1, int(left * 1000)))
 
 
 class _Nbd:
@@ -257,6 +276,9 @@ class _Nbd:
             connect(self.h)
         except nbd.Error as exc:
             raise ThinblockError(f"cannot open NBD export {name}: {exc.string}") from None
+        except BaseException:
+            self.close()  # a connection that never finished its handshake goes now
+            raise
         if write and self.h.is_read_only():
             raise ThinblockError(f"NBD export {name} is read-only")
         self.flight: list[tuple[int, Any, Any]] = []  # (cookie, buffer, what it is for)

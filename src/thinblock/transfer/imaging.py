@@ -9,7 +9,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from thinblock.core.pool import SECTOR_BYTES, Pool
+from thinblock.core.pool import SECTOR_BYTES, STAGING_PREFIX, Pool
+from thinblock.core.snapshot import adopt, publish_staged, stage_empty
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.formats import rbd
@@ -45,88 +46,100 @@ def import_image(
     """Copy a raw image (a file, an NBD export, a stream) into volume `name`, creating it
     with the source's size unless it exists with that size. Only what the source holds
     as data is read, and only blocks that are not all zero are written. A volume that
-    holds data is overwritten only with force (then the source's zeros are written as
-    zeros, which costs metadata only). A volume this created is removed on failure.
-    A size beyond max_size_bytes (or the largest volume) is refused before anything starts."""
+    holds data is overwritten only with force.
+
+    The image is built in a hidden staging volume (snapshot.stage_empty), which
+    becomes the volume only once the whole source is in and flushed, in one metadata
+    commit: a new volume is given its name (publish_staged), an existing one has its
+    contents swapped for the staging volume's (adopt). A job that fails, is cancelled
+    or dies (SIGKILL, a power cut) leaves no volume that looks whole: nothing new, or
+    the old volume as it was; a staging volume left behind goes at the next open.
+    So an existing volume's old contents keep their space until the swap. A size
+    beyond max_size_bytes (or the largest volume) is refused before anything starts."""
     start = time.monotonic()
     stream = isinstance(source, StreamReader)
     size = size_bytes if stream else source.size_bytes  # type: ignore[union-attr]
     if size is not None:
         bound_size(size, max_size_bytes, "the size given (--size)" if stream else f"the source {source.name}")
     with pool.lock:
-        vol = pool.visible_volume(name)
-        if vol is not None and vol.row.kind != "volume":
-            raise ThinblockError(f"{name!r} is a {vol.row.kind}: import into a volume")
-        if vol is None and size is None:
-            raise ThinblockError(f"importing a stream into a new volume {name} needs its size (--size)")
-        if vol is not None:
-            if size is not None and size != vol.size_bytes:
-                raise ThinblockError(
-                    f"volume {name} is {format_size(vol.size_bytes)} ({vol.size_bytes} bytes) and the source"
-                    f" {format_size(size)} ({size} bytes): the sizes must match; resize the volume or import"
-                    " into a new one"
-                )
-            size = vol.size_bytes
-            mapped = (vol.row.data_blocks + vol.row.zeroed_blocks) * pool.block_size
-            if mapped and not force:
-                raise ThinblockError(
-                    f"volume {name} already holds data ({format_size(mapped)} mapped): pass --force to overwrite it"
-                )
-            pool.refuse_if_busy(vol, "import into")
-    assert size is not None
+        vol = _import_target(pool, name, size, force)
+    if vol is not None:
+        size = vol.size_bytes
+    if size is None:
+        raise ThinblockError(f"importing a stream into a new volume {name} needs its size (--size)")
     if size % SECTOR_BYTES:
         raise ThinblockError(
             f"the source is {size} bytes, not a whole number of {SECTOR_BYTES}-byte sectors: a volume cannot"
             " hold it exactly"
         )
     created = vol is None
-    if vol is None:
-        vol = pool.create_volume(name, size)
-    overwrite = not created
+    staged = stage_empty(pool, "import", size, vol.row.detect_zeroes if vol is not None else "on")
     try:
         if stream:
             assert isinstance(source, StreamReader)
-            figures = _import_stream(vol, source, size, overwrite, progress)
+            figures = _import_stream(staged, source, size, progress)
         else:
-            figures = _import_random(vol, source, overwrite, progress)  # type: ignore[arg-type]
-        vol.flush()
-    except BaseException:
+            figures = _import_random(staged, source, progress)  # type: ignore[arg-type]
+        staged.flush()  # the data and its mapping are durable before the volume shows
         if created:
+            publish_staged(pool, [(staged, name)])
+        else:
+            adopt(pool, name, staged, None)
+    except BaseException:
+        if not staged.removed and staged.name.startswith(STAGING_PREFIX):
             with contextlib.suppress(Exception):
-                pool.remove_volume(name)
+                pool.remove_volume(staged.name)
         raise
     return {"volume": name, "size_bytes": size, "created": created, **figures, "seconds": elapsed(start)}
 
 
-def _import_random(vol: Volume, source: RandomSource, overwrite: bool, progress: ProgressFn) -> dict[str, int]:
+def _import_target(pool: Pool, name: str, size: int | None, force: bool) -> Volume | None:
+    """The existing volume an import goes into (None: a new one), or why it may not
+    (call under the pool lock)."""
+    vol = pool.visible_volume(name)
+    if vol is None:
+        pool.check_new_name(name)  # refused now, not after the whole copy
+        return None
+    if vol.row.kind != "volume":
+        raise ThinblockError(f"{name!r} is a {vol.row.kind}: import into a volume")
+    if size is not None and size != vol.size_bytes:
+        raise ThinblockError(
+            f"volume {name} is {format_size(vol.size_bytes)} ({vol.size_bytes} bytes) and the source"
+            f" {format_size(size)} ({size} bytes): the sizes must match; resize the volume or import"
+            " into a new one"
+        )
+    mapped = (vol.row.data_blocks + vol.row.zeroed_blocks) * pool.block_size
+    if mapped and not force:
+        raise ThinblockError(
+            f"volume {name} already holds data ({format_size(mapped)} mapped): pass --force to overwrite it"
+        )
+    pool.refuse_if_busy(vol, "import into")
+    return vol
+
+
+def _import_random(vol: Volume, source: RandomSource, progress: ProgressFn) -> dict[str, int]:
     extents = list(source.extents())
     data_total = sum(n for _, n, data in extents if data)
     tell = Progress(progress, data_total)
-    if overwrite:
-        for offset, n, data in extents:
-            if not data:
-                vol.write_zeroes(offset, n)
     behind = WriteBehind(vol.pool)
     zeros = [0]
     lock = threading.Lock()
 
     def copy(piece: tuple[int, bytes]) -> None:
         offset, got = piece
-        _written, zero = put(vol, offset, got, overwrite, behind)
+        _written, zero = put(vol, offset, got, False, behind)
         with lock:
             zeros[0] += zero
         tell.add(len(got))
 
     # Reads come in order from the source (overlapping on the wire, for NBD); the
-    # writes into the volume run IN_FLIGHT at once.
+    # writes into the (empty, staging) volume run IN_FLIGHT at once.
     run_all(copy, source.stream(piece for offset, n, data in extents if data for piece in chunks(offset, n)))
     tell.end()
     return {"read_bytes": data_total, "written_bytes": behind.written, "zero_bytes_skipped": zeros[0]}
 
 
-def _import_stream(
-    vol: Volume, source: StreamReader, size: int, overwrite: bool, progress: ProgressFn
-) -> dict[str, int]:
+def _import_stream(vol: Volume, source: StreamReader, size: int, progress: ProgressFn) -> dict[str, int]:
     tell = Progress(progress, size)
     behind = WriteBehind(vol.pool)
     zeros = [0]
@@ -141,16 +154,14 @@ def _import_stream(
             if not data:
                 break
             if read + len(data) > size:
-                raise ThinblockError(f"the stream holds more than volume {vol.name}'s {size} bytes")
+                raise ThinblockError(f"the stream holds more than the volume's {size} bytes")
             yield read, data
             read += len(data)
             tell.add(len(data))
-        if read < size and overwrite:
-            vol.write_zeroes(read, size - read)
 
     def copy(piece: tuple[int, bytes]) -> None:
         offset, data = piece
-        _written, zero = put(vol, offset, data, overwrite, behind)
+        _written, zero = put(vol, offset, data, False, behind)
         with lock:
             zeros[0] += zero
 

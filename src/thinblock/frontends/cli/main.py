@@ -224,9 +224,11 @@ def cmd_pool_restore(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_repair(args: argparse.Namespace) -> int:
+    from thinblock.frontends.cli.signals import job_signals
     from thinblock.tools.dump import repair
 
-    with progress_bar("repair: reading mappings", wanted(args), unit=" pages") as bar:
+    # SIGTERM and SIGHUP stop repair as Ctrl-C does: cleanly, not where it stands.
+    with job_signals(), progress_bar("repair: reading mappings", wanted(args), unit=" pages") as bar:
         result = repair(args.pool, bar)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -785,8 +787,8 @@ def _run(argv: list[str]) -> int:
     except (ThinblockError, OpError) as exc:
         print(f"thinblock: error: {exc.strerror if isinstance(exc, OpError) else exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILED
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C; a job's SIGTERM or SIGHUP too (cli/signals.py)
+        return 128 + getattr(exc, "signum", 2)
     return int(result or 0)
 
 

@@ -11,17 +11,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import stat
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from thinblock.admin.access import open_admin
+from thinblock.admin.access import open_admin, wait_s
 from thinblock.admin.jobs import close_fds
 from thinblock.errors import ThinblockError
 from thinblock.formats.rbd import IMAGE_V2
 from thinblock.frontends.cli.common import UsageError, emit, size_arg
 from thinblock.frontends.cli.progress import progress_bar, wanted
+from thinblock.frontends.cli.signals import Interrupted, job_signals
 from thinblock.sizes import format_size
 from thinblock.transfer.images import QCOW2_MAGIC, is_nbd_uri
 from thinblock.transfer.qcow2 import backing_chain
@@ -34,13 +36,22 @@ def _job(args: argparse.Namespace, label: str, verb: str, fds: list[int], **job_
     show = wanted(args)
     handed = False
     try:
+        # SIGTERM and SIGHUP cancel the job as Ctrl-C does (signals.py): the job
+        # unwinds, then the pool closes and its control socket goes.
         with (
+            job_signals() as signals,
             progress_bar("recovering free space", show) as recovering,
             progress_bar(label, show) as bar,
             open_admin(args.pool, progress=recovering) as admin,
         ):
             handed = True  # the job owns the files from here on, and closes them
-            return admin.job(verb, fds, bar, **job_args)
+            try:
+                return admin.job(verb, fds, bar, **job_args)
+            finally:
+                signals.defer()
+    except Interrupted as exc:
+        print(f"thinblock: {label} cancelled by {exc}", file=sys.stderr)
+        raise
     finally:
         if not handed:
             close_fds(fds)
@@ -73,15 +84,15 @@ def cmd_import(args: argparse.Namespace) -> None:
             raise UsageError("an NBD source is read as it is served: --format applies to files")
         kind, shown = "nbd", source
     else:
-        try:
-            fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise UsageError(f"cannot open {source}: {exc.strerror}") from None
+        fd, fifo = _open_source(source)  # a named pipe is read as a stream, as - is
+        if fifo and args.format == "qcow2":
+            os.close(fd)
+            raise UsageError("a qcow2 image cannot be read from a stream: give its file name")
         fmt = args.format
-        if fmt == "auto":
+        if fmt == "auto" and not fifo:
             head = os.pread(fd, len(IMAGE_V2), 0)
             fmt = "qcow2" if head[:4] == QCOW2_MAGIC else "rbd" if head == IMAGE_V2 else "raw"
-        kind, fds = ("qcow2" if fmt == "qcow2" else "rbd" if fmt == "rbd" else "file"), [fd]
+        kind, fds = ("qcow2" if fmt == "qcow2" else "rbd" if fmt == "rbd" else "stream" if fifo else "file"), [fd]
         shown = args.source
     backing: list[str] = []
     if args.allow_backing:
@@ -125,6 +136,28 @@ def cmd_import(args: argparse.Namespace) -> None:
         )
 
     _summary(args, result, human)
+
+
+def _open_source(path: str) -> tuple[int, bool]:
+    """(fd, whether it is a named pipe) of a file to read. A FIFO is opened without
+    blocking (a blocking open waits for a writer forever) and then waited on for a
+    writer for at most --wait seconds, with a sentence if none comes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UsageError(f"cannot open {path}: {exc.strerror}") from None
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.set_blocking(fd, True)
+        return fd, False
+    budget = wait_s()
+    # Until a writer opens it, a FIFO polls as nothing at all (no POLLIN, no POLLHUP).
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    if not poller.poll(int(budget * 1000)):
+        os.close(fd)
+        raise UsageError(f"nothing writes to the named pipe {path}: waited {budget:g} s (--wait) for a writer")
+    os.set_blocking(fd, True)
+    return fd, True
 
 
 def _open_dest(dest: str, force: bool) -> tuple[int, bool]:
@@ -233,10 +266,7 @@ def cmd_import_diff(args: argparse.Namespace) -> None:
     if args.file == "-":
         fds = [os.dup(sys.stdin.fileno())]
     else:
-        try:
-            fds = [os.open(args.file, os.O_RDONLY | os.O_CLOEXEC)]
-        except OSError as exc:
-            raise UsageError(f"cannot open {args.file}: {exc.strerror}") from None
+        fds = [_open_source(args.file)[0]]
     result = _job(
         args,
         "import-diff",
