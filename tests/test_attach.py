@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.cli import thinblock
+from tests.cli import fuse_daemon_pids, stop_pid, thinblock
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -42,9 +42,11 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
             subprocess.run(["losetup", "-d", dev["name"]], check=False)
     with open("/proc/mounts") as f:
         mounts = [line.split()[1] for line in f if str(tmp_path) in line.split()[1]]
+    daemons = fuse_daemon_pids(run)  # before unmounting: a daemon that exits removes nothing, detach does
     for target in sorted(mounts, key=len, reverse=True):
         subprocess.run(["umount", "-l", target], check=False)
-    subprocess.run(["pkill", "-f", f"thinblock fuse-daemon {tmp_path}"], check=False)
+    for pid in daemons:  # by pid only: never a pattern over every process on the machine
+        stop_pid(pid, "fuse-daemon")
 
 
 def _loop_files() -> list[tuple[str, str]]:
