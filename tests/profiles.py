@@ -20,7 +20,8 @@ from hypothesis import settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 PROFILE_VARIABLE = "THINBLOCK_HYPOTHESIS_PROFILE"
-FUZZ_EXAMPLES = 5000  # per property in a fuzz run (a test's own count is the floor)
+# Per property in a fuzz run (a test's own count is the floor).
+FUZZ_EXAMPLES = int(os.environ.get("THINBLOCK_FUZZ_EXAMPLES", "5000"))
 
 
 def register() -> None:
