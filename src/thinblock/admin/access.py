@@ -14,13 +14,14 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from thinblock.admin.control import ControlClient, ControlServer, env_seconds
+from thinblock.admin.control import ControlClient, ControlServer
 from thinblock.admin.jobs import run_job
 from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
 from thinblock.backends import locate
 from thinblock.core.pool import Pool
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.progress import ProgressFn, no_progress
+from thinblock.sizes import env_seconds
 
 
 class Admin(Protocol):
