@@ -34,8 +34,10 @@ from typing import Any
 
 import nbd
 from tests import ceph_cluster
+from tests.cli import stop_pid
 
 from bench.bench_nbd import _stop, fio, progress, wait_for
+from thinblock.backends import locate
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -205,7 +207,10 @@ def mkfs_rows() -> dict[str, float]:
                 r[f"mkfs_{fs}_{size}_with_attach_s"] = time.perf_counter() - start
                 r[f"mkfs_{fs}_{size}_pool_bytes"] = out["pool_bytes_used"]
     finally:
-        subprocess.run(["pkill", "-f", "thinblock fuse-daemon rados:"], check=False)
+        # Any FUSE daemon mkfs left for this pool, by the pid attach recorded (never by a pattern).
+        for attached in json.loads(tb("attach", "--list", "--json")):
+            if attached["pool"] == locate(locator).key():
+                stop_pid(int(attached["daemon_pid"]), "fuse-daemon")
         ThinblockRados.remove_all()
     return r
 

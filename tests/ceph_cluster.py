@@ -104,6 +104,7 @@ def start(directory: str, block_bytes: int = 8 << 30) -> str:
     _run("monmaptool", "--create", "--addv", "a", f"[v2:127.0.0.1:{port}]", "--fsid", fsid, str(d / "monmap"))
     _run("ceph-mon", *c, "--mkfs", "-i", "a", "--monmap", str(d / "monmap"), "--keyring", keyring)
     _run("ceph-mon", *c, "-i", "a")
+    _record(d, "mon.a")
     osd_uuid = str(uuid.uuid4())
     secret = _run("ceph-authtool", "--gen-print-key").strip()
     osd_id = _run("ceph", *c, "osd", "new", osd_uuid, "-i", "-", input=json.dumps({"cephx_secret": secret})).strip()
@@ -112,11 +113,13 @@ def start(directory: str, block_bytes: int = 8 << 30) -> str:
     (osd_dir / "keyring").write_text(f"[osd.{osd_id}]\n\tkey = {secret}\n")
     _run("ceph-osd", *c, "-i", osd_id, "--mkfs", "--osd-uuid", osd_uuid, "--keyring", str(osd_dir / "keyring"))
     _run("ceph-osd", *c, "-i", osd_id, "--keyring", str(osd_dir / "keyring"))
+    _record(d, f"osd.{osd_id}")
     mgr_dir = d / "mgr.x"
     mgr_dir.mkdir(exist_ok=True)
     mgr_key = _run("ceph", *c, "auth", "get-or-create", "mgr.x", "mon", "allow profile mgr", "osd", "allow *")
     (mgr_dir / "keyring").write_text(mgr_key)
     _run("ceph-mgr", *c, "-i", "x", "--mgr-data", str(mgr_dir), "--keyring", str(mgr_dir / "keyring"))
+    _record(d, "mgr.x")
     _run("ceph", *c, "osd", "pool", "create", TEST_POOL, "8")
     _run("ceph", *c, "osd", "pool", "set", TEST_POOL, "size", "1", "--yes-i-really-mean-it")
     # Ready means a write was acknowledged (without a mgr, `ceph df` and friends hang).
@@ -134,6 +137,9 @@ def start(directory: str, block_bytes: int = 8 << 30) -> str:
     return str(conf)
 
 
+PIDS = "daemons.pids"  # our own record, "NAME PID" a line: the daemons' pid files vanish early
+
+
 def _pid(path: Path) -> int | None:
     with contextlib.suppress(OSError, ValueError):
         return int(path.read_text().strip())
@@ -148,24 +154,65 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie still answers kill -0
 
 
+def _of_cluster(pid: int, d: Path) -> bool:
+    """Whether pid is (still) a daemon of the cluster in d: its command line names
+    d's ceph.conf. A recorded pid reused by another process is left alone."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return str(d / "ceph.conf").encode() in args and _alive(pid)
+
+
+def _record(d: Path, name: str) -> None:
+    """Note the pid of daemon `name`, just started (it daemonizes, so its pid comes
+    from its pid file, which it writes soon after its parent returned)."""
+    deadline = time.monotonic() + 60
+    while (pid := _pid(d / f"{name}.pid")) is None or not _of_cluster(pid, d):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} wrote no pid file {d / f'{name}.pid'} within 60 s")
+        time.sleep(0.05)
+    with open(d / PIDS, "a") as f:
+        f.write(f"{name} {pid}\n")
+
+
+def _daemons(d: Path) -> dict[str, int]:
+    """The cluster's daemons by name: those recorded at start, and any pid file
+    still there (a cluster started before the record existed)."""
+    found: dict[str, int] = {}
+    for f in d.glob("*.pid"):
+        if (pid := _pid(f)) is not None:
+            found[f.name.removesuffix(".pid")] = pid
+    with contextlib.suppress(OSError):
+        for line in (d / PIDS).read_text().splitlines():
+            name, _, pid_text = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                found[name] = int(pid_text)
+    return found
+
+
 def stop(directory: str) -> None:
-    """Stop the mgr and the OSD, then the mon (an OSD without its mon waits for a timeout)."""
+    """Stop the mgr and the OSD, then the mon (an OSD without its mon waits for a
+    timeout). Only by pid, and only pids whose command line names this cluster's
+    ceph.conf: nothing else on the machine is touched. Waits on each pid (not on
+    its pid file, which the daemon deletes before it exits)."""
     d = Path(directory).resolve()
-    pidfiles = sorted(d.glob("mgr.*.pid")) + sorted(d.glob("osd.*.pid")) + sorted(d.glob("mon.*.pid"))
-    pids = [(f, _pid(f)) for f in pidfiles]
-    for _f, pid in pids:
-        if pid is None:
+    order = {"mgr": 0, "osd": 1, "mon": 2}
+    daemons = sorted(_daemons(d).items(), key=lambda item: (order.get(item[0].split(".")[0], 3), item[0]))
+    for _name, pid in daemons:
+        if not _of_cluster(pid, d):
             continue
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _alive(pid):
+        if _of_cluster(pid, d):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    # Daemons whose pid file was already gone: find them by their conf path.
-    subprocess.run(["pkill", "-9", "-f", "--", f"-c {d}/ceph.conf"], check=False)
+            deadline = time.monotonic() + 10
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def main() -> int:

@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests import ceph_cluster
+from tests import ceph_cluster, profiles
 from thinblock import Pool
 from thinblock.backends import locate
 from thinblock.backends.memory import MemoryLocation
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
+
+# Hypothesis runs derandomized unless a fuzz run asks otherwise (tests/profiles.py).
+profiles.register()
 
 BACKENDS = ["sparse", "loop", "emulated", "memory", "rados"]
 

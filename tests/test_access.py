@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from tests.cli import ROOT, thinblock
 from tests.nbd_server import Server, connect
+from tests.profiles import examples
 from thinblock.frontends.nbd import constants as c
 
 MiB = 1 << 20
@@ -486,7 +487,7 @@ _arg_names = st.sampled_from(
 )  # fmt: skip
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(verb=_verbs, args=st.dictionaries(_arg_names, _json, max_size=4))
 def test_control_requests_are_validated(fuzz_server: Server, verb: str, args: dict[str, object]) -> None:
     """Random arguments to every verb: a clear error or a result, never an internal error."""

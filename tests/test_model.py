@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tests.conftest import remove_rados_pool
 from tests.faults import KINDS, STORE_VERBS, Fault, FaultyMeta, FaultyStore
 from tests.model import Model, ModelError, ModelVolume
+from tests.profiles import examples
 from thinblock import BlockState, OpError, Pool, ReadOnlyError, ThinblockError
 from thinblock.backends import locate
 from thinblock.backends.memory import MemoryLocation
@@ -471,7 +472,7 @@ class PoolMachine(RuleBasedStateMachine):
 
 def _settings(examples_variable: str, default: int) -> settings:
     return settings(
-        max_examples=int(os.environ.get(examples_variable, str(default))),
+        max_examples=examples(int(os.environ.get(examples_variable, str(default)))),
         stateful_step_count=50,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -24,6 +24,11 @@ class ThinblockError(Exception):
     """A failure explained in plain words (CLI prints it and exits 1)."""
 
 
+class UncleanCloseError(ThinblockError):
+    """A pool closed without its final commit (a fenced client, a failing store): it
+    is left marked unclean, and the next open recovers it as after a crash."""
+
+
 class CorruptionError(ThinblockError):
     """The metadata is not in a state thinblock ever writes."""
 

@@ -1,7 +1,10 @@
-"""Human sizes in and out: `64K`, `10G`, `1T` (powers of 1024), plain bytes."""
+"""Human sizes in and out: `64K`, `10G`, `1T` (powers of 1024), plain bytes; and
+durations read from the environment (THINBLOCK_*_S), in one place with their bounds."""
 
 from __future__ import annotations
 
+import math
+import os
 import re
 
 from thinblock.errors import ThinblockError
@@ -31,3 +34,24 @@ def format_size(n_bytes: int) -> str:
                 return f"{n_bytes // scale}{unit}"
             return f"{n_bytes / scale:.1f}{unit}"
     return f"{n_bytes}B"
+
+
+MAX_DURATION_S = 86400.0  # a day: more is a mistake, and infinity overflows every timeout below
+
+
+def env_seconds(name: str, default: float, minimum: float, maximum: float = MAX_DURATION_S) -> float:
+    """The duration in environment variable `name` (seconds), default when unset or
+    empty. A value that is not a number, not finite or outside [minimum, maximum] is
+    refused with one sentence, never clamped: it is a mistake worth hearing about."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and minimum <= value <= maximum):
+        raise ThinblockError(
+            f"{name}={raw!r} is not a duration thinblock accepts: seconds from {minimum:g} to {maximum:g}"
+        )
+    return value

@@ -14,13 +14,14 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from thinblock.admin.control import ControlClient, ControlServer, env_seconds
+from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s
 from thinblock.admin.jobs import run_job
 from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
 from thinblock.backends import locate
 from thinblock.core.pool import Pool
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.progress import ProgressFn, no_progress
+from thinblock.sizes import env_seconds
 
 
 class Admin(Protocol):
@@ -71,6 +72,7 @@ def open_admin(path: str, *, wait: float | None = None, progress: ProgressFn | N
     LVM commands wait for their lock; then fail naming the holder. progress is told
     how the recovery after an unclean shutdown goes, when this opens the pool itself."""
     budget = wait_s() if wait is None else wait
+    timeout_s = control_timeout_s()  # read first: a bad value is its own sentence, not "does not answer"
     deadline = time.monotonic() + budget
     pause = 0.02
     while True:
@@ -81,7 +83,7 @@ def open_admin(path: str, *, wait: float | None = None, progress: ProgressFn | N
             socket_path = os.path.join(locate(path).runtime_dir(), CONTROL_SOCKET)
             if os.path.exists(socket_path):
                 try:
-                    client = ControlClient(socket_path)
+                    client = ControlClient(socket_path, timeout_s)
                 except ThinblockError:
                     # A holder whose socket does not answer died or stalled: say who holds the pool.
                     raise PoolBusyError(f"{exc}; its control socket {socket_path} does not answer") from None

@@ -45,6 +45,7 @@ from thinblock.errors import (
 )
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.progress import ProgressFn
+from thinblock.sizes import env_seconds
 
 log = logging.getLogger("thinblock.control")
 MAX_LINE = 1 << 20
@@ -265,14 +266,6 @@ class _Sender:
         finally:
             stop.set()
             thread.join()
-
-
-def env_seconds(name: str, default: float, minimum: float) -> float:
-    """A duration from the environment, at least minimum; default when unset or unreadable."""
-    try:
-        return max(minimum, float(os.environ.get(name, default)))
-    except ValueError:
-        return default
 
 
 def control_timeout_s() -> float:

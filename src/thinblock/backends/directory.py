@@ -17,6 +17,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 import struct
 import sys
 from typing import Any
@@ -154,10 +155,23 @@ class DirLocation(Location):
     def open_meta(self, *, readonly: bool) -> SqliteMetadata:
         if not os.path.isdir(self.dir):
             raise ThinblockError(f"no pool at {self.path}: not a directory")
-        if not os.path.exists(self.db):
-            raise ThinblockError(f"no pool at {self.path}: {DB_NAME} is missing")
-        if os.path.islink(self.db):
+        try:
+            st = os.lstat(self.db)
+        except FileNotFoundError:
+            raise ThinblockError(f"no pool at {self.path}: {DB_NAME} is missing") from None
+        except OSError as exc:  # the directory cannot be searched: another user's pool
+            raise ThinblockError(
+                f"cannot read pool {self.path}: {exc.strerror} (its directory is not open to you)"
+            ) from None
+        if stat.S_ISLNK(st.st_mode):
             raise ThinblockError(f"pool {self.path}: {DB_NAME} is a symlink; refusing to follow it")
+        read_only_fs = bool(os.statvfs(self.dir).f_flag & os.ST_RDONLY)  # SQLite's open words that case
+        if not os.access(self.db, os.R_OK) or not (readonly or read_only_fs or os.access(self.db, os.W_OK)):
+            how = "read" if not os.access(self.db, os.R_OK) else "write"
+            raise ThinblockError(
+                f"cannot {how} pool {self.path}: permission denied on {DB_NAME} (owner uid {st.st_uid},"
+                f" mode {stat.S_IMODE(st.st_mode):04o})"
+            )
         return SqliteMetadata.open(self.db, readonly=readonly)
 
     def data_name(self, superblock: dict[str, Any]) -> str:

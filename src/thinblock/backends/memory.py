@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import threading
 from typing import Any
 
@@ -14,7 +13,7 @@ from thinblock.backends.base import Location, Ownership
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.memory import MemoryMetadata, MemoryMetaState
-from thinblock.privacy import make_private_dir
+from thinblock.runtime import private_runtime_dir
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
 from thinblock.store.memory import MemoryStore
@@ -60,9 +59,7 @@ class MemoryLocation(Location):
         return held
 
     def runtime_dir(self) -> str:
-        path = os.path.join(tempfile.gettempdir(), f"thinblock-memory-{os.getpid()}-{self.slot}")
-        make_private_dir(path)  # its sockets are the owner's alone
-        return path
+        return private_runtime_dir("memory", f"{os.getpid()}-{self.slot}")  # its sockets are the owner's alone
 
     def exists(self) -> bool:
         return self.slot in _POOLS

@@ -4,7 +4,7 @@ one process at a time, taken over by another with fencing.
 
 Ownership follows RBD's exclusive-lock model:
 - The holder takes the exclusive lock `thinblock` on the metadata object with a
-  lease of LEASE_S seconds, renewed every third of that, and records who it is
+  lease of lease_s() seconds, renewed every third of that, and records who it is
   (host, pid, purpose, its Ceph client address and instance) in `x.owner`.
 - A second opener is refused while the lock is held, and told who holds it.
 - Once the lease has lapsed (a dead or stalled holder), or with `takeover`, the
@@ -36,8 +36,8 @@ from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, connect, ra
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
-from thinblock.privacy import make_private_dir
-from thinblock.sizes import format_size
+from thinblock.runtime import private_runtime_dir
+from thinblock.sizes import env_seconds, format_size
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
 from thinblock.store.rados import DEFAULT_OBJECT_SIZE, RadosStore
@@ -45,7 +45,13 @@ from thinblock.store.rados import DEFAULT_OBJECT_SIZE, RadosStore
 log = logging.getLogger("thinblock.rados")
 
 LOCK_NAME = "thinblock"
-LEASE_S = int(os.environ.get("THINBLOCK_RADOS_LEASE_S", "15"))
+
+
+def lease_s() -> int:
+    """The lease, in whole seconds (THINBLOCK_RADOS_LEASE_S, default 15, 1 to 3600)."""
+    return max(1, round(env_seconds("THINBLOCK_RADOS_LEASE_S", 15.0, 1.0, 3600.0)))
+
+
 BLOCKLIST_S = 3600  # long enough for the fenced process to notice and give up
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}$")
 _ENTITY_CLIENT = 8  # CEPH_ENTITY_TYPE_CLIENT
@@ -78,10 +84,10 @@ class _Lease(Ownership):
         self._thread.start()
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(LEASE_S / 3):
+        while not self._stop.wait(lease_s() / 3):
             try:
                 self.io.lock_exclusive(
-                    self.location.meta_object, LOCK_NAME, self.cookie, desc=self.desc, duration=LEASE_S, flags=1
+                    self.location.meta_object, LOCK_NAME, self.cookie, desc=self.desc, duration=lease_s(), flags=1
                 )
             except rados.Error as exc:
                 if self._stop.is_set():
@@ -184,12 +190,7 @@ class RadosLocation(Location):
         return self.name
 
     def runtime_dir(self) -> str:
-        base = os.environ.get("THINBLOCK_RUNTIME_DIR") or (
-            "/run/thinblock" if os.access("/run", os.W_OK) else f"/tmp/thinblock-{os.getuid()}"
-        )
-        path = os.path.join(base, "rados", self.ceph_pool, self.pool_name)
-        make_private_dir(path)  # its sockets are the owner's alone
-        return path
+        return private_runtime_dir("rados", self.ceph_pool, self.pool_name)  # its sockets are the owner's alone
 
     def exists(self) -> bool:
         try:
@@ -274,7 +275,7 @@ class RadosLocation(Location):
         desc = json.dumps({k: me[k] for k in ("host", "pid", "purpose")})
         try:
             try:
-                io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=LEASE_S)
+                io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=lease_s())
             except rados.ObjectBusy:
                 holder, _epoch = self._holder(io)
                 if not takeover:
@@ -288,7 +289,7 @@ class RadosLocation(Location):
                     self.meta_object, "lock", "break_lock", _break_lock_args(holder["instance"], holder["cookie"])
                 )
                 log.warning("pool %s: broke the lock of %s", self.name, self._who(holder))
-                io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=LEASE_S)
+                io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=lease_s())
             try:
                 epoch = self._fence_and_bump(cluster, io, me)
             except BaseException:
@@ -328,7 +329,7 @@ class RadosLocation(Location):
     def _busy(self, holder: dict[str, Any] | None) -> str:
         who = self._who(holder) if holder else "a client that recorded no owner"
         return (
-            f"pool {self.name} is already held by {who}; its {LEASE_S} s lease is renewed while it lives."
+            f"pool {self.name} is already held by {who}; its {lease_s()} s lease is renewed while it lives."
             " Wait for the lease to lapse after it stops, or pass --takeover to fence it off and take over"
         )
 

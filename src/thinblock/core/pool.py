@@ -27,7 +27,7 @@ from thinblock.core.space import SpaceAccounts
 from thinblock.core.space_policy import SpacePolicy, parse_low_water
 from thinblock.core.spacemap import SpaceMap
 from thinblock.core.volume import Volume
-from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockError
+from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockError, UncleanCloseError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.progress import ProgressFn
 from thinblock.sizes import format_size
@@ -566,7 +566,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         """Commit and release everything; the pool object is unusable afterwards.
 
         If the last commit fails, the pool is left marked unclean (the next open
-        recovers it like after a crash) and the failure is raised after cleanup."""
+        recovers it like after a crash) and UncleanCloseError is raised after cleanup."""
         failure: Exception | None = None
         with self.lock:
             if self._closed.is_set():
@@ -578,8 +578,13 @@ class Pool(CommitPipeline, SpaceAccounts):
                 if not self.unclean_zeroed:
                     self._write_metadata(Transaction(superblock={"clean": True}))
             except Exception as exc:
-                failure = exc
-                log.error("pool %s closed without a final commit: %s", self.path, exc)
+                # One sentence for the caller (the command line prints it), never a
+                # traceback: a fenced or failing store is an ordinary end.
+                cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                failure = UncleanCloseError(
+                    f"pool {self.path} closed without its final commit ({cause}): the next open recovers it,"
+                    " as after a crash"
+                )
             self._closed.set()
             self._waits_cancelled.set()
             self.wake_space_waiters()

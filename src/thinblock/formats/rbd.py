@@ -162,15 +162,21 @@ class _Buffer:
 class DiffDecoder(_Buffer):
     """Events from one diff stream (v1 or v2, told by its header).
 
-    Checks as it goes: metadata before data, at most one f, t and s, a size before
-    any data, every w and z inside the image's size, v2 lengths that match their
-    records. `done` is True once the 'e' record is read; bytes after it stay in
+    Checks as it goes: metadata before data, at most one f, t and s, snapshot names
+    that are printable UTF-8 (no NUL, no control characters), a size before any
+    data unless the image's size is given, every w and z inside the image's size,
+    v2 lengths that match their records. `done` is True once the 'e' record is read; bytes after it stay in
     `rest()` (an image stream's next diff, or trailing junk in a diff file).
     """
 
-    def __init__(self, *, what: str = "rbd diff", base_offset: int = 0) -> None:
+    def __init__(self, *, what: str = "rbd diff", base_offset: int = 0, image_size_bytes: int | None = None) -> None:
         super().__init__()
         self.what = what
+        # The size of the image the diff applies to. A diff need not carry a size
+        # record: rbd import-diff then keeps the image's size, and so do we; its data
+        # records are checked against this instead (None: none is known, so a diff
+        # without a size record may hold no data records).
+        self.image_size_bytes = image_size_bytes
         self.version = 0
         self._base = base_offset  # where this stream starts in a larger one (messages)
         self._payload_left = 0
@@ -277,6 +283,8 @@ class DiffDecoder(_Buffer):
                 raise self._fail("snapshot name is not UTF-8", at) from None
             if not name:
                 raise self._fail("empty snapshot name", at)
+            if not name.isprintable():
+                raise self._fail(f"snapshot name {name!r} holds a control or other unprintable character", at)
             if tag == b"f":
                 if self.from_snap is not None:
                     raise self._fail("two from-snapshot ('f') records", at)
@@ -302,12 +310,11 @@ class DiffDecoder(_Buffer):
                 return NEED_DATA
             offset, length = _U64X2.unpack_from(got, head)
             self._check_length(got, 16 + (length if tag == b"w" else 0), tag)
-            if self.size_bytes is None:
+            size = self.size_bytes if self.size_bytes is not None else self.image_size_bytes
+            if size is None:
                 raise self._fail(f"data record {tag.decode()!r} before the size ('s') record")
-            if offset + length > self.size_bytes:
-                raise self._fail(
-                    f"{tag.decode()!r} record [{offset}, +{length}) ends past the image size {self.size_bytes}"
-                )
+            if offset + length > size:
+                raise self._fail(f"{tag.decode()!r} record [{offset}, +{length}) ends past the image size {size}")
             self._take(head + 16)
             self._in_data = True
             if tag == b"z":

@@ -206,7 +206,8 @@ def import_diff(
     vol = visible(pool, name, "volume")
     with pool.lock:
         pool.refuse_if_busy(vol, "import a diff into")
-    decoder = rbd.DiffDecoder()
+    # A diff without a size record keeps the volume's size, as rbd import-diff does.
+    decoder = rbd.DiffDecoder(image_size_bytes=vol.size_bytes)
     tell = Progress(progress, total)
     stream = _events(decoder, reader, tell)
     first: rbd.Event | None = None
@@ -215,9 +216,7 @@ def import_diff(
             continue
         first = event
         break
-    if decoder.size_bytes is None:
-        raise ThinblockError("the rbd diff has no size ('s') record: rbd export-diff always writes one")
-    size = decoder.size_bytes
+    size = decoder.size_bytes if decoder.size_bytes is not None else vol.size_bytes
     if size % SECTOR_BYTES or not size:
         raise ThinblockError(f"the rbd diff's image size {size} is not a positive whole number of 512-byte sectors")
     if size != vol.size_bytes:

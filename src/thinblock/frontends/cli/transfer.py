@@ -22,6 +22,7 @@ from thinblock.admin.jobs import close_fds
 from thinblock.errors import ThinblockError
 from thinblock.formats.rbd import IMAGE_V2
 from thinblock.frontends.cli.common import UsageError, emit, size_arg
+from thinblock.frontends.cli.dest import Destination, mode_arg, open_destination
 from thinblock.frontends.cli.progress import progress_bar, wanted
 from thinblock.frontends.cli.signals import Interrupted, job_signals
 from thinblock.sizes import format_size
@@ -160,25 +161,6 @@ def _open_source(path: str) -> tuple[int, bool]:
     return fd, True
 
 
-def _open_dest(dest: str, force: bool) -> tuple[int, bool]:
-    """(fd, whether we created the file). An existing file is overwritten only with force."""
-    try:
-        st = os.stat(dest)
-    except FileNotFoundError:
-        st = None
-    if st is not None and not force:
-        raise UsageError(f"{dest} exists: pass --force to overwrite it")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
-    if st is None:
-        flags |= os.O_EXCL
-    elif stat.S_ISREG(st.st_mode):
-        flags |= os.O_TRUNC
-    try:
-        return os.open(dest, flags, 0o666), st is None
-    except OSError as exc:
-        raise UsageError(f"cannot create {dest}: {exc.strerror}") from None
-
-
 def _stdout(args: argparse.Namespace, command: str, what: str) -> list[int]:
     """Standard output as the job's destination, when it can be one."""
     if args.json:
@@ -197,27 +179,31 @@ def _stdout(args: argparse.Namespace, command: str, what: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def _removed_on_failure(path: str | None) -> Iterator[None]:
+def _into_place(dest: Destination | None) -> Iterator[None]:
+    """The job writes dest; on success it is put in place, on any failure undone."""
     try:
         yield
     except BaseException:
-        if path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        if dest is not None:
+            dest.discard()
         raise
+    if dest is not None:
+        dest.commit()
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    dest, created = args.dest, None
+    dest, opened = args.dest, None
     to_stdout = dest == "-"
+    if args.mode is not None and (to_stdout or is_nbd_uri(dest)):
+        raise UsageError("--mode applies to a file DEST")
     if to_stdout:
         kind, fds = "stream", _stdout(args, "export", "a disk image")
     elif is_nbd_uri(dest):
         kind, fds = "nbd", []
     else:
-        fd, made = _open_dest(dest, args.force)
-        kind, fds, created = "file", [fd], dest if made else None
-    with _removed_on_failure(created):
+        opened = open_destination(dest, force=args.force, mode=args.mode)
+        kind, fds = "file", [opened.fd]
+    with _into_place(opened):
         result = _job(args, "export", "export", fds, name=args.name, dest_kind=kind, dest=dest, format=args.format)
 
     def human(r: dict[str, Any]) -> str:
@@ -233,14 +219,16 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_export_diff(args: argparse.Namespace) -> None:
-    dest, created = args.file, None
+    dest, opened = args.file, None
     to_stdout = dest == "-"
+    if args.mode is not None and to_stdout:
+        raise UsageError("--mode applies to a file FILE")
     if to_stdout:
         fds = _stdout(args, "export-diff", "a diff")
     else:
-        fd, made = _open_dest(dest, args.force)
-        fds, created = [fd], dest if made else None
-    with _removed_on_failure(created):
+        opened = open_destination(dest, force=args.force, mode=args.mode)
+        fds = [opened.fd]
+    with _into_place(opened):
         result = _job(
             args,
             "export-diff",
@@ -316,6 +304,15 @@ def _job_options(p: argparse.ArgumentParser, *, json_ok: bool = True) -> None:
         p.add_argument("--json", action="store_true", help="machine-readable summary on stdout")
 
 
+def _mode_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mode",
+        type=mode_arg,
+        metavar="OCTAL",
+        help="the file's mode (default 600: an export holds the volume's bytes); never written through a symlink",
+    )
+
+
 def register(sub: Any, vol_sub: Any, add: Add) -> None:
     p = add(sub, "import", cmd_import, "copy a raw or qcow2 image, an NBD export or a stream into a volume", pool=False)
     p.add_argument("source", metavar="SOURCE", help="a file (raw or qcow2), an NBD URI (nbd://, nbd+unix://), or -")
@@ -356,6 +353,7 @@ def register(sub: Any, vol_sub: Any, add: Add) -> None:
         "--format", choices=("raw", "rbd"), default="raw", help="raw, or rbd's 'rbd image v2' stream (rbd import)"
     )
     p.add_argument("-f", "--force", action="store_true", help="overwrite DEST if it exists")
+    _mode_option(p)
     _job_options(p)
 
     p = add(sub, "export-diff", cmd_export_diff, "write what changed since a snapshot as an rbd diff (v1 or v2)")
@@ -364,6 +362,7 @@ def register(sub: Any, vol_sub: Any, add: Add) -> None:
     p.add_argument("--from-snap", metavar="SNAPSHOT", help="the diff starts here (default: an empty image)")
     p.add_argument("--export-format", type=int, choices=(1, 2), default=1, help="rbd diff v1 (default) or v2")
     p.add_argument("-f", "--force", action="store_true", help="overwrite FILE if it exists")
+    _mode_option(p)
     _job_options(p)
 
     p = add(sub, "import-diff", cmd_import_diff, "apply an rbd diff to a volume, all or nothing", pool=False)

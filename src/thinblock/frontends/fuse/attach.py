@@ -1,7 +1,8 @@
 """Kernel block devices for volumes: a FUSE daemon per pool, a loop device per volume.
 
-State lives where the kernel keeps it: the FUSE mount under RUNTIME_DIR and the
-loop devices' backing files (losetup). `attach` starts the pool's daemon if
+State lives where the kernel keeps it: the FUSE mount under RUNTIME_DIR (this
+user's runtime tree, thinblock/runtime.py) and the loop devices' backing files
+(losetup). `attach` starts the pool's daemon if
 needed and binds a direct-I/O loop device to the volume's file; `detach`
 removes the loop device first, then the FUSE mount once nothing uses it.
 """
@@ -23,9 +24,11 @@ from thinblock.admin.verbs import CONTROL_SOCKET
 from thinblock.backends import locate
 from thinblock.errors import ThinblockError
 from thinblock.paths import child_path
-from thinblock.privacy import create_private_file, make_private_dir
+from thinblock.privacy import create_private_file
+from thinblock.runtime import private_runtime_dir, runtime_base
 
-RUNTIME_DIR = Path(os.environ.get("THINBLOCK_RUNTIME_DIR", "/run/thinblock"))
+LOOP_CONTROL = "/dev/loop-control"  # losetup --find asks it for a free loop device
+RUNTIME_DIR = Path(runtime_base())  # this user's; each pool's directory is checked as it is used
 
 
 @dataclass
@@ -73,7 +76,10 @@ def _alive(pid: int) -> bool:
 
 def _loops() -> list[tuple[str, str]]:
     """(device, backing file) for every loop device."""
-    out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True, check=False).stdout
+    try:
+        out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True, check=False).stdout
+    except FileNotFoundError:
+        raise ThinblockError("losetup is not on PATH: install util-linux, or add /usr/sbin to PATH") from None
     if not out.strip():
         return []
     return [(d["name"], d.get("back-file") or "") for d in json.loads(out)["loopdevices"]]
@@ -133,10 +139,7 @@ def _served_by(pool: str) -> str | None:
 
 
 def _start_daemon(pool: str, pdir: Path) -> None:
-    mnt = pdir / "mnt"
-    for private in (RUNTIME_DIR, pdir):  # only the pool's owner may look inside
-        make_private_dir(str(private), tighten=True)
-    make_private_dir(str(mnt))
+    mnt = Path(private_runtime_dir(pdir.name, "mnt"))  # only the pool's owner may look inside
     sock = _served_by(pool)
     if sock is not None:
         # `thinblock serve` holds the pool: it mounts the volumes itself (fuse/host.py).
@@ -174,6 +177,15 @@ def _start_daemon(pool: str, pdir: Path) -> None:
     _write_private(pdir / "daemon.json", info)
 
 
+def require_loop_devices() -> None:
+    """One sentence, before anything starts, for a user who cannot set up loop devices."""
+    if not os.access(LOOP_CONTROL, os.R_OK | os.W_OK):
+        raise ThinblockError(
+            f"attaching a volume sets up a loop device, which needs root (or access to {LOOP_CONTROL}): run it as"
+            " root, or serve the volume over NBD with 'thinblock serve' instead"
+        )
+
+
 def attach(pool: str, volume: str) -> str:
     """The loop device for pool/volume, attaching it (and starting the daemon) if needed."""
     meta = locate(pool).open_meta(readonly=True)  # clear errors for a missing pool
@@ -183,7 +195,9 @@ def attach(pool: str, volume: str) -> str:
         meta.close()
     if volume not in kinds:
         raise ThinblockError(f"no volume {volume!r} in pool {pool}")
+    require_loop_devices()
     pdir = _pool_dir(pool)
+    private_runtime_dir(pdir.name)  # ours alone before anything in it is trusted
     backing = str(child_path(pdir / "mnt", volume))  # before anything starts: the name may be hostile
     info = _daemon_info(pdir)
     if info is None or not _alive(int(info["pid"])) or not is_mounted(pdir / "mnt"):  # type: ignore[call-overload]

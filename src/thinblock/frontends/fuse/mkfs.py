@@ -18,7 +18,7 @@ from typing import Any
 
 from thinblock.core.pool import read_status
 from thinblock.errors import ThinblockError
-from thinblock.frontends.fuse.attach import _pool_dir, attach, detach, list_attached
+from thinblock.frontends.fuse.attach import _pool_dir, attach, detach, list_attached, require_loop_devices
 from thinblock.paths import child_path
 from thinblock.sizes import format_size
 
@@ -61,6 +61,7 @@ def format_volume(pool: str, volume: str, fstype: str, extra: list[str], *, forc
     """Format a volume; one that holds any data is refused unless force (both filesystems alike)."""
     if fstype not in ("ext4", "xfs"):
         raise ThinblockError(f"unsupported filesystem type {fstype!r}: use ext4 or xfs")
+    require_loop_devices()
     real = os.path.realpath(pool)
     was_attached = any(a.pool == real and a.volume == volume for a in list_attached())
     device = attach(pool, volume)
