@@ -124,7 +124,7 @@ class Header:
         """The header in one slot, or None when the slot holds none (or a torn one)."""
         if len(slot) < _FIXED.size or not slot.startswith(_MAGIC):
             return None
-        magic, version, gen, raw_uuid, at, blocks, since, owner_len = _FIXED.unpack_from(slot)
+        _magic, version, gen, raw_uuid, at, blocks, since, owner_len = _FIXED.unpack_from(slot)
         end = _FIXED.size + owner_len
         if version != _VERSION or end + 4 > len(slot):
             return None
@@ -136,6 +136,11 @@ class Header:
         except UnicodeDecodeError:
             return None
         return cls(raw_uuid.hex(), owner, gen, at, blocks, since)
+
+
+def _both_slots(header: Header) -> bytes:
+    """The whole header region (it ends a file, so it is written whole)."""
+    return (header.encode() * 2).ljust(HEADER_BYTES, b"\0")
 
 
 class OwnedStore(FilterStore):
@@ -208,7 +213,7 @@ class OwnedStore(FilterStore):
         with self._lock:
             self._clear(header.births_offset, births_bytes(header.births_blocks) if self.fixed is None else 0)
             at = self.fixed if self.fixed is not None else header.births_offset + births_bytes(header.births_blocks)
-            self.tail.pwritev(at, [header.encode(), header.encode()])
+            self.tail.pwritev(at, [_both_slots(header)])
             self.header = header
             self._at = at
 
@@ -286,7 +291,7 @@ class OwnedStore(FilterStore):
                 since = old.generation + 1  # too little room to copy: the table restarts here
             new = dataclasses.replace(old, births_offset=new_size_bytes, births_blocks=blocks, births_since=since)
             at = new_size_bytes + births_bytes(blocks)
-            self.tail.pwritev(at, [new.encode(), new.encode()])
+            self.tail.pwritev(at, [_both_slots(new)])
             self.inner.flush()  # the new tail is durable before the old one goes
             self.header, self._at = new, at
             # The old tail lies in the new blocks (which must read zero) and, when it
@@ -295,53 +300,73 @@ class OwnedStore(FilterStore):
             self.inner.flush()
 
 
-def claim(store: OwnedStore, superblock: dict[str, object], owner: str, pool: str, data: str) -> str | None:
-    """Check that the metadata (superblock) and the data store belong together and that
-    the metadata is not older than the data; ThinblockError in one sentence if not.
-    Returns a uuid to record in the superblock when a pool of the format before owner
-    headers is adopted (its header is then written here; the caller flushes it)."""
+def _expected_header(store: OwnedStore, superblock: dict[str, object]) -> int | None:
+    """Where a file's header is by the metadata's size (tried when the end holds none)."""
+    if superblock.get("pool_uuid") is None or store.fixed is not None:
+        return None
+    size = int(str(superblock["size_bytes"]))
+    return size + births_bytes(size // store.block_size)
+
+
+def refusal(header: Header | None, superblock: dict[str, object], owner: str, pool: str, data: str) -> str | None:
+    """Why this metadata and this data store must not be served together (one
+    sentence), or None. A superblock without pool_uuid (the format before owner
+    headers) is refused only when its data store carries another pool's header."""
     uuid = superblock.get("pool_uuid")
     tid = int(str(superblock.get("transaction_id") or 0))
-    expected = None
-    if uuid is not None and store.fixed is None:
-        size = int(str(superblock["size_bytes"]))
-        expected = size + births_bytes(size // store.block_size)
-    header = store.load(expected)
-    if uuid is None:  # made before owner headers: adopt it (or finish an adoption cut short)
-        if header is not None:
-            if header.owner != owner or header.generation > tid:
-                raise ThinblockError(
-                    f"pool {pool} cannot be opened: its data store {data} belongs to another pool"
-                    f" ({header.owner or 'uuid ' + header.uuid}), and its metadata names none"
-                )
-            return header.uuid
-        fresh = uuid_module.uuid4().hex
-        size = int(str(superblock["size_bytes"]))
-        try:
-            layout = store.fresh_layout(size, fresh, owner, tid, since=tid + 1)
-        except ThinblockError as exc:
-            raise ThinblockError(
-                f"pool {pool} was made by an older thinblock and cannot take its owner header: {exc};"
-                " move its data to a larger device (pool dump, create, restore) to use it"
-            ) from None
-        store.format(layout)
-        return fresh
+    if uuid is None:
+        if header is not None and (header.owner != owner or header.generation > tid):
+            return (
+                f"pool {pool} cannot be opened: its data store {data} belongs to another pool"
+                f" ({header.owner or 'uuid ' + header.uuid}), and its metadata names none"
+            )
+        return None
     if header is None:
-        raise ThinblockError(
+        return (
             f"pool {pool} cannot be opened: its data store {data} carries no thinblock owner header, so it is"
             " not this pool's data (another pool's, or overwritten); put the pool's own data store back"
         )
     if header.uuid != uuid or header.owner != owner:
-        raise ThinblockError(
+        return (
             f"pool {pool} cannot be opened: its data store {data} belongs to another pool"
             f" ({header.owner or 'uuid ' + header.uuid}); its metadata was copied from that pool, and serving"
             " both would let each overwrite the other's blocks"
         )
     if header.generation > tid:
-        raise ThinblockError(
+        return (
             f"pool {pool} cannot be opened: its metadata (generation {tid}) is older than its data store"
             f" (generation {header.generation}): it was rolled back or copied back, and would serve freed or"
             f" other volumes' blocks; put the newest metadata back, or run 'thinblock pool repair"
             f" --accept-rollback {pool}' to accept it (blocks given out after generation {tid} then read as zeros)"
         )
     return None
+
+
+def inspect(store: OwnedStore, superblock: dict[str, object], owner: str, pool: str, data: str) -> str | None:
+    """Load the header and judge it (pool check: nothing is written)."""
+    return refusal(store.load(_expected_header(store, superblock)), superblock, owner, pool, data)
+
+
+def claim(store: OwnedStore, superblock: dict[str, object], owner: str, pool: str, data: str) -> str | None:
+    """Check that the metadata (superblock) and the data store belong together and that
+    the metadata is not older than the data; ThinblockError in one sentence if not.
+    Returns a uuid to record in the superblock when a pool of the format before owner
+    headers is adopted (its header is then written here; the caller flushes it)."""
+    why = inspect(store, superblock, owner, pool, data)
+    if why is not None:
+        raise ThinblockError(why)
+    if superblock.get("pool_uuid") is not None:
+        return None
+    if store.header is not None:  # an adoption cut short: finish it
+        return store.header.uuid
+    tid = int(str(superblock.get("transaction_id") or 0))
+    fresh = uuid_module.uuid4().hex
+    try:
+        layout = store.fresh_layout(int(str(superblock["size_bytes"])), fresh, owner, tid, since=tid + 1)
+    except ThinblockError as exc:
+        raise ThinblockError(
+            f"pool {pool} was made by an older thinblock and cannot take its owner header: {exc};"
+            " move its data to a larger device (pool dump, create, restore) to use it"
+        ) from None
+    store.format(layout)
+    return fresh

@@ -31,6 +31,8 @@ from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import MetadataStore, Transaction, VolumeRow
 from thinblock.progress import ProgressFn, no_progress
 from thinblock.store.base import DataStore
+from thinblock.store.owned import inspect
+from thinblock.tools.rollback import drop_reborn, successor
 
 DUMP_FORMAT = "thinblock-dump"
 DUMP_VERSION = 1
@@ -153,7 +155,7 @@ def _pairs(text: str) -> dict[str, Any]:
 # ----- restore ---------------------------------------------------------------------
 
 
-def build_metadata(location: Location, dump: dict[str, Any]) -> None:
+def build_metadata(location: Location, dump: dict[str, Any], identity: dict[str, Any] | None = None) -> None:
     """Write fresh metadata from a dump (validated first; nothing is
     written when it is inconsistent). The pool is marked unclean so that its
     next open punches every free block (the data file may hold stale bytes there)."""
@@ -188,6 +190,7 @@ def build_metadata(location: Location, dump: dict[str, Any]) -> None:
     txn.volumes = rows
     superblock = {k: pool.get(k) for k in _POOL_KEYS}
     superblock.update(page_entries=PAGE_ENTRIES, used_blocks=sum(1 for c in refcounts if c), clean=False)
+    superblock.update(identity if identity is not None else successor(location, superblock))  # see tools/rollback.py
     location.replace_meta(superblock, txn)
 
 
@@ -327,11 +330,12 @@ def salvage(
     return dump, lost
 
 
-def repair(locator: str, progress: ProgressFn | None = None) -> dict[str, Any]:
+def repair(locator: str, progress: ProgressFn | None = None, *, accept_rollback: bool = False) -> dict[str, Any]:
     """`pool repair`: rebuild refcounts, counters and free space from the readable
     mappings (pool not in use). A copy of the old metadata is kept (for a
-    directory pool, metadata.sqlite.bad)."""
-    from thinblock.core.pool import owned
+    directory pool, metadata.sqlite.bad). Metadata older than the data store is
+    repaired only with accept_rollback (tools/rollback.py)."""
+    from thinblock.core.pool import Pool, owned
 
     with owned(locator, "thinblock repair") as location:
         name = location.name
@@ -339,7 +343,13 @@ def repair(locator: str, progress: ProgressFn | None = None) -> dict[str, Any]:
             meta = location.open_meta(readonly=False)
             try:
                 sb = meta.superblock()
-                store = location.open_data(sb)
+                store = location.owned_store(sb, location.open_data(sb))
+                why = inspect(store, sb, location.data_owner(), name, location.data_name(sb))
+                header, tid = store.header, int(sb.get("transaction_id") or 0)
+                rolled_back = header is not None and header.uuid == sb.get("pool_uuid") and header.generation > tid
+                if why is not None and not (rolled_back and accept_rollback):
+                    store.close()
+                    raise ThinblockError(f"cannot repair {name}: {why.split(': ', 1)[1]}")
                 size_bytes = int(sb["size_bytes"])
                 data_bytes = store.size_bytes
                 if data_bytes < size_bytes and getattr(store, "is_block_device", False):
@@ -349,19 +359,31 @@ def repair(locator: str, progress: ProgressFn | None = None) -> dict[str, Any]:
                         f" less than the pool's {size_bytes}; a device cannot be extended"
                     )
                 dump, lost = salvage(meta, data_bytes, progress)
+                if rolled_back and header is not None:
+                    n_blocks = size_bytes // int(sb["block_size"])
+                    drop_reborn(dump, store.read_births(n_blocks), tid, header.births_since, lost)
+                    lost.append(
+                        f"metadata of generation {tid} accepted under a data store of generation {header.generation}"
+                    )
             finally:
                 meta.close()
         except (CorruptionError, KeyError, ValueError) as exc:
             raise ThinblockError(f"cannot repair {name}: the metadata cannot be read ({exc})") from None
         try:
             backup = location.keep_copy()
-            build_metadata(location, dump)
+            identity = successor(location, sb)
+            build_metadata(location, dump, identity)
             if data_bytes < size_bytes:
                 _extend(store, data_bytes, size_bytes, lost, location.data_name(sb))
+            store.write_header(int(identity["transaction_id"]))
+            store.flush()
         except OSError as exc:
             raise ThinblockError(f"cannot repair {name}: {exc.strerror or exc}") from None
         finally:
             store.close()
+    if rolled_back:
+        with Pool.open(locator, autocommit=False, purpose="thinblock repair"):
+            pass  # the unclean open punches every free block, the dropped ones too
     return {"lost": lost, "volumes": len(dump["volumes"]), "backup": backup}
 
 
