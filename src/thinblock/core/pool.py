@@ -224,6 +224,8 @@ class Pool(CommitPipeline, SpaceAccounts):
             self.store.flush()
             opened["pool_uuid"] = adopted_uuid
         self._write_metadata(Transaction(superblock=opened))
+        if owned is not None:  # a generation a crash kept from the data store: record it now
+            owned.write_header(self.transaction_id)
         if autocommit:
             self.start_committer()
 
