@@ -338,8 +338,8 @@ class Pool(CommitPipeline, SpaceAccounts):
             store = FallbackStore(owned)
             try:
                 data_name = location.data_name(sb)
+                check_data_size(store, int(sb["size_bytes"]), data_name)  # a truncation says so first
                 adopted = claim(owned, sb, location.data_owner(), location.name, data_name)
-                check_data_size(store, int(sb["size_bytes"]), data_name)
                 pool = cls(
                     location,
                     meta,

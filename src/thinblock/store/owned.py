@@ -253,10 +253,13 @@ class OwnedStore(FilterStore):
         return out
 
     def _clear(self, offset: int, length: int) -> None:
+        """Make the range read zero with its space allocated (zero-range, else written
+        zeros): births are written at every commit, and must never need new space from
+        a host that filled up (the commit that frees space could not be written)."""
         if length <= 0:
             return
         try:
-            self.tail.punch(offset, length)
+            self.tail.zero(offset, length)
         except NotSupportedError:
             end = offset + length
             while offset < end:
@@ -295,8 +298,14 @@ class OwnedStore(FilterStore):
             self.inner.flush()  # the new tail is durable before the old one goes
             self.header, self._at = new, at
             # The old tail lies in the new blocks (which must read zero) and, when it
-            # overlaps, in the new table (which restarts at zero).
+            # overlaps, in the new table (which restarts at zero); the new table's
+            # space is allocated (see _clear).
             self._clear(old.births_offset, old_end - old.births_offset)
+            if new_size_bytes >= old_end:
+                copied = births_bytes(old.births_blocks)
+                self._clear(new_size_bytes + copied, births_bytes(blocks) - copied)
+            else:
+                self._clear(old_end, at - old_end)
             self.inner.flush()
 
 

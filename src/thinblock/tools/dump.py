@@ -347,12 +347,14 @@ def repair(locator: str, progress: ProgressFn | None = None, *, accept_rollback:
                 why = inspect(store, sb, location.data_owner(), name, location.data_name(sb))
                 header, tid = store.header, int(sb.get("transaction_id") or 0)
                 rolled_back = header is not None and header.uuid == sb.get("pool_uuid") and header.generation > tid
-                if why is not None and not (rolled_back and accept_rollback):
+                # A data file cut short lost its tail, header included: repair writes it again.
+                lost_tail = header is None and store.size_bytes < int(sb["size_bytes"])
+                if why is not None and not (rolled_back and accept_rollback) and not lost_tail:
                     store.close()
                     raise ThinblockError(f"cannot repair {name}: {why.split(': ', 1)[1]}")
                 size_bytes = int(sb["size_bytes"])
                 data_bytes = store.size_bytes
-                if data_bytes < size_bytes and getattr(store, "is_block_device", False):
+                if data_bytes < size_bytes and getattr(store.inner, "is_block_device", False):
                     store.close()
                     raise ThinblockError(
                         f"cannot repair {name}: data device {location.data_name(sb)} holds {data_bytes} bytes,"
@@ -375,7 +377,12 @@ def repair(locator: str, progress: ProgressFn | None = None, *, accept_rollback:
             build_metadata(location, dump, identity)
             if data_bytes < size_bytes:
                 _extend(store, data_bytes, size_bytes, lost, location.data_name(sb))
-            store.write_header(int(identity["transaction_id"]))
+            new_tid = int(identity["transaction_id"])
+            if lost_tail:
+                uuid, owner = str(identity.get("pool_uuid") or sb.get("pool_uuid")), location.data_owner()
+                store.format(store.fresh_layout(size_bytes, uuid, owner, new_tid, since=new_tid))
+                lost.append(f"data store {location.data_name(sb)} lost its owner header with its tail; written again")
+            store.write_header(new_tid)
             store.flush()
         except OSError as exc:
             raise ThinblockError(f"cannot repair {name}: {exc.strerror or exc}") from None
