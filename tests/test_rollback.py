@@ -228,3 +228,52 @@ def test_copied_rados_metadata_object_is_refused(request: pytest.FixtureRequest,
         h.shutdown()
     finally:
         server.stop()
+
+
+def test_two_directories_naming_one_device(tmp_path: Path, loop_file: tuple[str, Path]) -> None:
+    """A pool directory copied while its data is a raw device: both name the device.
+    Once the original writes, the copy's metadata is older than the device and is
+    refused; the original keeps serving every byte."""
+    dev, _backing = loop_file
+    pool, copy = tmp_path / "pool", tmp_path / "copy"
+    thinblock("pool", "create", str(pool), "--data", dev, "--size", str(POOL_BLOCKS * BS))
+    thinblock("volume", "create", str(pool), "a", "--size", "1M")
+    thinblock("volume", "create", str(pool), "b", "--size", "1M")
+    subprocess.run(["cp", "-r", str(pool), str(copy)], check=True)
+    _write_a(str(pool))
+    line = _refused(str(copy))
+    _rollback_sentence(line)
+    assert _read_all(str(pool), "a")[: 8 * BS] == A * 8
+    thinblock("pool", "check", str(pool))
+    # A device too small for the pool and its header is refused at create.
+    proc = thinblock("pool", "create", str(tmp_path / "big"), "--data", dev, "--size", "64M", check=False)
+    assert proc.returncode == 1 and "header" in proc.stderr, proc.stderr
+
+
+def test_power_cut_losing_the_generation_write_never_refuses(tmp_path: Path) -> None:
+    """A real power cut (tests/powercut_fs.py) right after a flush: the metadata commit
+    was synced, the header write after it was not, so the data store's generation is
+    one behind after the cut. The pool opens, checks clean and serves the flushed bytes."""
+    from tests.test_power_cut import rig
+
+    with rig(tmp_path, {"v": "4M"}) as r:
+        r.serve()
+        h = r.connect("v")
+        h.pwrite(A * 8, 0)
+        h.flush()
+        r.cut()
+        r.restart()  # pool check passes
+        generation = json.loads(thinblock("pool", "check", r.pool, "--json").stdout)["generation"]
+        assert generation["data_store"] < generation["metadata"], generation
+        assert _read_all_at(r.pool, tmp_path / "sock", "v", 8 * BS) == A * 8
+
+
+def _read_all_at(pool: str, socket: Path, name: str, length: int) -> bytes:
+    server = Server(pool, "--socket", str(socket), workdir=socket.parent)
+    try:
+        h = _handle(server, name)
+        data = bytes(h.pread(length, 0))
+        h.shutdown()
+        return data
+    finally:
+        server.stop()
