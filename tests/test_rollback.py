@@ -277,3 +277,35 @@ def _read_all_at(pool: str, socket: Path, name: str, length: int) -> bytes:
         return data
     finally:
         server.stop()
+
+
+def test_accept_rollback_after_sharers_went(tmp_path: Path) -> None:
+    """The older metadata has a, its snapshot s and the clone c of s sharing a's
+    blocks; afterwards a and s are removed and c overwrites those blocks in place
+    (they became c's alone). Accepting the older metadata must not show c's bytes
+    in a or s."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", str(POOL_BLOCKS * BS))
+    thinblock("volume", "create", pool, "a", "--size", "1M")
+    _write_a(pool)
+    thinblock("snapshot", "create", pool, "a", "s")
+    thinblock("volume", "clone", pool, "s", "c")
+    old = tmp_path / "old.sqlite"
+    shutil.copy(Path(pool) / "metadata.sqlite", old)
+    thinblock("volume", "remove", pool, "a")
+    thinblock("snapshot", "remove", pool, "s")
+    server = Server(pool)
+    try:
+        h = _handle(server, "c")
+        for i in range(8):
+            h.pwrite(b"C" * BS, i * BS)
+        h.flush()
+        h.shutdown()
+    finally:
+        server.stop()
+    shutil.copy(old, Path(pool) / "metadata.sqlite")
+    _rollback_sentence(_refused(pool))
+    thinblock("pool", "repair", pool, "--accept-rollback")
+    thinblock("pool", "check", pool)
+    for name in ("a", "s", "c"):
+        assert b"C" not in _read_all(pool, name), f"{name} reads c's bytes after accepting the rollback"
