@@ -45,6 +45,12 @@ mapping whose dblock was born after G, and punching every free block, leaves
 no volume reading another's bytes. A file pool's table restarts when the pool
 grows with too little room to copy it (`births_since`); accepting metadata
 older than that drops every mapping.
+
+What it does not catch: data older than its metadata (a data file copied
+before the metadata, or put back from an older copy). A data store's
+generation legitimately trails the metadata's after a power cut, and a copy
+of a live file is not one point in time (its header, at the end, is read
+last), so no rule on the two numbers can tell that case apart safely.
 """
 
 from __future__ import annotations
