@@ -166,6 +166,11 @@ class OwnedStore(FilterStore):
         self._at = 0  # where the header is
         self._lock = threading.Lock()  # births, header and a moving tail: one at a time
 
+    def flush(self) -> None:
+        self.inner.flush()
+        if self.tail is not self.inner:  # its writes behind, and their failures
+            self.tail.flush()
+
     # ----- where -------------------------------------------------------------------
 
     def _header_offset(self) -> int:
