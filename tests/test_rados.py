@@ -27,6 +27,7 @@ from thinblock.ceph.cluster import connect
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta import rados as meta_rados
 from thinblock.meta.base import Transaction, VolumeRow
+from thinblock.store.owned import RADOS_TAIL_OFFSET
 from thinblock.tools.check import check_metadata
 
 MiB = 1 << 20
@@ -40,8 +41,11 @@ def _rados_location(locator: str) -> RadosLocation:
 
 
 def _data_objects(locator: str) -> list[str]:
+    """The objects holding blocks (not the owner header and birth table above them)."""
     location = _rados_location(locator)
-    return rados_objects(location.data_prefix(location.open_meta(readonly=True).superblock()) + ".")
+    sb = location.open_meta(readonly=True).superblock()
+    tail = RADOS_TAIL_OFFSET // int(sb["object_size"])
+    return [o for o in rados_objects(location.data_prefix(sb) + ".") if int(o.rsplit(".", 1)[1], 16) < tail]
 
 
 def _server(locator: str, work: Path, name: str, *extra: str) -> Server:

@@ -15,6 +15,7 @@ from typing import Any
 from thinblock.meta.base import MetadataStore, Transaction
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace
+from thinblock.store.owned import OwnedStore
 
 # What restore keeps the replaced metadata as (metadata.sqlite.before-restore, ...).
 KEEP_BEFORE_RESTORE = "before-restore"
@@ -62,6 +63,17 @@ class Location(ABC):
     @abstractmethod
     def open_data(self, superblock: dict[str, Any], *, readonly: bool = False) -> DataStore:
         """The raw data store the superblock names (the pool adds the fallback layer)."""
+
+    def owned_store(self, superblock: dict[str, Any], store: DataStore) -> OwnedStore:
+        """The raw data store with its owner header and birth table (store/owned.py):
+        by default in the tail of a file or device."""
+        return OwnedStore(store, int(superblock["block_size"]), fixed_header_offset=None)
+
+    def data_owner(self) -> str:
+        """Who the data store's header names as owner: a pool whose name is its identity
+        (RADOS) names itself, so a copy of its metadata under another name is refused;
+        a directory's data lives inside it (empty: the uuid and generation decide)."""
+        return ""
 
     @abstractmethod
     def data_name(self, superblock: dict[str, Any]) -> str:

@@ -17,12 +17,14 @@ from thinblock.runtime import private_runtime_dir
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
 from thinblock.store.memory import MemoryStore
+from thinblock.store.owned import OwnedStore
 
 
 @dataclasses.dataclass
 class _Held:
     meta: MemoryMetaState
     data: MemoryStore
+    tail: MemoryStore = dataclasses.field(default_factory=lambda: MemoryStore(1 << 40))  # header, births
     owner: str | None = None
 
 
@@ -82,6 +84,10 @@ class MemoryLocation(Location):
 
     def open_data(self, superblock: dict[str, Any], *, readonly: bool = False) -> DataStore:
         return self._held().data.reopen()
+
+    def owned_store(self, superblock: dict[str, Any], store: DataStore) -> OwnedStore:
+        tail = self._held().tail.reopen()
+        return OwnedStore(store, int(superblock["block_size"]), tail=tail, fixed_header_offset=0)
 
     def data_name(self, superblock: dict[str, Any]) -> str:
         return f"{self.name} (data)"

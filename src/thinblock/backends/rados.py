@@ -40,6 +40,7 @@ from thinblock.runtime import private_runtime_dir
 from thinblock.sizes import env_seconds, format_size
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
+from thinblock.store.owned import RADOS_TAIL_OFFSET, OwnedStore
 from thinblock.store.rados import DEFAULT_OBJECT_SIZE, RadosStore
 
 log = logging.getLogger("thinblock.rados")
@@ -206,6 +207,8 @@ class RadosLocation(Location):
             raise ThinblockError("a pool in Ceph keeps its data in RADOS objects: --data does not apply")
         object_size = int(superblock.get("object_size") or DEFAULT_OBJECT_SIZE)
         block_size = int(superblock["block_size"])
+        if size_bytes > RADOS_TAIL_OFFSET:
+            raise ThinblockError(f"a pool in Ceph holds at most {format_size(RADOS_TAIL_OFFSET)}")
         if object_size < block_size or object_size & (object_size - 1) or object_size > (64 << 20):
             raise ThinblockError(
                 f"invalid object size {format_size(object_size)}: a power of two from the block size"
@@ -248,6 +251,14 @@ class RadosLocation(Location):
             object_size=int(superblock.get("object_size") or DEFAULT_OBJECT_SIZE),
             readonly=readonly,
         )
+
+    def owned_store(self, superblock: dict[str, Any], store: DataStore) -> OwnedStore:
+        # The header and birth table: objects of the same prefix far above the data.
+        tail = self.open_data({**superblock, "size_bytes": RADOS_TAIL_OFFSET * 2})
+        return OwnedStore(store, int(superblock["block_size"]), tail=tail, fixed_header_offset=RADOS_TAIL_OFFSET)
+
+    def data_owner(self) -> str:
+        return self.name
 
     # ----- ownership ---------------------------------------------------------------
 

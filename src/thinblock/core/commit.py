@@ -28,6 +28,7 @@ from thinblock.meta.base import MetadataStore, Transaction
 from thinblock.progress import ProgressFn, no_progress
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace
+from thinblock.store.owned import OwnedStore
 
 if TYPE_CHECKING:
     from thinblock.core.space_policy import SpacePolicy
@@ -57,6 +58,7 @@ class CommitPipeline:
     path: str
     meta: MetadataStore
     store: DataStore
+    owned: OwnedStore | None  # the data store's owner header and birth table
     lock: threading.RLock
     meta_lock: threading.Lock
     block_size: int
@@ -118,6 +120,8 @@ class CommitPipeline:
                     self.space.decref(entry >> 3)
             self._dirty_pages.add(page_id)
         else:
+            if page.refcount == 1:  # its last sharer may now write its blocks in place
+                self.space.births.extend((entry >> 3, 1) for entry in page.entries if entry)
             self._dirty_page_refs.add(page_id)
         self.dirty = True
 
@@ -181,7 +185,11 @@ class CommitPipeline:
             built = self._build_transaction() if self.dirty else None
             synced_frees = len(self.space.unsynced_free)  # punched before this sync: free after it
             new_frees = len(self.space.pending_free)  # freed in this transaction: punched after it
+            generation = self.transaction_id
+            births = self.space.take_births() if built is not None else []
         try:
+            if self.owned is not None and births:
+                self.owned.write_births(births, generation)  # made durable by the sync below
             self.store.flush()
             if built is not None:
                 self._write_metadata(built.txn)
@@ -189,7 +197,13 @@ class CommitPipeline:
             with self.lock:
                 if built is not None:
                     self._put_back(built)
+                self.space.births[:0] = births
             raise self._commit_failed(exc) from exc
+        if built is not None and self.owned is not None:
+            try:  # after the metadata, durable with the next sync: see store/owned.py
+                self.owned.write_header(generation)
+            except OSError as exc:
+                log.warning("pool %s: recording generation %d in the data store failed: %s", self.path, generation, exc)
         with self.lock:
             self.space.release_synced(synced_frees)
             if built is not None:

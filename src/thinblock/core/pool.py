@@ -17,6 +17,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ from thinblock.sizes import format_size
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
+from thinblock.store.owned import OwnedStore, claim, device_pool_limit
 
 DEFAULT_BLOCK_SIZE = 64 << 10
 MIN_BLOCK_SIZE = 4 << 10
@@ -122,6 +124,24 @@ def check_data_size(store: DataStore, size_bytes: int, data_name: str) -> None:
         )
 
 
+def _format_owner(location: Location) -> None:
+    """A new pool's data store gets its owner header (generation 0) and an empty birth table."""
+    meta = location.open_meta(readonly=True)  # as the backend wrote it (RADOS adds the data prefix)
+    try:
+        sb = meta.superblock()
+    finally:
+        meta.close()
+    store = location.owned_store(sb, location.open_data(sb))
+    try:
+        tid = int(sb["transaction_id"])
+        store.format(
+            store.fresh_layout(int(sb["size_bytes"]), str(sb["pool_uuid"]), location.data_owner(), tid, since=0)
+        )
+        store.flush()
+    finally:
+        store.close()
+
+
 @contextlib.contextmanager
 def owned(locator: str | Location, purpose: str) -> Iterator[Location]:
     """Own a pool without opening it (restore, repair): refused while it is served."""
@@ -146,11 +166,14 @@ class Pool(CommitPipeline, SpaceAccounts):
         *,
         autocommit: bool,
         progress: ProgressFn | None = None,
+        owned: OwnedStore | None = None,
+        adopted_uuid: str | None = None,
     ) -> None:
         self.location = location
         self.path = location.name
         self.meta = meta
         self.store = store
+        self.owned = owned
         self._ownership = ownership
         # Held to plan and to publish requests, to build and settle commits; never
         # across data I/O or a sync (see volume.py and commit.py).
@@ -197,7 +220,13 @@ class Pool(CommitPipeline, SpaceAccounts):
         if not sb.get("clean", True):
             self._recover_free_space(progress)
         self.recount_owned()
-        self._write_metadata(Transaction(superblock={"clean": False}))
+        opened: dict[str, object] = {"clean": False}
+        if adopted_uuid is not None:  # an older pool's data store got its header: name it here
+            self.store.flush()
+            opened["pool_uuid"] = adopted_uuid
+        self._write_metadata(Transaction(superblock=opened))
+        if owned is not None:  # a generation a crash kept from the data store: record it now
+            owned.write_header(self.transaction_id)
         if autocommit:
             self.start_committer()
 
@@ -243,11 +272,13 @@ class Pool(CommitPipeline, SpaceAccounts):
             probe = FileStore(data_path, readonly=True)
             device_bytes = probe.size_bytes
             probe.close()
+            limit = device_pool_limit(device_bytes, block_size)  # the rest holds the owner header
             if size_bytes is None:
-                size_bytes = device_bytes - device_bytes % block_size
-            elif size_bytes > device_bytes:
+                size_bytes = limit
+            elif size_bytes > limit:
                 raise ThinblockError(
-                    f"--size {format_size(size_bytes)} exceeds {data_path} ({format_size(device_bytes)})"
+                    f"--size {format_size(size_bytes)} exceeds what {data_path} ({format_size(device_bytes)}) holds"
+                    f" beside the pool's header and birth table ({format_size(limit)})"
                 )
         if size_bytes is None:
             raise ThinblockError("a pool in a sparse file needs --size")
@@ -257,6 +288,7 @@ class Pool(CommitPipeline, SpaceAccounts):
                 f" ({format_size(block_size)}), at least one block"
             )
         superblock = {
+            "pool_uuid": uuid.uuid4().hex,
             "block_size": block_size,
             "size_bytes": size_bytes,
             "page_entries": PAGE_ENTRIES,
@@ -269,6 +301,7 @@ class Pool(CommitPipeline, SpaceAccounts):
             superblock["object_size"] = object_size
         location.create(superblock, size_bytes, data_path)
         try:
+            _format_owner(location)
             pool = cls.open(location)
         except BaseException:
             location.remove_created()
@@ -324,10 +357,22 @@ class Pool(CommitPipeline, SpaceAccounts):
             raise
         try:
             sb = meta.superblock()
-            store = FallbackStore(location.open_data(sb))
+            owned = location.owned_store(sb, location.open_data(sb))
+            store = FallbackStore(owned)
             try:
-                check_data_size(store, int(sb["size_bytes"]), location.data_name(sb))
-                pool = cls(location, meta, store, ownership, autocommit=autocommit, progress=progress)
+                data_name = location.data_name(sb)
+                check_data_size(store, int(sb["size_bytes"]), data_name)  # a truncation says so first
+                adopted = claim(owned, sb, location.data_owner(), location.name, data_name)
+                pool = cls(
+                    location,
+                    meta,
+                    store,
+                    ownership,
+                    autocommit=autocommit,
+                    progress=progress,
+                    owned=owned,
+                    adopted_uuid=adopted,
+                )
             except BaseException:
                 store.close()
                 raise

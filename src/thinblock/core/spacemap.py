@@ -57,6 +57,10 @@ class SpaceMap:
         self.punching: list[int] = []  # between take_pending and punched
         self.dirty_pages: set[int] = set()
         self.unpublished: set[int] = set()  # handed out by allocate, in no mapping entry yet
+        # (start, count) runs of dblocks that got a new owner since the last commit was
+        # built: allocated, or exclusive again. The commit records them in the data
+        # store's birth table (store/owned.py), for repair --accept-rollback.
+        self.births: list[tuple[int, int]] = []
         self._cursor = 0
 
     @property
@@ -102,6 +106,7 @@ class SpaceMap:
             for dblock in range(start, end):
                 self.refcounts[dblock] = 1
             blocks.extend(range(start, end))
+            self.births.append((start, end - start))
             self.dirty_pages.update(range(start // REFCOUNT_PAGE_ENTRIES, (end - 1) // REFCOUNT_PAGE_ENTRIES + 1))
             cursor = end
         self._cursor = cursor
@@ -130,7 +135,9 @@ class SpaceMap:
             raise CorruptionError(f"dblock {dblock} released more often than referenced")
         self.refcounts[dblock] = count - 1
         self.dirty_pages.add(dblock // REFCOUNT_PAGE_ENTRIES)
-        if count == 1:
+        if count == 2:  # its last sharer may now write it in place
+            self.births.append((dblock, 1))
+        elif count == 1:
             self.used_blocks -= 1
             self.pending_free.append(dblock)
 
@@ -145,6 +152,11 @@ class SpaceMap:
                 raise CorruptionError(f"dblock {dblock} given back with {self.refcounts[dblock]} references")
             self.unpublished.discard(dblock)
             self.decref(dblock)
+
+    def take_births(self) -> list[tuple[int, int]]:
+        """The births since the last call (a failed commit puts them back in front)."""
+        out, self.births = self.births, []
+        return out
 
     def is_shared(self, dblock: int) -> bool:
         return self.refcounts[dblock] > 1

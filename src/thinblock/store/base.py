@@ -69,6 +69,11 @@ class DataStore(ABC):
     def grow(self, new_size_bytes: int) -> None:
         """Make the byte space at least new_size_bytes, or raise ThinblockError."""
 
+    def write_behind(self, offset: int, data: bytes) -> None:
+        """A small write that need not be complete when this returns, only by the
+        next flush (the owner header after a commit). The default writes at once."""
+        self.pwritev(offset, [data])
+
     def start_writeback(self) -> None:  # noqa: B027 (optional: doing nothing is a valid answer)
         """A hint, no promise: start moving completed writes to the layer below now,
         without waiting, so that a later flush has little left to do (bulk copies
@@ -144,6 +149,9 @@ class FilterStore(DataStore):
 
     def grow(self, new_size_bytes: int) -> None:
         self.inner.grow(new_size_bytes)
+
+    def write_behind(self, offset: int, data: bytes) -> None:
+        self.inner.write_behind(offset, data)
 
     def start_writeback(self) -> None:
         self.inner.start_writeback()

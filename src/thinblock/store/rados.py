@@ -100,6 +100,9 @@ class RadosStore(DataStore):
         self.object_size = object_size
         self.readonly = readonly
         self._size = size_bytes
+        self._behind: set[Any] = set()  # write_behind completions still in flight
+        self._behind_error = 0
+        self._behind_lock = threading.Lock()
 
     def object_name(self, objno: int) -> str:
         return f"{self.prefix}.{objno:016x}"
@@ -204,6 +207,28 @@ class RadosStore(DataStore):
 
         return lambda: self.io.aio_write(self.object_name(objno), chunk, within, oncomplete=finished)
 
+    def write_behind(self, offset: int, data: bytes) -> None:
+        """aio writes nobody waits for here: flush (aio_flush) waits for them, and
+        raises the first one's failure."""
+        self._writable()
+        pos = 0
+        for objno, within, n in self._pieces(offset, len(data)):
+            chunk = data[pos : pos + n]
+            pos += n
+            try:
+                completion = self.io.aio_write(self.object_name(objno), chunk, within, oncomplete=self._behind_done)
+            except rados.Error as exc:
+                raise as_oserror(exc, "RADOS write") from None
+            with self._behind_lock:
+                self._behind.add(completion)
+
+    def _behind_done(self, completion: Any) -> None:
+        code = completion.get_return_value()
+        with self._behind_lock:
+            self._behind.discard(completion)
+            if code < 0 and not self._behind_error:
+                self._behind_error = -code
+
     def _operate(self, batch: _Batch, objno: int, build: Callable[[Any], None], ok: tuple[int, ...] = ()) -> None:
         """One WriteOp on one object, in flight in batch."""
 
@@ -252,6 +277,10 @@ class RadosStore(DataStore):
             self.io.aio_flush()
         except rados.Error as exc:
             raise as_oserror(exc, "RADOS flush") from None
+        with self._behind_lock:
+            failed, self._behind_error = self._behind_error, 0
+        if failed:
+            raise errno_error(failed, "RADOS write")
 
     def grow(self, new_size_bytes: int) -> None:
         self._size = max(self._size, new_size_bytes)  # objects appear as they are written

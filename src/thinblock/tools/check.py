@@ -11,6 +11,7 @@ import os
 import stat
 from array import array
 from collections import Counter
+from typing import Any
 
 from thinblock.backends import Location, locate
 from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock, entry_pinned, entry_state, entry_valid
@@ -19,6 +20,7 @@ from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
 from thinblock.privacy import open_to_others
+from thinblock.store.owned import inspect
 
 
 def check_metadata(meta: MetadataStore) -> list[str]:
@@ -73,6 +75,34 @@ def check_data_store(locator: str | Location, meta: MetadataStore) -> list[str]:
     finally:
         store.close()
     return problems
+
+
+def check_generation(locator: str | Location, meta: MetadataStore) -> tuple[dict[str, Any], list[str]]:
+    """The two generations (the metadata's transaction_id, the data store's header) and
+    the owner check of store/owned.py, as problems: another pool's data, no header,
+    metadata older than its data."""
+    location = locate(locator)
+    try:
+        sb = meta.superblock()
+        figures: dict[str, Any] = {
+            "pool_uuid": sb.get("pool_uuid"),
+            "metadata": int(sb.get("transaction_id") or 0),
+            "data_store": None,
+        }
+        store = location.owned_store(sb, location.open_data(sb, readonly=True))
+    except (CorruptionError, ThinblockError, KeyError, ValueError, TypeError) as exc:
+        return {"metadata": None, "data_store": None}, [f"the data store's owner header cannot be read: {exc}"]
+    try:
+        why = inspect(store, sb, location.data_owner(), location.name, location.data_name(sb))
+    except OSError as exc:
+        return figures, [f"the data store's owner header cannot be read: {exc.strerror or exc}"]
+    finally:
+        store.close()
+    if store.header is not None:
+        figures["data_store"] = store.header.generation
+    elif sb.get("pool_uuid") is None:
+        figures["note"] = "made by an older thinblock: the next open writes the data store's owner header"
+    return figures, [] if why is None else [why.replace(" cannot be opened:", ":", 1)]
 
 
 def _check_lineage_and_reservations(

@@ -41,6 +41,8 @@ from thinblock.meta.base import MetadataStore, Transaction, VolumeRow
 from thinblock.progress import ProgressFn, no_progress
 from thinblock.sizes import format_size
 from thinblock.store.base import DataStore
+from thinblock.store.owned import inspect
+from thinblock.tools.rollback import drop_reborn, successor
 
 DUMP_FORMAT = "thinblock-dump"
 DUMP_VERSION = 1
@@ -205,14 +207,20 @@ def build_metadata(
     current: dict[str, Any] | None,
     data_bytes: int | None,
     keep: str | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> str | None:
     """Validate the whole dump against the pool, then replace the metadata with it at
     once (nothing is written when anything is wrong). current is the pool's superblock
     now (None when it has no readable metadata), data_bytes what its data store holds
     (None: not checked, repair extends it). The pool is marked unclean so that its next
     open punches every free block (the data file may hold stale bytes there). keep:
-    where the old metadata goes (see Location.replace_meta)."""
+    where the old metadata goes (see Location.replace_meta). identity: the pool's
+    uuid and a transaction id above the data store's generation (tools/rollback.py's
+    successor, found here when not given); the transaction id written is left in it."""
     superblock, txn = plan_restore(dump, current, data_bytes)
+    ident = identity if identity is not None else successor(location, superblock)
+    ident["transaction_id"] = max(int(superblock["transaction_id"]), int(ident["transaction_id"]))
+    superblock.update(ident)
     return location.replace_meta(superblock, txn, keep=keep)
 
 
@@ -499,11 +507,12 @@ def salvage(
     return dump, lost
 
 
-def repair(locator: str, progress: ProgressFn | None = None) -> dict[str, Any]:
+def repair(locator: str, progress: ProgressFn | None = None, *, accept_rollback: bool = False) -> dict[str, Any]:
     """`pool repair`: rebuild refcounts, counters and free space from the readable
     mappings (pool not in use). A copy of the old metadata is kept (for a
-    directory pool, metadata.sqlite.bad)."""
-    from thinblock.core.pool import owned
+    directory pool, metadata.sqlite.bad). Metadata older than the data store is
+    repaired only with accept_rollback (tools/rollback.py)."""
+    from thinblock.core.pool import Pool, owned
 
     with owned(locator, "thinblock repair") as location:
         name = location.name
@@ -511,29 +520,54 @@ def repair(locator: str, progress: ProgressFn | None = None) -> dict[str, Any]:
             meta = location.open_meta(readonly=False)
             try:
                 sb = meta.superblock()
-                store = location.open_data(sb)
+                store = location.owned_store(sb, location.open_data(sb))
+                why = inspect(store, sb, location.data_owner(), name, location.data_name(sb))
+                header, tid = store.header, int(sb.get("transaction_id") or 0)
+                rolled_back = header is not None and header.uuid == sb.get("pool_uuid") and header.generation > tid
+                # A data file cut short lost its tail, header included: repair writes it again.
+                lost_tail = header is None and store.size_bytes < int(sb["size_bytes"])
+                if why is not None and not (rolled_back and accept_rollback) and not lost_tail:
+                    store.close()
+                    raise ThinblockError(f"cannot repair {name}: {why.split(': ', 1)[1]}")
                 size_bytes = int(sb["size_bytes"])
                 data_bytes = store.size_bytes
-                if data_bytes < size_bytes and getattr(store, "is_block_device", False):
+                if data_bytes < size_bytes and getattr(store.inner, "is_block_device", False):
                     store.close()
                     raise ThinblockError(
                         f"cannot repair {name}: data device {location.data_name(sb)} holds {data_bytes} bytes,"
                         f" less than the pool's {size_bytes}; a device cannot be extended"
                     )
                 dump, lost = salvage(meta, data_bytes, progress)
+                if rolled_back and header is not None:
+                    n_blocks = size_bytes // int(sb["block_size"])
+                    drop_reborn(dump, store.read_births(n_blocks), tid, header.births_since, lost)
+                    lost.append(
+                        f"metadata of generation {tid} accepted under a data store of generation {header.generation}"
+                    )
             finally:
                 meta.close()
         except (CorruptionError, KeyError, ValueError) as exc:
             raise ThinblockError(f"cannot repair {name}: the metadata cannot be read ({exc})") from None
         try:
             backup = location.keep_copy()
-            build_metadata(location, dump, sb, None)
+            identity = successor(location, sb)
+            build_metadata(location, dump, sb, None, identity=identity)
             if data_bytes < size_bytes:
                 _extend(store, data_bytes, size_bytes, lost, location.data_name(sb))
+            new_tid = int(identity["transaction_id"])
+            if lost_tail:
+                uuid, owner = str(identity.get("pool_uuid") or sb.get("pool_uuid")), location.data_owner()
+                store.format(store.fresh_layout(size_bytes, uuid, owner, new_tid, since=new_tid))
+                lost.append(f"data store {location.data_name(sb)} lost its owner header with its tail; written again")
+            store.write_header(new_tid)
+            store.flush()
         except OSError as exc:
             raise ThinblockError(f"cannot repair {name}: {exc.strerror or exc}") from None
         finally:
             store.close()
+    if rolled_back:
+        with Pool.open(locator, autocommit=False, purpose="thinblock repair"):
+            pass  # the unclean open punches every free block, the dropped ones too
     return {"lost": lost, "volumes": len(dump["volumes"]), "backup": backup}
 
 

@@ -24,7 +24,7 @@ from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
 from thinblock.frontends.cli.progress import progress_bar, wanted
 from thinblock.sizes import format_size, parse_size
-from thinblock.tools.check import check_data_store, check_metadata, check_privacy
+from thinblock.tools.check import check_data_store, check_generation, check_metadata, check_privacy
 
 DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-pool"))
 
@@ -179,7 +179,8 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
         # omap is read page by page). Problems count only if no commit came between.
         for _attempt in range(5):
             before = meta.superblock().get("transaction_id")
-            problems = check_metadata(meta) + check_data_store(args.pool, meta)
+            generation, owner_problems = check_generation(args.pool, meta)
+            problems = check_metadata(meta) + check_data_store(args.pool, meta) + owner_problems
             if not problems or meta.superblock().get("transaction_id") == before:
                 break
         warnings = check_privacy(args.pool, meta)
@@ -187,13 +188,17 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
         meta.close()
     _warn(warnings)
     if args.json:
-        print(json.dumps({"ok": not problems, "problems": problems, "warnings": warnings}, indent=2))
-    elif problems:
-        print(f"pool {args.pool} has {len(problems)} problem(s):")
-        for problem in problems:
-            print(f"  - {problem}")
+        out = {"ok": not problems, "problems": problems, "warnings": warnings, "generation": generation}
+        print(json.dumps(out, indent=2))
     else:
-        print(f"pool {args.pool}: metadata is consistent")
+        data_gen = generation["data_store"]
+        print(f"generation: metadata {generation['metadata']}, data store {'none' if data_gen is None else data_gen}")
+        if problems:
+            print(f"pool {args.pool} has {len(problems)} problem(s):")
+            for problem in problems:
+                print(f"  - {problem}")
+        else:
+            print(f"pool {args.pool}: metadata is consistent")
     if problems:
         print(f"thinblock: error: pool check found {len(problems)} problem(s)", file=sys.stderr)
         return 1
@@ -229,7 +234,7 @@ def cmd_pool_repair(args: argparse.Namespace) -> int:
 
     # SIGTERM and SIGHUP stop repair as Ctrl-C does: cleanly, not where it stands.
     with job_signals(), progress_bar("repair: reading mappings", wanted(args), unit=" pages") as bar:
-        result = repair(args.pool, bar)
+        result = repair(args.pool, bar, accept_rollback=args.accept_rollback)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -617,6 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     p = add(pool_sub, "repair", cmd_pool_repair, "rebuild refcounts and free space from the readable mappings")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--accept-rollback",
+        action="store_true",
+        help="accept metadata older than the data store: mappings of blocks given out after its generation"
+        " are dropped (read as zeros) and every free block is punched",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
 
     vol_p = sub.add_parser("volume", help="create, list, remove and resize volumes", description="Volume commands.")
