@@ -170,7 +170,7 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
     "status": {},
     "pool_grow": {"size_bytes": (byte_size, True)},
     "pool_set": {
-        "when_full": (optional(text), False),
+        "when_full": (when_full, False),
         "low_water": (optional(scalar), False),
         "on_low_water": (optional(text), False),
         "autogrow": (optional(text), False),
