@@ -18,7 +18,7 @@ from tests import ceph_cluster, profiles
 from thinblock import Pool
 from thinblock.backends import locate
 from thinblock.backends.memory import MemoryLocation
-from thinblock.store.fallback import FallbackStore
+from thinblock.store.base import DataStore, FilterStore
 from thinblock.store.file import FileStore
 
 # Hypothesis runs derandomized unless a fuzz run asks otherwise (tests/profiles.py).
@@ -177,10 +177,18 @@ def open_pool(kind: str, tmp_path: Path, request: pytest.FixtureRequest, *, size
     else:
         pool = Pool.create(path, size, block_size=block_size)
     if kind == "emulated":
-        inner = pool.store.inner if isinstance(pool.store, FallbackStore) else None
+        inner = raw_store(pool)
         assert isinstance(inner, FileStore)
         inner.disable_native("punch", "zero", "preallocate")
     return pool
+
+
+def raw_store(pool: Pool) -> DataStore:
+    """The backend's own store under the pool's layers (fallback, owner header)."""
+    store = pool.store
+    while isinstance(store, FilterStore):
+        store = store.inner
+    return store
 
 
 @pytest.fixture(params=BACKENDS)

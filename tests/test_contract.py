@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import struct
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import rados_objects
+from tests.conftest import rados_objects, raw_store
 from thinblock import BlockState, NoSpaceError, NotSupportedError, Pool, RangeError
 from thinblock.backends import locate
-from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
 from thinblock.store.memory import MemoryStore
+from thinblock.store.owned import RADOS_TAIL_OFFSET
 from thinblock.store.rados import RadosStore
 from thinblock.tools.check import check_metadata
 
@@ -22,8 +24,7 @@ U, Z, D = BlockState.UNMAPPED, BlockState.ZEROED, BlockState.DATA
 
 
 def store_of(pool: Pool) -> FileStore | MemoryStore | RadosStore:
-    assert isinstance(pool.store, FallbackStore)
-    inner = pool.store.inner
+    inner = raw_store(pool)
     assert isinstance(inner, FileStore | MemoryStore | RadosStore)
     return inner
 
@@ -34,16 +35,49 @@ def is_device(pool: Pool) -> bool:
 
 
 def allocated_bytes(pool: Pool) -> int:
-    """Space the layer below really holds for the pool (sparse file, loop backing file, memory)."""
+    """Space the layer below really holds for the pool's blocks (sparse file, loop
+    backing file, memory, RADOS objects), not for the owner tail past them
+    (store/owned.py), whose birth table grows as blocks get owners."""
     store = store_of(pool)
     if isinstance(store, MemoryStore):
-        return store.allocated_bytes()
+        return store.allocated_bytes(pool.size_bytes)
     if isinstance(store, RadosStore):  # the test pools have one block per object
-        return sum(store.io.stat(name)[0] for name in rados_objects(store.prefix + "."))
+        tail = RADOS_TAIL_OFFSET // pool.block_size
+        names = [o for o in rados_objects(store.prefix + ".") if int(o.rsplit(".", 1)[1], 16) < tail]
+        return sum(store.io.stat(name)[0] for name in names)
     path = store.path
     if path.startswith("/dev/"):
         path = Path(f"/sys/block/{os.path.basename(path)}/loop/backing_file").read_text().strip()
-    return os.stat(path).st_blocks * 512
+    return data_extent_bytes(path, pool.size_bytes)
+
+
+FS_IOC_FIEMAP = 0xC020660B
+_FIEMAP_HEAD = struct.Struct("=QQIIII")  # start, length, flags, mapped, count, reserved
+_FIEMAP_EXTENT = struct.Struct("=QQQ16xI12x")  # logical, physical, length, flags
+_FIEMAP_LAST = 0x1
+_FIEMAP_BATCH = 256
+
+
+def data_extent_bytes(path: str, end: int) -> int:
+    """Bytes of a file's allocated extents (written or preallocated, FIEMAP) below end."""
+    total, pos = 0, 0
+    with open(path, "rb") as f:
+        while pos < end:
+            buf = bytearray(_FIEMAP_HEAD.pack(pos, end - pos, 0, 0, _FIEMAP_BATCH, 0))
+            buf += bytes(_FIEMAP_EXTENT.size * _FIEMAP_BATCH)
+            fcntl.ioctl(f.fileno(), FS_IOC_FIEMAP, buf)
+            mapped = _FIEMAP_HEAD.unpack_from(buf)[3]
+            if not mapped:
+                break
+            for i in range(mapped):
+                logical, _physical, length, flags = _FIEMAP_EXTENT.unpack_from(
+                    buf, _FIEMAP_HEAD.size + i * _FIEMAP_EXTENT.size
+                )
+                total += max(0, min(logical + length, end) - max(logical, pos))
+                pos = logical + length
+                if flags & _FIEMAP_LAST:
+                    return total
+    return total
 
 
 def check_ok(pool: Pool) -> None:

@@ -29,10 +29,12 @@ class MemoryStore(DataStore):
     def size_bytes(self) -> int:
         return self._size
 
-    def allocated_bytes(self) -> int:
-        """Bytes held (for tests: what punch gave back)."""
+    def allocated_bytes(self, below: int | None = None) -> int:
+        """Bytes held (for tests: what punch gave back), or those below an offset."""
         with self._lock:
-            return len(self._chunks) * CHUNK_BYTES
+            if below is None:
+                return len(self._chunks) * CHUNK_BYTES
+            return sum(CHUNK_BYTES for index in self._chunks if index * CHUNK_BYTES < below)
 
     def _pieces(self, offset: int, length: int) -> Iterable[tuple[int, int, int]]:
         end = offset + length
