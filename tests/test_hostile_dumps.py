@@ -157,7 +157,8 @@ HOSTILE: dict[str, tuple[Callable[[Dump], None], str]] = {
     "dangling origin": (_dangling_origin, "not in the dump"),
     "two owners of one block": (_two_owners, "only snapshots and clones share"),
     "block beyond the pool": (_beyond_pool, "beyond"),
-    "unknown pool field": (_set("pool", "pool_uuid", "0" * 32), "unknown"),
+    "another pool's uuid": (_set("pool", "pool_uuid", "0" * 32), "another pool"),
+    "unknown pool field": (_set("pool", "pool_id", "0" * 32), "unknown"),
 }
 
 
@@ -243,11 +244,7 @@ def test_data_path_is_never_taken_from_a_dump(tmp_path: Path, pool: str) -> None
 def test_a_good_restore_switches_at_once_and_keeps_the_old(tmp_path: Path, pool: str) -> None:
     """The old metadata is kept as metadata.sqlite.before-restore; the pool's identity
     (any key a dump may not set) comes from the pool; the transaction id is above both."""
-    conn = sqlite3.connect(Path(pool) / "metadata.sqlite")
-    with conn:  # keys a later thinblock may keep (pool_uuid, a generation): the pool's own
-        conn.execute("INSERT INTO superblock VALUES ('pool_uuid', '\"feedface\"')")
-        conn.execute("UPDATE superblock SET value = '500' WHERE key = 'transaction_id'")
-    conn.close()
+    uuid = superblock(pool)["pool_uuid"]
     before = db_rows(pool)
     dump = dump_of(pool)  # the pool's own commit raises its transaction id beyond 500
     current_tid = superblock(pool)["transaction_id"]
@@ -258,7 +255,7 @@ def test_a_good_restore_switches_at_once_and_keeps_the_old(tmp_path: Path, pool:
     out = thinblock("pool", "restore", pool, str(path)).stdout
     assert "metadata.sqlite.before-restore" in out
     sb = superblock(pool)
-    assert sb["pool_uuid"] == "feedface"
+    assert sb["pool_uuid"] == uuid
     assert sb["transaction_id"] > current_tid + 1000
     kept = Path(pool, "metadata.sqlite.before-restore")
     old = sqlite3.connect(f"file:{kept}?mode=ro", uri=True)

@@ -328,13 +328,19 @@ def test_sigkill_and_sigterm_at_fixed_delays_of_sparsify(tmp_path: Path) -> None
     pool = str(tmp_path / "pool")
     thinblock("pool", "create", pool, "--size", "512M")
     thinblock("volume", "create", pool, "z", "--size", "256M")
-    with Pool.open(pool) as p:  # 256M of DATA blocks holding zeros, for sparsify to free
-        p.set_detect_zeroes("z", "off")
-        vol = p.volume("z")
-        for offset in range(0, 256 * MiB, 4 * MiB):
-            vol.write(offset, bytes(4 * MiB))
+
+    def fill() -> None:  # 256M of DATA blocks holding zeros, for sparsify to free
+        with Pool.open(pool) as p:
+            p.set_detect_zeroes("z", "off")
+            vol = p.volume("z")
+            for offset in range(0, 256 * MiB, 4 * MiB):
+                vol.write(offset, bytes(4 * MiB))
+
     runtime = Path(locate(pool).runtime_dir())
-    for delay, sig in ((0.2, signal.SIGKILL), (0.0, signal.SIGTERM), (1.0, signal.SIGKILL)):
+    # SIGTERM first and at once: the job has its whole 256M still to do (well over the
+    # moment a signal takes), so it is always cancelled, never done, when it arrives.
+    for delay, sig in ((0.0, signal.SIGTERM), (0.2, signal.SIGKILL), (1.0, signal.SIGKILL)):
+        fill()  # every run has all of it to do again, whatever the last one got through
         stale = _inode(runtime / "control.sock")  # a SIGKILLed job's socket stays
         proc = subprocess.Popen(
             [sys.executable, "-m", "thinblock", "volume", "sparsify", pool, "z", "--no-progress"],

@@ -309,3 +309,31 @@ def test_accept_rollback_after_sharers_went(tmp_path: Path) -> None:
     thinblock("pool", "check", pool)
     for name in ("a", "s", "c"):
         assert b"C" not in _read_all(pool, name), f"{name} reads c's bytes after accepting the rollback"
+
+
+def test_restoring_an_older_dump_shows_no_reused_block(tmp_path: Path) -> None:
+    """A dump is one generation's metadata: restored after its blocks were freed and
+    given to another volume, it is a rollback, and restore drops what was reused."""
+    pool = str(tmp_path / "pool")
+    _make_pool(pool)
+    _write_a(pool)
+    dump = tmp_path / "older.dump"
+    thinblock("pool", "dump", pool, "-o", str(dump))
+    server = Server(pool)
+    try:
+        _trim_a_fill_b(server)
+    finally:
+        server.stop()
+    proc = thinblock("pool", "restore", pool, str(dump))
+    assert "restored under a data store of generation" in proc.stderr, proc.stderr
+    thinblock("pool", "check", pool)
+    assert b"B" not in _read_all(pool, "a"), "a restored older dump shows volume b's bytes in a"
+    # A dump that does not say which generation it is of cannot be judged: refused.
+    text = "\n".join(
+        " ".join(w for w in line.split(" ") if not w.startswith("transaction_id="))
+        for line in dump.read_text().splitlines()
+    )
+    blind = tmp_path / "blind.dump"
+    blind.write_text(text + "\n")
+    refused = thinblock("pool", "restore", pool, str(blind), check=False)
+    assert refused.returncode == 1 and "does not record the generation" in refused.stderr, refused.stderr

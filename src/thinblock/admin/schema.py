@@ -238,6 +238,7 @@ DUMP_POOL: dict[str, tuple[Check, bool]] = {
     "on_low_water": (optional(text), False),
     "autogrow": (optional(autogrow_pair), False),
     "transaction_id": (optional(whole(0, 1 << 62)), False),
+    "pool_uuid": (optional(text), False),
 }
 DUMP_VOLUME: dict[str, tuple[Check, bool]] = {
     "id": (whole(1, 1 << 62), True),

@@ -120,8 +120,8 @@ class CommitPipeline:
                     self.space.decref(entry >> 3)
             self._dirty_pages.add(page_id)
         else:
-            if page.refcount == 1:  # its last sharer may now write its blocks in place
-                self.space.births.extend((entry >> 3, 1) for entry in page.entries if entry)
+            if page.refcount == 1:  # its last sharer may write its blocks in place once committed
+                self.space.became_exclusive([entry >> 3 for entry in page.entries if entry])
             self._dirty_page_refs.add(page_id)
         self.dirty = True
 
@@ -187,6 +187,7 @@ class CommitPipeline:
             new_frees = len(self.space.pending_free)  # freed in this transaction: punched after it
             generation = self.transaction_id
             births = self.space.take_births() if built is not None else []
+            exclusive = set(self.space.newly_exclusive) if built is not None else set()
         try:
             if self.owned is not None and births:
                 self.owned.write_births(births, generation)  # made durable by the sync below
@@ -208,6 +209,7 @@ class CommitPipeline:
             self.space.release_synced(synced_frees)
             if built is not None:
                 self._settle(built)
+                self.space.newly_exclusive -= exclusive  # durable now: writable in place
             punch = self.space.take_pending(new_frees if built is not None else 0)
             self.last_commit = time.monotonic()
         # Only now may freed blocks go back to the layer below; they become allocatable

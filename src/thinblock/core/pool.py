@@ -363,6 +363,8 @@ class Pool(CommitPipeline, SpaceAccounts):
                 data_name = location.data_name(sb)
                 check_data_size(store, int(sb["size_bytes"]), data_name)  # a truncation says so first
                 adopted = claim(owned, sb, location.data_owner(), location.name, data_name)
+                check_data_size(store, int(sb["size_bytes"]), data_name)  # blocks end where the tail begins
+                owned.clear_interrupted_grow(int(sb["size_bytes"]))
                 pool = cls(
                     location,
                     meta,
@@ -618,9 +620,14 @@ class Pool(CommitPipeline, SpaceAccounts):
                 return
             try:
                 self.commit()
+                # The final commit's punches and header write were issued after its data
+                # sync: durable before "clean" says no free block needs punching.
+                self.store.flush()
                 # ZEROED dblocks a failed write reached are re-zeroed by the next open's
-                # recovery: leave the pool marked unclean for that.
-                if not self.unclean_zeroed:
+                # recovery, and a write still in flight (its fresh dblocks unpublished,
+                # committed as free) may yet land in a free block: leave the pool marked
+                # unclean for those, so the next open punches free space again.
+                if not self.unclean_zeroed and not self.space.unpublished:
                     self._write_metadata(Transaction(superblock={"clean": True}))
             except Exception as exc:
                 # One sentence for the caller (the command line prints it), never a

@@ -99,12 +99,26 @@ def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
             pool.check_new_name(name, staged.row.kind)
         if len({name for _, name in renames}) != len(renames):
             raise ThinblockError("two staging volumes cannot take one name")
+        hidden = [(staged, staged.name) for staged, _ in renames]
         for staged, name in renames:
             del pool.volumes[staged.name]
             staged.row.name = name
             pool.volumes[name] = staged
             pool.mark_volume_dirty(staged)
-    pool.commit()
+    try:
+        pool.commit()
+    except BaseException:
+        # The commit that would show them failed: they are hidden again, so the job's
+        # cleanup (or the next open) removes them, and no later commit publishes what
+        # the job reported as failed.
+        with pool.lock:
+            for staged, old in hidden:
+                if pool.volumes.get(staged.name) is staged:
+                    del pool.volumes[staged.name]
+                    staged.row.name = old
+                    pool.volumes[old] = staged
+                    pool.mark_volume_dirty(staged)
+        raise
 
 
 def clone(pool: Pool, snapshot: str, name: str) -> Volume:

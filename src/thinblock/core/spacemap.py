@@ -61,6 +61,10 @@ class SpaceMap:
         # built: allocated, or exclusive again. The commit records them in the data
         # store's birth table (store/owned.py), for repair --accept-rollback.
         self.births: list[tuple[int, int]] = []
+        # dblocks whose last sharer went in the open transaction: until the commit that
+        # records it is durable they are still shared on disk (a crash brings the sharer
+        # back), so they are copied on write, never written in place (rule 4).
+        self.newly_exclusive: set[int] = set()
         self._cursor = 0
 
     @property
@@ -135,8 +139,9 @@ class SpaceMap:
             raise CorruptionError(f"dblock {dblock} released more often than referenced")
         self.refcounts[dblock] = count - 1
         self.dirty_pages.add(dblock // REFCOUNT_PAGE_ENTRIES)
-        if count == 2:  # its last sharer may now write it in place
+        if count == 2:  # its last sharer may write it in place once this is committed
             self.births.append((dblock, 1))
+            self.newly_exclusive.add(dblock)
         elif count == 1:
             self.used_blocks -= 1
             self.pending_free.append(dblock)
@@ -159,7 +164,16 @@ class SpaceMap:
         return out
 
     def is_shared(self, dblock: int) -> bool:
-        return self.refcounts[dblock] > 1
+        """Whether a write must copy the dblock: shared now, or in committed state."""
+        return self.refcounts[dblock] > 1 or dblock in self.newly_exclusive
+
+    def became_exclusive(self, dblocks: list[int]) -> None:
+        """A page's last sharer went (its dblocks keep one reference, through it): the
+        same rule as decref's, for the dblocks the page alone references."""
+        for dblock in dblocks:
+            if self.refcounts[dblock] == 1:
+                self.births.append((dblock, 1))
+                self.newly_exclusive.add(dblock)
 
     def take_dirty_pages(self) -> dict[int, bytes]:
         """Refcount pages changed since the last call, as blobs to persist; unpublished

@@ -64,6 +64,7 @@ from array import array
 from collections.abc import Sequence
 
 from thinblock.errors import NotSupportedError, ThinblockError
+from thinblock.sizes import format_size
 from thinblock.store.base import DataStore, FilterStore
 from thinblock.zeros import ZERO_CHUNK_BYTES, zero_bytes
 
@@ -304,6 +305,19 @@ class OwnedStore(FilterStore):
 
     # ----- growing a file's tail ---------------------------------------------------
 
+    def clear_interrupted_grow(self, pool_size_bytes: int) -> None:
+        """At open: a file whose tail starts past the pool's last block was being grown
+        when the process died (the new tail durable, the metadata's new size not yet
+        committed). The old tail lies in what the next grow adds as blocks, which must
+        read zero: clear it now, since that grow will find the tail already in place."""
+        with self._lock:
+            header = self.header
+            if self.fixed is not None or header is None or getattr(self.inner, "is_block_device", False):
+                return
+            if header.births_offset > pool_size_bytes:
+                self._clear(pool_size_bytes, header.births_offset - pool_size_bytes)
+                self.inner.flush()
+
     def grow(self, new_size_bytes: int) -> None:
         with self._lock:
             old = self.header
@@ -312,7 +326,12 @@ class OwnedStore(FilterStore):
                     self.inner.grow(new_size_bytes)
                 return
             if getattr(self.inner, "is_block_device", False):
-                self.inner.grow(new_size_bytes)  # refuses in one sentence
+                # A device's tail is sized for the whole device and stays at its end:
+                # the pool's blocks can never reach into it.
+                raise ThinblockError(
+                    f"cannot grow the pool to {format_size(new_size_bytes)}: its data device keeps its owner"
+                    f" header and birth table past {format_size(old.births_offset)}"
+                )
             blocks = new_size_bytes // self.block_size
             old_end = self._at + HEADER_BYTES
             since = old.births_since

@@ -23,6 +23,7 @@ through the same checks, reporting what it could not save.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from array import array
@@ -42,11 +43,12 @@ from thinblock.progress import ProgressFn, no_progress
 from thinblock.sizes import format_size
 from thinblock.store.base import DataStore
 from thinblock.store.owned import inspect
-from thinblock.tools.rollback import drop_reborn, successor
+from thinblock.tools.rollback import drop_reborn, guard_restore, successor
 
 DUMP_FORMAT = "thinblock-dump"
 DUMP_VERSION = 1
 _STATES = {"data": BlockState.DATA, "zeroed": BlockState.ZEROED}
+_IDENTITY_KEYS = ("transaction_id", "pool_uuid")
 _POOL_KEYS = ("block_size", "size_bytes", "data_path", "created", "when_full", "low_water", "on_low_water", "autogrow")
 _VOLUME_KEYS = (
     "id",
@@ -396,6 +398,10 @@ def current_state(location: Location) -> tuple[dict[str, Any] | None, int]:
             f"cannot restore into {location.name}: its metadata is unreadable and it says where its data is;"
             " create the pool again first"
         ) from None
+    if superblock is not None:  # its blocks end where the owner tail begins (store/owned.py)
+        store = location.owned_store(superblock, store)
+        with contextlib.suppress(OSError, ThinblockError, ValueError):  # no header: the raw size stands
+            store.load()
     try:
         return superblock, store.size_bytes
     finally:
@@ -414,6 +420,8 @@ def restore(locator: str, dump: dict[str, Any], progress: ProgressFn | None = No
         name = location.name
         try:
             current, data_bytes = current_state(location)
+            plan_restore(dump, current, data_bytes)  # the dump is sound before its generation is judged
+            dropped = guard_restore(location, current, dump)
             kept = build_metadata(location, dump, current, data_bytes, keep=KEEP_BEFORE_RESTORE)
         except OSError as exc:
             raise ThinblockError(f"cannot restore {name}: {exc.strerror or exc}; nothing was changed") from None
@@ -426,7 +434,7 @@ def restore(locator: str, dump: dict[str, Any], progress: ProgressFn | None = No
             f"restored {name}, but its first open failed ({detail}); the next open finishes it"
             f" (the old metadata is kept in {kept})"
         ) from None
-    return {"volumes": len(dump["volumes"]), "used_bytes": used_bytes, "backup": kept}
+    return {"volumes": len(dump["volumes"]), "used_bytes": used_bytes, "backup": kept, "dropped": dropped}
 
 
 # ----- repair ----------------------------------------------------------------------
@@ -501,7 +509,9 @@ def salvage(
     dump = {
         "format": DUMP_FORMAT,
         "version": DUMP_VERSION,
-        "pool": {k: sb.get(k) for k in _POOL_KEYS},
+        # The generation and the pool's uuid: restore checks them (tools/rollback.py
+        # guard_restore), never sets them.
+        "pool": {**{k: sb.get(k) for k in _POOL_KEYS}, **{k: sb.get(k) for k in _IDENTITY_KEYS if k in sb}},
         "volumes": [_volume_dict(rows[vid], sorted(entries)) for vid, entries in sorted(by_volume.items())],
     }
     return dump, lost

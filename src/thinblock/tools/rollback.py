@@ -79,3 +79,47 @@ def drop_reborn(dump: dict[str, Any], births: array[int], accepted: int, since: 
                 else f"cannot be told apart (the birth table starts at generation {since})"
             )
             lost.append(f"{volume['kind']} {volume['name']}: {dropped} block(s) {why}; they now read zeros")
+
+
+def guard_restore(location: Location, current: dict[str, Any] | None, dump: dict[str, Any]) -> list[str]:
+    """Restore's rollback rule, applied to the dump before anything is written. A
+    dump is the metadata of one generation (its pool's transaction_id); restoring
+    it under a data store that has moved on is a rollback, so, as repair
+    --accept-rollback does, every mapping whose dblock got a new owner after that
+    generation is dropped (it may hold another volume's bytes now), and named in
+    the returned list. A dump of another pool (its pool_uuid) is refused, and so
+    is one that records no generation where the data store has one."""
+    pool = dump["pool"]
+    where = current or {"block_size": pool["block_size"], "size_bytes": pool["size_bytes"]}
+    try:
+        store = location.owned_store(where, location.open_data(where, readonly=True))
+    except (ThinblockError, OSError, KeyError, ValueError):
+        return []  # no data store to read: restore's own checks refuse what needs one
+    try:
+        header = store.load()
+        if header is None:
+            return []
+        dump_uuid = pool.get("pool_uuid")
+        if dump_uuid is not None and dump_uuid != header.uuid:
+            raise ThinblockError(
+                f"the dump is of another pool (uuid {dump_uuid}) and this pool's data store belongs to"
+                f" {header.uuid}: its mappings would show that pool's blocks; nothing was changed"
+            )
+        tid = pool.get("transaction_id")
+        if tid is None:
+            if header.generation == 0:
+                return []
+            raise ThinblockError(
+                "the dump does not record the generation it was made at (transaction_id), so restore cannot"
+                " tell which of its blocks were freed and reused since; make it with 'thinblock pool dump';"
+                " nothing was changed"
+            )
+        if int(tid) >= header.generation:
+            return []
+        n_blocks = min(int(pool["size_bytes"]) // int(pool["block_size"]), header.births_blocks)
+        lost: list[str] = []
+        drop_reborn(dump, store.read_births(n_blocks), int(tid), header.births_since, lost)
+        lost.append(f"a dump of generation {tid} restored under a data store of generation {header.generation}")
+        return lost
+    finally:
+        store.close()

@@ -224,6 +224,8 @@ def cmd_pool_restore(args: argparse.Namespace) -> None:
     with progress_bar("restore: punching free space", wanted(args)) as bar:
         result = restore(args.pool, dump, bar)
     print(f"restored {result['volumes']} volume(s) into {args.pool}; {format_size(result['used_bytes'])} in use")
+    for what in result.get("dropped") or []:  # a rollback: what restore did not trust
+        print(f"thinblock: restore: {what}", file=sys.stderr)
     if result["backup"]:
         print(f"the old metadata is kept in {result['backup']}")
 
