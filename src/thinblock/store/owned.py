@@ -95,10 +95,9 @@ def tail_bytes(n_blocks: int) -> int:
 
 def device_pool_limit(device_bytes: int, block_size: int) -> int:
     """The largest pool a device of device_bytes can hold beside its tail."""
-    n = device_bytes // block_size
-    while n > 0 and n * block_size + tail_bytes(n) > device_bytes:
-        n -= max(1, (n * block_size + tail_bytes(n) - device_bytes) // block_size)
-    return max(0, n) * block_size
+    # The tail is sized for the whole device (fresh_layout), whatever the pool's size.
+    tail = tail_bytes(-(-device_bytes // block_size))
+    return max(0, (device_bytes - tail) // block_size) * block_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +320,11 @@ class OwnedStore(FilterStore):
     def grow(self, new_size_bytes: int) -> None:
         with self._lock:
             old = self.header
+            if self.fixed and new_size_bytes > self.fixed:  # RADOS: blocks stay below the tail's objects
+                raise ThinblockError(
+                    f"cannot grow the pool to {format_size(new_size_bytes)}: its data store keeps its owner"
+                    f" header and birth table from {format_size(self.fixed)} on"
+                )
             if self.fixed is not None or old is None or new_size_bytes <= old.births_offset:
                 if old is None or self.fixed is not None:
                     self.inner.grow(new_size_bytes)
