@@ -232,7 +232,7 @@ class DirLocation(Location):
                 meta.checkpoint()
             finally:
                 meta.close()
-            _fsync_file(tmp)
+            _fsync(tmp, os.O_NOFOLLOW)
             # Fold the old WAL into its database first: it is removed below, and a
             # WAL beside the new database would be replayed into it.
             SqliteMetadata.fold_wal(self.db)
@@ -248,7 +248,7 @@ class DirLocation(Location):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.db + suffix)
         os.replace(tmp, self.db)
-        _fsync_dir(self.dir)
+        _fsync(self.dir, os.O_DIRECTORY)
         return kept
 
     def _keep_old(self, label: str) -> str | None:
@@ -282,16 +282,9 @@ def _remove_database(path: str) -> None:
             os.unlink(name)
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: str, flags: int) -> None:
+    """fsync the file or directory at path, opened read-only with flags."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:

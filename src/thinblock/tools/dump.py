@@ -220,6 +220,18 @@ def build_metadata(
     uuid and a transaction id above the data store's generation (tools/rollback.py's
     successor, found here when not given); the transaction id written is left in it."""
     superblock, txn = plan_restore(dump, current, data_bytes)
+    return write_planned(location, superblock, txn, keep=keep, identity=identity)
+
+
+def write_planned(
+    location: Location,
+    superblock: dict[str, Any],
+    txn: Transaction,
+    *,
+    keep: str | None = None,
+    identity: dict[str, Any] | None = None,
+) -> str | None:
+    """Replace the metadata with what plan_restore made (see build_metadata)."""
     ident = identity if identity is not None else successor(location, superblock)
     ident["transaction_id"] = max(int(superblock["transaction_id"]), int(ident["transaction_id"]))
     superblock.update(ident)
@@ -420,9 +432,13 @@ def restore(locator: str, dump: dict[str, Any], progress: ProgressFn | None = No
         name = location.name
         try:
             current, data_bytes = current_state(location)
-            plan_restore(dump, current, data_bytes)  # the dump is sound before its generation is judged
+            # The dump is sound before its generation is judged; planned again only if
+            # that judgement dropped mappings.
+            superblock, txn = plan_restore(dump, current, data_bytes)
             dropped = guard_restore(location, current, dump)
-            kept = build_metadata(location, dump, current, data_bytes, keep=KEEP_BEFORE_RESTORE)
+            if dropped:
+                superblock, txn = plan_restore(dump, current, data_bytes)
+            kept = write_planned(location, superblock, txn, keep=KEEP_BEFORE_RESTORE)
         except OSError as exc:
             raise ThinblockError(f"cannot restore {name}: {exc.strerror or exc}; nothing was changed") from None
     try:
