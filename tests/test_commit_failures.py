@@ -98,3 +98,49 @@ def test_failed_data_sync_fails_the_flush_and_commits_nothing(tmp_path: Path) ->
     pool.close()
     with Pool.open(str(path)) as again:
         assert again.volume("v").read(0, BS) == b"x" * BS
+
+
+@pytest.mark.parametrize("failing", ["write_births", "write_header"])
+def test_the_owner_tail_failing_changes_nothing(tmp_path: Path, failing: str) -> None:
+    """The birth table (written before the data sync) and the generation (after the
+    metadata commit) failing below: a births failure fails the commit and changes
+    nothing, retried whole; a header failure is logged and the next commit records
+    it. Every flushed byte is there afterwards, and the metadata checks clean."""
+    path = str(tmp_path / "pool")
+    pool = Pool.create(path, 16 << 20)
+    try:
+        assert pool.owned is not None
+        vol = pool.create_volume("v", 4 << 20)
+        real = getattr(pool.owned, failing)
+        calls: list[int] = []
+
+        def eio(*args: object) -> None:
+            calls.append(1)
+            raise OSError(errno.EIO, "injected")
+
+        setattr(pool.owned, failing, eio)
+        vol.write(0, b"x" * (128 << 10))
+        if failing == "write_births":
+            with pytest.raises(CommitError):
+                pool.commit()
+            before = locate(path).open_meta(readonly=True)
+            try:  # nothing of the failed commit is in the metadata
+                assert [r.data_blocks for r in before.volumes()] == [0]
+            finally:
+                before.close()
+        else:
+            pool.commit()  # the generation lags one commit: never refused, recorded later
+        assert calls
+        setattr(pool.owned, failing, real)
+        pool.commit()
+        assert vol.read(0, 128 << 10) == b"x" * (128 << 10)
+    finally:
+        pool.close()
+    meta = locate(path).open_meta(readonly=True)
+    try:
+        assert check_metadata(meta) == []
+        assert [r.data_blocks for r in meta.volumes()] == [2]
+    finally:
+        meta.close()
+    with Pool.open(path) as again:  # opens (no false rollback refusal) and reads back
+        assert again.volume("v").read(0, 128 << 10) == b"x" * (128 << 10)
