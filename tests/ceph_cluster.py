@@ -7,7 +7,7 @@ is there because pool quotas and `ceph df` need its statistics.
 
 scripts/test starts one for the whole suite and exports CEPH_CONF and
 THINBLOCK_TEST_CEPH_POOL; tests/conftest.py starts its own when they are unset.
-The pitfalls it avoids are in ../shared/CEPH.md (slow paxos, health warning on a
+The pitfalls it avoids are in docs/ceph.md (slow paxos, health warning on a
 full disk, OSD key setup, wildcard listening, pid files that vanish early).
 """
 

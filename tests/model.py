@@ -1,6 +1,6 @@
 """A plain in-memory model of volumes: their bytes and the expected block states.
 
-It is written from DESIGN.md's block contract directly, block by block, with
+It is written from docs/architecture.md's block contract directly, block by block, with
 no knowledge of pages, dblocks or the implementation's planning code.
 
 Snapshots are byte copies. Sharing is modelled by a token per mapped block:

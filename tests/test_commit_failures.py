@@ -1,5 +1,5 @@
 """A commit that fails changes nothing in memory, the committer never dies, and
-everything resumes on its own when the layer below recovers (DESIGN.md rule 2)."""
+everything resumes on its own when the layer below recovers (docs/architecture.md rule 2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bounded memory against real hostile clients (DESIGN.md: bytes in flight have a
+"""Bounded memory against real hostile clients (docs/architecture.md: bytes in flight have a
 budget; a client that does not read its replies is not read from)."""
 
 from __future__ import annotations

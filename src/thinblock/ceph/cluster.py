@@ -7,7 +7,7 @@ search path, /etc/ceph/ceph.conf), CEPH_ARGS, and the client id in CEPH_ID
 bounded in time (rados_osd_op_timeout, rados_mon_op_timeout): an unreachable
 cluster or a stuck OSD gives one sentence, never a hang.
 
-Quirks handled here (../shared/CEPH.md): the Python binding's WriteOp.zero passes
+Quirks handled here (docs/ceph.md): the Python binding's WriteOp.zero passes
 its two arguments to librados in the wrong order in Pacific, and a zero of length
 0 crashes the OSD, so the order is probed once per connection, on first use; writes carry
 FULL_TRY, so a full pool or quota answers EDQUOT at once instead of pausing the

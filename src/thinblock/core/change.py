@@ -4,7 +4,7 @@ A request is planned under the pool lock into a `Change`: the fresh dblocks it
 took, the data-store I/O it needs (`IoPlan`), and the mapping entries it will
 publish. The I/O then runs with no pool lock held (the request's blocks are
 range-locked, see rangelock), and the entries are published only once all of it
-succeeded: rule 1 of DESIGN.md, "an operation that fails changes nothing".
+succeeded: rule 1 of docs/architecture.md, "an operation that fails changes nothing".
 """
 
 from __future__ import annotations

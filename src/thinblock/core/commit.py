@@ -163,7 +163,7 @@ class CommitPipeline:
 
     def commit(self) -> None:
         """Make everything completed so far durable: data first, then the metadata
-        that points at it, atomically (DESIGN.md's flush). Raises CommitError (ENOSPC
+        that points at it, atomically (docs/architecture.md's flush). Raises CommitError (ENOSPC
         when the layer below is full, else EIO) and changes nothing in memory if it
         fails; what it would have written stays pending."""
         with self.lock:

@@ -22,7 +22,7 @@ DBLOCK_SHIFT = 3
 
 
 class BlockState(enum.IntEnum):
-    """The three states of the block contract (DESIGN.md)."""
+    """The three states of the block contract (docs/architecture.md)."""
 
     UNMAPPED = 0
     ZEROED = 1

@@ -1,4 +1,4 @@
-"""A thin volume: the block contract of DESIGN.md, in one place.
+"""A thin volume: the block contract of docs/architecture.md, in one place.
 
 Every frontend (NBD, FUSE, CLI) calls these verbs and nothing else:
 read, write, trim, write_zeroes, provision, block_status, flush.
