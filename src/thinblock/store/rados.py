@@ -10,7 +10,7 @@ like rbd's `rbd_data.<id>.<objno>` (store/base.py's contract).
   reads zero, which is all a ZEROED block needs), and preallocate does nothing.
   Writing zeros instead would store them in the cluster, with no promise that a
   later write finds room there either. The pool's own accounting is what sets
-  provisioned space aside (README, "Space and PROVISION on RADOS").
+  provisioned space aside (docs/ceph.md, "Space and PROVISION on RADOS").
 - A request of several pieces keeps them all in flight (librados aio, at most
   IN_FLIGHT operations); a request of one piece is one synchronous call, on one
   of the NBD server's `queue_depth` worker threads. Either way one connection's

@@ -79,7 +79,7 @@ LARGE_REQUEST_BYTES = 1 << 20
 CHANGED_PREFIX = "thinblock:changed:"
 STATE_CHANGED = 1
 # thinblock:guaranteed - bit 0 set: a write to the range never fails with ENOSPC
-# (the "other context" base:allocation's HOLE rule defers to; see the README).
+# (the "other context" base:allocation's HOLE rule defers to; see docs/allocation.md).
 GUARANTEED = "thinblock:guaranteed"
 STATE_GUARANTEED = 1
 
