@@ -694,9 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tls-authz",
         metavar="FILE",
-        help="client certificates allowed in: lines NAME rw|ro EXPORTS|* (see README); re-read on SIGHUP",
+        help="client certificates allowed in: lines NAME rw|ro EXPORTS|* (see docs/security.md); re-read on SIGHUP",
     )
-    p.add_argument("--tls-psk", metavar="FILE", help="not available: Python 3.11's ssl has no TLS-PSK (see README)")
+    p.add_argument("--tls-psk", metavar="FILE", help="unavailable: Python 3.11's ssl has no TLS-PSK (docs/security.md)")
     p.add_argument(
         "--insecure", action="store_true", help="allow TCP without TLS (anyone reaching it has every volume)"
     )
@@ -731,7 +731,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout", type=float, default=10.0, metavar="S", help="silence allowed while negotiating (default 10)"
     )
     p.add_argument(
-        "--takeover", action="store_true", help="rados: pools: fence off the live holder and serve (see README)"
+        "--takeover", action="store_true", help="rados: pools: fence off the live holder and serve (see docs/ceph.md)"
     )
 
     p = add(sub, "attach", cmd_attach, "attach a volume as a kernel block device (FUSE file + loop)", pool=False)
