@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import struct
 import subprocess
 import sys
 import uuid
@@ -183,6 +184,16 @@ def test_snapshots_of_snapshots_are_left_out_and_clashing_names_refused(tmp_path
     proc = thinblock("export", pool, "v", str(out), "--format", "rbd", "--json")
     assert json.loads(proc.stdout)["snapshots"] == ["s1"]
     assert "left out of the rbd stream: v@s1@copy (a snapshot of snapshot v@s1; rbd has none)" in proc.stderr
+    # A diff that does not start where the one before it ended is refused, and leaves nothing.
+    stream = out.read_bytes()
+    from_s1 = b"f" + struct.pack("<QI", 6, 2) + b"s1"
+    assert stream.count(from_s1) == 1
+    bad = tmp_path / "bad.rbd"
+    bad.write_bytes(stream.replace(from_s1, from_s1[:-1] + b"9"))
+    proc = thinblock("import", str(bad), pool, "w", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "a diff starts from snapshot 's9', not at 's1', where the diff before it ended" in proc.stderr
+    assert not [n for n in _names(pool) if n.startswith("w")]
     # A clone's own snapshots go with it; it is exported whole, not its origin's snapshot.
     thinblock("volume", "clone", pool, "v@s1", "c")
     thinblock("snapshot", "create", pool, "c@t1")
