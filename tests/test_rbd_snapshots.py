@@ -172,6 +172,35 @@ def test_export_format_rbd_carries_the_snapshots_into_thinblock_import(tmp_path:
     thinblock("pool", "check", other)
 
 
+def test_snapshots_removed_while_the_export_runs_are_still_in_the_stream(tmp_path: Path) -> None:
+    """The export reads hidden copies taken at its start: snapshots removed while it waits
+    on a full pipe (its stdout, which this test stops reading) are written whole."""
+    other = str(tmp_path / "other")
+    thinblock("pool", "create", other, "--size", "256M")
+    with served_pool(tmp_path / "a", "256M", {}) as server:
+        states = _history(server, tmp_path)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "thinblock", "export", server.pool, "v", "-", "--format", "rbd", "--no-progress"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=ENV,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        got = proc.stdout.read(len(rbd.IMAGE_V2))  # written after the copies were taken
+        assert got == rbd.IMAGE_V2
+        # The stream is far larger than a pipe holds: the export now waits for this reader.
+        for snap in ("v@s1", "v@s2", "v@s3"):
+            thinblock("snapshot", "remove", server.pool, snap)
+        assert _names(server.pool) == ["v"]
+        got += proc.stdout.read()
+        assert proc.wait(120) == 0, proc.stderr.read()
+        proc.stderr.close()
+        assert _names(server.pool) == ["v"]  # and no hidden copy is left behind (pool check, at the end)
+    stream = tmp_path / "v.rbd"
+    stream.write_bytes(got)
+    _import_and_compare(other, stream, "c", states)
+
+
 def test_snapshots_of_snapshots_are_left_out_and_clashing_names_refused(tmp_path: Path) -> None:
     pool = str(tmp_path / "pool")
     thinblock("pool", "create", pool, "--size", "64M")
