@@ -82,7 +82,7 @@ def _plan(pool: Pool, named: Volume, snapshots: bool) -> _Plan:
             return plan  # a snapshot of a snapshot, or one whose volume is gone: an image of its own
         image = origin
         chain = lineage(pool, origin)
-        chain = chain[: chain.index(named) + 1] if named in chain else [named]
+        chain = chain[: chain.index(named) + 1]  # named is one of them: a visible snapshot of origin
     plan.image = image
     if not snapshots:
         before = chain[:-1] if named.row.kind == "snapshot" else chain
