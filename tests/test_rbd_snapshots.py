@@ -186,15 +186,21 @@ def test_snapshots_removed_while_the_export_runs_are_still_in_the_stream(tmp_pat
             env=ENV,
         )
         assert proc.stdout is not None and proc.stderr is not None
-        got = proc.stdout.read(len(rbd.IMAGE_V2))  # written after the copies were taken
-        assert got == rbd.IMAGE_V2
-        # The stream is far larger than a pipe holds: the export now waits for this reader.
-        for snap in ("v@s1", "v@s2", "v@s3"):
-            thinblock("snapshot", "remove", server.pool, snap)
-        assert _names(server.pool) == ["v"]
-        got += proc.stdout.read()
-        assert proc.wait(120) == 0, proc.stderr.read()
-        proc.stderr.close()
+        try:
+            got = proc.stdout.read(len(rbd.IMAGE_V2))  # written after the copies were taken
+            assert got == rbd.IMAGE_V2
+            # The stream is far larger than a pipe holds: the export now waits for this reader.
+            for snap in ("v@s1", "v@s2", "v@s3"):
+                thinblock("snapshot", "remove", server.pool, snap)
+            assert _names(server.pool) == ["v"]
+            got += proc.stdout.read()
+            assert proc.wait(120) == 0, proc.stderr.read()
+        finally:
+            if proc.poll() is None:  # a failure above: the export waits on its pipe
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
         assert _names(server.pool) == ["v"]  # and no hidden copy is left behind (pool check, at the end)
     stream = tmp_path / "v.rbd"
     stream.write_bytes(got)
