@@ -98,6 +98,7 @@ def _export(
     dest: str,
     format: str = "raw",
     fresh: bool = True,
+    snapshots: bool = True,
 ) -> dict[str, Any]:
     _fds("export", fds, FDS_NEEDED[dest_kind])
     vol = visible(pool, name)
@@ -111,7 +112,7 @@ def _export(
     else:
         raise ThinblockError(f"cannot export to a {dest_kind}")
     with contextlib.closing(sink):
-        return imaging.export_image(pool, name, sink, progress, fmt=format)
+        return imaging.export_image(pool, name, sink, progress, fmt=format, snapshots=snapshots)
 
 
 def _export_diff(

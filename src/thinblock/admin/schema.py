@@ -208,6 +208,7 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
         "dest": (text, True),
         "format": (one_of("raw", "rbd"), False),
         "fresh": (flag, False),
+        "snapshots": (flag, False),
     },
     "export_diff": {
         "name": (name_text, True),

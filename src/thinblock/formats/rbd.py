@@ -130,10 +130,13 @@ class DiffEncoder:
         return b"e"
 
 
-def image_header(order: int = 22) -> bytes:
-    """The start of an "rbd image v2" stream for one diff (the image, no snapshots):
-    its object order, the end of the metadata, and the count of diffs that follow."""
-    return IMAGE_V2 + b"O" + _U64.pack(8) + _U64.pack(order) + b"E" + IMAGE_DIFFS_V2 + _U64.pack(1)
+def image_header(order: int = 22, diffs: int = 1) -> bytes:
+    """The start of an "rbd image v2" stream: its object order, the end of the
+    metadata, and the count of diffs that follow (one per snapshot, oldest first,
+    then one for the image's head, as `rbd export --export-format 2` writes)."""
+    if diffs < 1:
+        raise ValueError("an rbd image stream holds at least one diff")
+    return IMAGE_V2 + b"O" + _U64.pack(8) + _U64.pack(order) + b"E" + IMAGE_DIFFS_V2 + _U64.pack(diffs)
 
 
 # ----- decoding ---------------------------------------------------------------------

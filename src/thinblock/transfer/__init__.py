@@ -1,7 +1,8 @@
 """Moving volumes in and out of a pool: images, exports, rbd diffs, sparsify.
 
 images.py reads and writes the outside world (raw files, streams, NBD);
-imaging.py, diffs.py and sparsify.py run the work on an open pool, in whichever
+imaging.py, rbdimage.py (rbd image streams out, with their snapshots), diffs.py
+and sparsify.py run the work on an open pool, in whichever
 process holds it: the command itself when no one else does, or the server,
 which gets the command's open files over the control socket (admin/jobs.py).
 They call the volume verbs of core/volume.py and nothing below them, so every

@@ -294,7 +294,8 @@ def import_rbd_image(
 ) -> dict[str, Any]:
     """Read an "rbd image v2" stream (`rbd export --export-format 2`, or ours) into a
     new volume, as `rbd import` does: its diffs in turn, each that ends at a snapshot
-    SNAP followed by taking VOLUME@SNAP, so the snapshots come along. The volume and
+    SNAP followed by taking VOLUME@SNAP, so the snapshots come along; a diff must
+    start from the snapshot the one before it ended at. The volume and
     its snapshots are built hidden (staging, as import_image does) and get their
     names together, in one commit, once the stream was read whole: a failure or a
     death leaves none of them. Every size record is bounded by max_size_bytes (and
@@ -312,6 +313,7 @@ def import_rbd_image(
     applier: _Applier | None = None
     made: list[tuple[Volume, str]] = []  # staged snapshots, with their real names
     snap: str | None = None
+    last_snap: str | None = None  # where the last diff ended: the next one starts there
     try:
         for event in _events(decoder, reader, tell):
             if isinstance(event, rbd.Size):
@@ -326,6 +328,15 @@ def import_rbd_image(
                     assert applier is not None
                     applier.drain()
                     vol.resize(size)
+            elif isinstance(event, rbd.FromSnap):
+                # Each diff starts where the one before it ended (rbd export writes them
+                # so); one that starts elsewhere would be applied to the wrong contents.
+                if event.name != last_snap:
+                    where = f"not at {last_snap!r}, where the diff before it ended" if last_snap else "which it lacks"
+                    raise rbd.StreamError(
+                        f"malformed rbd image stream at byte {decoder.offset}: a diff starts from snapshot"
+                        f" {event.name!r}, {where}"
+                    )
             elif isinstance(event, rbd.ToSnap):
                 snap = event.name
             elif isinstance(event, rbd.Data | rbd.Payload | rbd.Zero):
@@ -341,7 +352,7 @@ def import_rbd_image(
                     with pool.lock:
                         pool.check_new_name(f"{name}@{snap}", "snapshot")
                     made.append((stage(pool, vol, "import-snap", kind="snapshot"), f"{name}@{snap}"))
-                    snap = None
+                    last_snap, snap = snap, None
         if decoder.rest() or reader.read(1):
             raise rbd.StreamError(f"malformed rbd image stream at byte {decoder.offset}: bytes follow its last diff")
         if vol is None:

@@ -1,5 +1,5 @@
 """import and export of whole images: raw files, streams, NBD, qcow2 (through
-qemu-nbd) and rbd's "rbd image v2" stream on the way out."""
+qemu-nbd) and rbd's "rbd image v2" stream on the way out (transfer/rbdimage.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from thinblock.core.pool import SECTOR_BYTES, STAGING_PREFIX, Pool
 from thinblock.core.snapshot import adopt, publish_staged, stage_empty
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
-from thinblock.formats import rbd
 from thinblock.progress import ProgressFn
 from thinblock.sizes import format_size
 from thinblock.transfer.common import (
@@ -31,6 +30,7 @@ from thinblock.transfer.common import (
     stable,
 )
 from thinblock.transfer.images import RandomSink, RandomSource, StreamReader, StreamWriter
+from thinblock.transfer.rbdimage import export_rbd_image
 
 
 def import_image(
@@ -174,16 +174,26 @@ def _import_stream(vol: Volume, source: StreamReader, size: int, progress: Progr
 
 
 def export_image(
-    pool: Pool, name: str, sink: RandomSink | StreamWriter, progress: ProgressFn, *, fmt: str = "raw"
+    pool: Pool,
+    name: str,
+    sink: RandomSink | StreamWriter,
+    progress: ProgressFn,
+    *,
+    fmt: str = "raw",
+    snapshots: bool = True,
 ) -> dict[str, Any]:
     """Copy a volume or snapshot out: to a raw file or NBD export (holes stay holes, or
     are sent as zeroes), or as a stream: raw (every byte), or rbd's "rbd image v2"
-    export format, which `rbd import` reads. A live volume is copied as of one moment."""
+    export format, which `rbd import` reads, with the volume's snapshots unless
+    snapshots is False (transfer/rbdimage.py). A live volume is copied as of one moment."""
     start = time.monotonic()
     if fmt not in ("raw", "rbd"):
         raise ThinblockError(f"unknown export format {fmt!r}: raw or rbd")
     if fmt != "raw" and not isinstance(sink, StreamWriter):
         raise ThinblockError("--format rbd writes a stream: give a file name or -, not an NBD URI")
+    if fmt == "rbd":
+        assert isinstance(sink, StreamWriter)
+        return export_rbd_image(pool, name, sink, progress, snapshots=snapshots)
     with stable(pool, name) as vol:
         extents = data_extents(vol)
         data_total = sum(n for _, n, data in extents if data)
@@ -191,26 +201,12 @@ def export_image(
         size = vol.size_bytes
         written = 0
         if isinstance(sink, StreamWriter):
-            encoder = rbd.DiffEncoder(2)
-            if fmt == "rbd":
-                sink.write(rbd.image_header() + encoder.header() + encoder.size(size))
-            for offset, n, got in read_extents(vol, extents, tell):
-                if fmt == "raw":
-                    if got is None:
-                        sink.zeros(n)
-                    else:
-                        sink.write(got)
-                        written += n
-                    continue
+            for _offset, n, got in read_extents(vol, extents, tell):
                 if got is None:
-                    continue
-                for o, k, zero in block_runs(offset, got, vol.block_size):
-                    if not zero:
-                        sink.write(encoder.data(o, k))
-                        sink.write(memoryview(got)[o - offset : o - offset + k])
-                        written += k
-            if fmt == "rbd":
-                sink.write(encoder.end())
+                    sink.zeros(n)
+                else:
+                    sink.write(got)
+                    written += n
         else:
             # Reads IN_FLIGHT at once; the sink keeps its own requests in flight.
             for offset, n, got in read_extents(vol, extents, tell):

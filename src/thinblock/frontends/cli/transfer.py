@@ -196,6 +196,9 @@ def cmd_export(args: argparse.Namespace) -> None:
     to_stdout = dest == "-"
     if args.mode is not None and (to_stdout or is_nbd_uri(dest)):
         raise UsageError("--mode applies to a file DEST")
+    if args.no_snapshots and args.format != "rbd":
+        raise UsageError("--no-snapshots is for --format rbd: a raw image holds no snapshots")
+    fmt_args = {"snapshots": False} if args.no_snapshots else {}
     if to_stdout:
         kind, fds = "stream", _stdout(args, "export", "a disk image")
     elif is_nbd_uri(dest):
@@ -204,15 +207,28 @@ def cmd_export(args: argparse.Namespace) -> None:
         opened = open_destination(dest, force=args.force, mode=args.mode)
         kind, fds = "file", [opened.fd]
     with _into_place(opened):
-        result = _job(args, "export", "export", fds, name=args.name, dest_kind=kind, dest=dest, format=args.format)
+        result = _job(
+            args, "export", "export", fds, name=args.name, dest_kind=kind, dest=dest, format=args.format, **fmt_args
+        )
+    _left_out(result.get("left_out", []))
 
     def human(r: dict[str, Any]) -> str:
+        snaps = f", with snapshots {', '.join(r['snapshots'])}" if r.get("snapshots") else ""
         return (
-            f"exported {r['name']} to {dest} ({r['format']}): {format_size(r['written_bytes'])} of data"
+            f"exported {r['name']} to {dest} ({r['format']}{snaps}): {format_size(r['written_bytes'])} of data"
             f" in {format_size(r['size_bytes'])}, {_secs(r)}"
         )
 
     _summary(args, result, human, to_stderr=to_stdout)
+
+
+def _left_out(left_out: list[dict[str, str]]) -> None:
+    """Say on stderr which snapshots an rbd-format export did not carry, and why."""
+    by_why: dict[str, list[str]] = {}
+    for entry in left_out:
+        by_why.setdefault(entry["why"], []).append(entry["name"])
+    for why, names in by_why.items():
+        print(f"export: left out of the rbd stream: {', '.join(names)} ({why})", file=sys.stderr)
 
 
 # ----- rbd diffs --------------------------------------------------------------------
@@ -350,7 +366,15 @@ def register(sub: Any, vol_sub: Any, add: Add) -> None:
     p.add_argument("name", metavar="VOLUME|SNAPSHOT")
     p.add_argument("dest", metavar="DEST", help="a file (holes stay holes), an NBD URI, or - (stdout)")
     p.add_argument(
-        "--format", choices=("raw", "rbd"), default="raw", help="raw, or rbd's 'rbd image v2' stream (rbd import)"
+        "--format",
+        choices=("raw", "rbd"),
+        default="raw",
+        help="raw, or rbd's 'rbd image v2' stream (rbd import --export-format 2), which carries the volume's snapshots",
+    )
+    p.add_argument(
+        "--no-snapshots",
+        action="store_true",
+        help="with --format rbd: write the volume (or snapshot) alone, without its snapshots",
     )
     p.add_argument("-f", "--force", action="store_true", help="overwrite DEST if it exists")
     _mode_option(p)
