@@ -23,7 +23,6 @@ PAGES_ARRIVING = {
     "docs/maps.md",
     "docs/commands.md",
     "docs/install.md",
-    "docs/rbd-streams.md",
 }
 
 # Spelled in pieces so that this file does not match itself.
