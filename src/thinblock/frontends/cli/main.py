@@ -275,6 +275,19 @@ def cmd_volume_resize(args: argparse.Namespace) -> None:
     print(f"volume {args.name} is now {format_size(args.size)}")
 
 
+def _rename(args: argparse.Namespace, kind: str) -> None:
+    info = _admin(args.pool, "volume_rename", name=args.name, new_name=args.new_name, kind=kind)
+    _emit(args, info, lambda i: f"renamed {kind} {i['old_name']} to {i['name']}")
+
+
+def cmd_volume_rename(args: argparse.Namespace) -> None:
+    _rename(args, "volume")
+
+
+def cmd_snapshot_rename(args: argparse.Namespace) -> None:
+    _rename(args, "snapshot")
+
+
 def cmd_volume_set(args: argparse.Namespace) -> None:
     changes = _given(args, "detect_zeroes", "reserve", "low_water", "on_low_water")
     if not changes:
@@ -651,6 +664,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-shrink", action="store_true", help="allow a smaller size (refused while clients have it open)"
     )
+    p = add(vol_sub, "rename", cmd_volume_rename, "rename a volume (refused while clients have it open)")
+    p.add_argument("name", metavar="OLD")
+    p.add_argument("new_name", metavar="NEW")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(vol_sub, "set", cmd_volume_set, "change a volume's settings")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--detect-zeroes", choices=("off", "on", "unmap"), help="zero-write handling")
@@ -674,6 +691,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="SNAPSHOT", nargs="?", help="the snapshot's name (default with VOLUME@SNAP: that)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(snap_sub, "list", cmd_snapshot_list, "list snapshots")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(snap_sub, "rename", cmd_snapshot_rename, "rename a snapshot (refused while clients have it open)")
+    p.add_argument("name", metavar="OLD")
+    p.add_argument("new_name", metavar="NEW")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(snap_sub, "remove", cmd_snapshot_remove, "remove a snapshot; space returns when nothing shares it")
     p.add_argument("name", metavar="SNAPSHOT")
