@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,3 +155,137 @@ def test_rename_on_a_rados_pool(request: pytest.FixtureRequest) -> None:
     vols = listing(pool)
     assert sorted(vols) == ["web", "web@s1"] and vols["web@s1"]["origin"] == "web"
     tb("pool", "check", pool)
+
+
+# ----- pool remove -------------------------------------------------------------------
+
+
+def _tree(path: str) -> dict[str, bytes]:
+    """Every file under path with its bytes (the data file only as its size), but for
+    what merely opening a pool rewrites (its lock's holder, SQLite's WAL and index)."""
+    out = {}
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            if name.endswith((".sock", "-wal", "-shm")) or name == "lock":
+                continue
+            out[full] = str(os.path.getsize(full)).encode() if name == "data" else Path(full).read_bytes()
+    return out
+
+
+def _write(pool: str, name: str, data: bytes, offset: int = 0) -> None:
+    with Pool.open(pool) as p:
+        p.volume(name).write(offset, data)
+
+
+def test_an_empty_pool_goes_without_yes(pool_dir: str) -> None:
+    tb("volume", "create", pool_dir, "empty", "--size", "1G")  # a volume without data is no reason to ask
+    out = tb("pool", "remove", pool_dir)
+    assert out.stdout.startswith(f"removed pool {pool_dir} (64M) with 1 volume(s):\n  volume empty: 1G, 0B of data\n")
+    assert f"file {pool_dir}/metadata.sqlite" in out.stdout and f"directory {os.path.realpath(pool_dir)}" in out.stdout
+    assert not os.path.exists(pool_dir)
+    gone = tb("pool", "remove", pool_dir, ok=False)
+    assert gone.returncode == 1 and gone.stderr == f"thinblock: error: no pool at {pool_dir}: not a directory\n"
+
+
+def test_a_pool_with_data_needs_yes_and_says_what_goes(pool_dir: str) -> None:
+    tb("volume", "create", pool_dir, "vm", "--size", "1G")
+    tb("volume", "create", pool_dir, "spare", "--size", "1G")
+    _write(pool_dir, "vm", b"x" * (128 << 10))
+    tb("snapshot", "create", pool_dir, "vm", "vm@s1")
+    before = _tree(pool_dir)
+    refused = tb("pool", "remove", pool_dir, ok=False)
+    assert refused.returncode == 1
+    assert refused.stderr == (
+        f"thinblock: error: pool {pool_dir} holds 256K of data in 2 volume(s) (vm, vm@s1):"
+        " nothing was deleted; pass --yes to delete it\n"
+    )
+    assert refused.stdout.startswith(f"would remove pool {pool_dir} (64M) with 3 volume(s):\n")
+    assert (
+        "  volume vm: 1G, 128K of data\n" in refused.stdout and "  snapshot vm@s1: 1G, 128K of data\n" in refused.stdout
+    )
+    assert f"  file {pool_dir}/data (" in refused.stdout
+    assert _tree(pool_dir) == before  # nothing deleted, nothing changed
+    tb("pool", "check", pool_dir)
+    # --json says the same, as data, and still deletes nothing
+    plan = json.loads(tb("pool", "remove", pool_dir, "--json", ok=False).stdout)
+    assert plan["removed"] is False and plan["data_bytes"] == 256 << 10
+    assert {v["name"]: v["data_bytes"] for v in plan["volumes"]} == {"spare": 0, "vm": 128 << 10, "vm@s1": 128 << 10}
+    assert _tree(pool_dir) == before
+    # Someone's own file in the directory stays, and so does the directory then.
+    Path(pool_dir, "notes.txt").write_text("mine")
+    done = json.loads(tb("pool", "remove", pool_dir, "--yes", "--json").stdout)
+    assert done["removed"] is True
+    assert {os.path.basename(i["name"]) for i in done["deletes"]} >= {"data", "metadata.sqlite", "lock"}
+    assert done["kept"] == [f"the directory {pool_dir} stays: it holds other files (notes.txt)"]
+    assert os.listdir(pool_dir) == ["notes.txt"]
+
+
+def test_a_served_pool_is_not_removed(pool_dir: str, tmp_path: Path) -> None:
+    tb("volume", "create", pool_dir, "vm", "--size", "1M")
+    server = Server(pool_dir, workdir=tmp_path)
+    try:
+        before = _tree(pool_dir)
+        refused = tb("pool", "remove", pool_dir, "--yes", ok=False)
+        assert refused.returncode == 1 and refused.stdout == ""
+        assert refused.stderr == (
+            f"thinblock: error: cannot remove pool {pool_dir}: it is already held by another thinblock process"
+            f" (pid {server.proc.pid}, thinblock serve); stop that server (or detach the pool's devices) first."
+            " Nothing was deleted\n"
+        )
+        assert _tree(pool_dir) == before
+        assert _exports(server) == ["vm"]
+    finally:
+        server.stop()
+    tb("pool", "remove", pool_dir)
+    assert not os.path.exists(pool_dir)
+
+
+def test_a_device_pool_leaves_the_device_alone(tmp_path: Path, loop_file: tuple[str, Path]) -> None:
+    dev, _backing = loop_file
+    pool = str(tmp_path / "devpool")
+    tb("pool", "create", pool, "--data", dev, "--size", "32M")
+    tb("volume", "create", pool, "vm", "--size", "1M")
+    _write(pool, "vm", b"keepme" * 100)
+    with open(dev, "rb") as f:
+        device_before = f.read()
+    done = tb("pool", "remove", pool, "--yes")
+    assert f"kept: the data device {dev} is left as it is" in done.stdout
+    assert not os.path.exists(pool)
+    with open(dev, "rb") as f:
+        assert f.read() == device_before
+
+
+def test_a_rados_pool_goes_with_every_object_it_has_and_no_other(request: pytest.FixtureRequest) -> None:
+    from tests.conftest import new_rados_locator, rados_objects
+    from thinblock.backends import locate
+    from thinblock.backends.rados import RadosLocation
+
+    pool = new_rados_locator(request, "remove")
+    # A neighbour whose name starts like the pool's kept copies: it must survive.
+    neighbour = pool + ".bad.1"
+    request.addfinalizer(lambda: __import__("tests.conftest").conftest.remove_rados_pool(neighbour))
+    tb("pool", "create", pool, "--size", "16M", "--object-size", "64K")
+    tb("pool", "create", neighbour, "--size", "16M")
+    tb("volume", "create", pool, "vm", "--size", "1M")
+    _write(pool, "vm", b"r" * (192 << 10))
+    tb("pool", "repair", pool)  # keeps a copy of the metadata: one of the pool's objects too
+    location = locate(pool)
+    assert isinstance(location, RadosLocation)
+    meta = location.open_meta(readonly=True)
+    prefix = location.data_prefix(meta.superblock())
+    meta.close()
+    ours = rados_objects(location.meta_object) + rados_objects(prefix + ".")
+    neighbour_object = f"thinblock.{neighbour.rpartition('/')[2]}"
+    assert len(rados_objects(prefix + ".")) >= 3 and len(ours) > len(rados_objects(prefix + ".")) + 1
+    refused = tb("pool", "remove", pool, ok=False)
+    assert refused.returncode == 1 and "pass --yes" in refused.stderr
+    assert rados_objects(location.meta_object) + rados_objects(prefix + ".") == ours
+    done = json.loads(tb("pool", "remove", pool, "--yes", "--json").stdout)
+    assert done["removed"] is True and done["volumes"][0]["data_bytes"] == 192 << 10
+    assert rados_objects(prefix + ".") == []
+    # Of the objects named like the pool's, only the neighbour's own stays (repair's
+    # copy, thinblock.NAME.bad.TIME, has a name the neighbour's starts the same as).
+    assert rados_objects(location.meta_object) == [neighbour_object]
+    tb("pool", "check", neighbour)
+    assert "no pool at" in tb("pool", "status", pool, ok=False).stderr
