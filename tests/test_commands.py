@@ -4,8 +4,10 @@ and shell completion."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
 import subprocess
 import time
 from collections.abc import Callable
@@ -13,11 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import thinblock
+from tests import test_attach
+from tests.cli import _running, fuse_daemon_pids, thinblock
 from tests.nbd_server import Server, connect
 from thinblock import Pool
+from thinblock.core.pool import read_status
+from thinblock.frontends.cli.examples import EXAMPLES
+from thinblock.frontends.cli.main import build_parser
 
 DEADLINE_S = 30
+env = test_attach.env  # a private runtime dir; every mount, loop device and daemon cleaned up after
 
 
 def tb(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
@@ -129,6 +136,8 @@ def test_rename_through_a_server_moves_the_export_and_waits_for_clients(pool_dir
         tb("volume", "rename", pool_dir, "vm", "web")
         tb("snapshot", "rename", pool_dir, "s1", "web@s1")
         assert _exports(server) == ["web", "web@s1"]  # at once, no restart
+        # Committed before the command returned: the metadata on disk says so already.
+        assert sorted(v["name"] for v in read_status(pool_dir)["volumes"]) == ["web", "web@s1"]
         h = connect(server, "web")
         assert h.pread(4, 0) == b"kept"
         h.shutdown()
@@ -289,3 +298,162 @@ def test_a_rados_pool_goes_with_every_object_it_has_and_no_other(request: pytest
     assert rados_objects(location.meta_object) == [neighbour_object]
     tb("pool", "check", neighbour)
     assert "no pool at" in tb("pool", "status", pool, ok=False).stderr
+
+
+# ----- detach POOL VOLUME ------------------------------------------------------------
+
+
+def _loops_of(root: Path) -> dict[str, str]:
+    """loop device -> volume name, for loop devices over FUSE files below root."""
+    out = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True).stdout
+    devices = json.loads(out)["loopdevices"] if out.strip() else []
+    return {d["name"]: os.path.basename(d["back-file"]) for d in devices if str(root) in (d.get("back-file") or "")}
+
+
+def test_detach_pool_volume_then_the_daemon_and_its_folder_go(env: Path) -> None:
+    pool = test_attach.make_pool(env, ("a", "1G"), ("b", "1G"))
+    run = env / "run"
+    not_yet = tb("detach", pool, "a", ok=False)
+    assert not_yet.returncode == 1
+    assert not_yet.stderr == (
+        f"thinblock: error: volume a of pool {pool} is not attached ('thinblock attach --list' shows what is)\n"
+    )
+    da = tb("attach", pool, "a").stdout.strip()
+    db = tb("attach", pool, "b").stdout.strip()
+    (pdir,) = [p for p in run.iterdir() if p.is_dir()]
+    (pid,) = fuse_daemon_pids(run)
+    # The FUSE daemon holds the pool: pool remove names it and deletes nothing.
+    refused = tb("pool", "remove", pool, "--yes", ok=False)
+    assert refused.returncode == 1
+    assert (
+        f"it is already held by another thinblock process (pid {pid}, thinblock fuse-daemon (attach))" in refused.stderr
+    )
+    assert os.path.exists(os.path.join(pool, "metadata.sqlite"))
+    assert tb("detach", pool, "a").stdout == f"detached {da} ({pool} a)\n"
+    assert _loops_of(env) == {db: "b"}
+    assert pdir.is_dir() and fuse_daemon_pids(run) == [pid]  # b still uses them
+    assert "is not attached" in tb("detach", pool, "a", ok=False).stderr
+    assert "is not attached" in tb("detach", pool, "missing", ok=False).stderr
+    tb("detach", pool, "b")
+    assert _loops_of(env) == {}
+    until(lambda: not _running(pid), "the FUSE daemon to exit")
+    assert not pdir.exists()  # the last user gone, its runtime folder goes
+    tb("pool", "check", pool)
+    tb("pool", "remove", pool)
+
+
+def test_detach_of_a_served_pools_volume_leaves_the_server(env: Path) -> None:
+    pool = test_attach.make_pool(env, ("a", "1G"))
+    server = Server(pool, workdir=env)
+    try:
+        dev = tb("attach", pool, "a").stdout.strip()
+        (pdir,) = [p for p in (env / "run").iterdir() if p.is_dir()]
+        tb("detach", pool, "a")
+        assert dev not in _loops_of(env) and not pdir.exists()
+        assert _exports(server) == ["a"]  # the server goes on
+    finally:
+        server.stop()
+
+
+# ----- --help examples, the man page, shell completion -------------------------------
+
+INTERNAL = {"fuse-daemon"}  # started by attach, not by people; it has examples all the same
+
+
+def _leaf_commands() -> dict[str, argparse.ArgumentParser]:
+    """Every command path that runs something ("pool create", "serve") -> its parser."""
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not groups:
+            found[" ".join(path)] = parser
+        for group in groups:
+            for name, child in group.choices.items():
+                walk(child, [*path, name])
+
+    walk(build_parser(), [])
+    return found
+
+
+def _words(example: str) -> list[str]:
+    """The thinblock command of an example line, as the shell would split it (a pipe
+    or a redirection ends it; what stands before `thinblock` feeds it)."""
+    lexer = shlex.shlex(example, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    words = list(lexer)
+    start = words.index("thinblock")
+    end = next((i for i, w in enumerate(words) if i > start and w in ("|", ">", "<", "&&", ";")), len(words))
+    return words[start + 1 : end]
+
+
+def test_every_command_has_two_or_three_examples_that_parse() -> None:
+    leaves = _leaf_commands()
+    assert set(EXAMPLES) == set(leaves), "commands without examples, or examples of no command"
+    parser = build_parser()
+    for command, lines in EXAMPLES.items():
+        assert 2 <= len(lines) <= 3, command
+        for line in lines:
+            words = _words(line)
+            assert " ".join(words).startswith(command + " ") or " ".join(words) == command, line
+            argv = words[: words.index("--")] if "--" in words else words  # the rest is mkfs's (main._run)
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit:
+                pytest.fail(f"example of {command!r} does not parse: {line}")
+            assert args.func is leaves[command].get_default("func"), line
+
+
+def test_help_ends_with_the_examples() -> None:
+    out = tb("volume", "rename", "--help").stdout
+    assert out.endswith(
+        "examples:\n  thinblock volume rename /srv/pool vm1 web1\n"
+        "  thinblock volume rename rados:rbd/vmpool old-db db --json\n"
+    )
+    assert "rename a volume (refused while clients have it open)\n" in out
+    for command in ("pool remove", "detach", "serve"):
+        out = tb(*command.split(), "--help").stdout
+        assert out.rstrip().endswith(EXAMPLES[command][-1]) and "examples:\n" in out
+
+
+def test_the_man_page_renders_and_names_every_command(tmp_path: Path) -> None:
+    page = tmp_path / "thinblock.1"
+    page.write_text(tb("manpage").stdout)
+    shown = subprocess.run(
+        ["man", "--warnings", "-l", "-P", "cat", str(page)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MANWIDTH": "100", "MAN_KEEP_FORMATTING": ""},
+        check=True,
+    )
+    assert shown.stderr == ""  # troff found nothing to warn about
+    text = shown.stdout
+    assert text.startswith("THINBLOCK(1)") and "thinblock - thin-provisioned block storage" in text
+    for command in _leaf_commands():
+        assert f"COMMAND 'thinblock {command}'" in text, command
+        assert f"thinblock {command} " in text.split("\nEXAMPLES\n", 1)[1], command
+    assert "thinblock pool remove /srv/pool --yes" in text
+
+
+def test_completion_scripts_complete_commands_and_options(tmp_path: Path) -> None:
+    script = tmp_path / "thinblock.bash"
+    script.write_text(tb("completion", "bash").stdout)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+    def complete(*words: str) -> list[str]:
+        cmd = (
+            f"source {shlex.quote(str(script))}; COMP_WORDS=(thinblock {' '.join(map(shlex.quote, words))});"
+            f" COMP_CWORD={len(words)}; _shtab_thinblock; printf '%s\\n' \"${{COMPREPLY[@]}}\""
+        )
+        out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=True).stdout
+        return sorted(out.split())
+
+    assert complete("vol") == ["volume"]
+    assert complete("volume", "ren") == ["rename"]
+    assert complete("snapshot", "re") == ["remove", "rename"]
+    assert complete("pool", "remove", "--y") == ["--yes"]
+    assert complete("completion", "") == ["bash", "zsh"]
+    zsh = tb("completion", "zsh").stdout
+    assert zsh.startswith("#compdef thinblock") and "rename" in zsh and "--yes" in zsh
+    bad = tb("completion", "fish", ok=False)
+    assert bad.returncode == 2 and "invalid choice: 'fish'" in bad.stderr

@@ -579,6 +579,18 @@ def cmd_detach(args: argparse.Namespace) -> None:
         print(f"detached {device} ({args.device} {args.volume})")
 
 
+def cmd_completion(args: argparse.Namespace) -> None:
+    from thinblock.frontends.cli.docgen import completion
+
+    sys.stdout.write(completion(build_parser(), args.shell))
+
+
+def cmd_manpage(args: argparse.Namespace) -> None:
+    from thinblock.frontends.cli.docgen import manpage
+
+    sys.stdout.write(manpage(build_parser()))
+
+
 def cmd_mkfs(args: argparse.Namespace) -> None:
     from thinblock.frontends.fuse.mkfs import format_volume
 
@@ -829,6 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--volume", default="disk0", help="volume name (default disk0)")
     p.add_argument("--volume-size", type=_size, default=parse_size("64G"), help="volume size if created (default 64G)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(sub, "completion", cmd_completion, "print the shell completion script for bash or zsh", pool=False)
+    p.add_argument("shell", choices=("bash", "zsh"), help="the shell the script is for")
+    add(sub, "manpage", cmd_manpage, "print the thinblock(1) man page (roff), built from this help", pool=False)
     return parser
 
 
