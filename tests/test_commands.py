@@ -202,6 +202,7 @@ def test_a_pool_with_data_needs_yes_and_says_what_goes(pool_dir: str) -> None:
     tb("volume", "create", pool_dir, "spare", "--size", "1G")
     _write(pool_dir, "vm", b"x" * (128 << 10))
     tb("snapshot", "create", pool_dir, "vm", "vm@s1")
+    tb("pool", "repair", pool_dir)  # keeps metadata.sqlite.bad: the pool's file too
     before = _tree(pool_dir)
     refused = tb("pool", "remove", pool_dir, ok=False)
     assert refused.returncode == 1
@@ -235,7 +236,8 @@ def test_a_served_pool_is_not_removed(pool_dir: str, tmp_path: Path) -> None:
     server = Server(pool_dir, workdir=tmp_path)
     try:
         before = _tree(pool_dir)
-        refused = tb("pool", "remove", pool_dir, "--yes", ok=False)
+        # Refused at once, however long --wait would let it wait for another command.
+        refused = tb("pool", "remove", pool_dir, "--yes", "--wait", "3600", ok=False)
         assert refused.returncode == 1 and refused.stdout == ""
         assert refused.stderr == (
             f"thinblock: error: cannot remove pool {pool_dir}: it is already held by another thinblock process"
@@ -322,6 +324,10 @@ def test_detach_pool_volume_then_the_daemon_and_its_folder_go(env: Path) -> None
     db = tb("attach", pool, "b").stdout.strip()
     (pdir,) = [p for p in run.iterdir() if p.is_dir()]
     (pid,) = fuse_daemon_pids(run)
+    busy = tb("volume", "rename", pool, "a", "z", ok=False)  # the loop device has it open
+    assert "cannot rename volume a: it is open by 1 client(s)" in busy.stderr
+    half = tb("detach", pool, ok=False)
+    assert half.returncode == 2 and f"detach {pool} needs the VOLUME too" in half.stderr
     # The FUSE daemon holds the pool: pool remove names it and deletes nothing.
     refused = tb("pool", "remove", pool, "--yes", ok=False)
     assert refused.returncode == 1
@@ -423,7 +429,7 @@ def test_the_man_page_renders_and_names_every_command(tmp_path: Path) -> None:
         ["man", "--warnings", "-l", "-P", "cat", str(page)],
         capture_output=True,
         text=True,
-        env={**os.environ, "MANWIDTH": "100", "MAN_KEEP_FORMATTING": ""},
+        env={**os.environ, "MANWIDTH": "100", "LC_ALL": "C.UTF-8"},  # UTF-8: a bare - would show as ‐
         check=True,
     )
     assert shown.stderr == ""  # troff found nothing to warn about
@@ -457,3 +463,15 @@ def test_completion_scripts_complete_commands_and_options(tmp_path: Path) -> Non
     assert zsh.startswith("#compdef thinblock") and "rename" in zsh and "--yes" in zsh
     bad = tb("completion", "fish", ok=False)
     assert bad.returncode == 2 and "invalid choice: 'fish'" in bad.stderr
+
+
+def test_example_text_reaches_the_page_literally(tmp_path: Path) -> None:
+    """An example line starting with a dot, or holding a backslash, shows as written."""
+    from thinblock.frontends.cli.docgen import _roff
+
+    page = tmp_path / "x.1"
+    page.write_text(".TH X 1\n.SH EXAMPLES\n.nf\n" + _roff(r".hidden --flag 'a\nb'") + "\n.fi\n")
+    shown = subprocess.run(
+        ["man", "-l", "-P", "cat", str(page)], capture_output=True, text=True, env={**os.environ, "MANWIDTH": "100"}
+    )
+    assert r".hidden --flag 'a\nb'" in shown.stdout

@@ -572,6 +572,8 @@ def cmd_detach(args: argparse.Namespace) -> None:
     from thinblock.frontends.fuse.attach import detach, detach_volume
 
     if args.volume is None:
+        if os.path.isdir(args.device) or ":" in args.device:  # a pool (a directory, rados:...)
+            raise UsageError(f"detach {args.device} needs the VOLUME too, or give a loop device such as /dev/loop3")
         detach(args.device)
         print(f"detached {args.device}")
         return
