@@ -429,7 +429,7 @@ def test_the_man_page_renders_and_names_every_command(tmp_path: Path) -> None:
         ["man", "--warnings", "-l", "-P", "cat", str(page)],
         capture_output=True,
         text=True,
-        env={**os.environ, "MANWIDTH": "100", "LC_ALL": "C.UTF-8"},  # UTF-8: a bare - would show as ‐
+        env={**os.environ, "MANWIDTH": "100", "LC_ALL": "C.UTF-8"},  # as most users read it
         check=True,
     )
     assert shown.stderr == ""  # troff found nothing to warn about
