@@ -102,6 +102,27 @@ def test_deletes_and_refcount_only_changes(meta: MetadataStore) -> None:
     assert meta.max_page_id() >= 21  # ids are never handed out twice
 
 
+def test_a_rename_is_a_row_update(location: Location, meta: MetadataStore) -> None:
+    """volume rename commits the same row (same id) with a new name: the old name is
+    free afterwards, roots and pages stay, and it lasts past reopening; renaming
+    onto a name another row holds fails the whole commit."""
+    meta.commit(_txn())
+    meta.commit(_txn(2, "b"))
+    meta.commit(Transaction(volumes=[_row(1, "renamed")]))
+    assert [(v.id, v.name) for v in meta.volumes()] == [(2, "b"), (1, "renamed")]
+    assert meta.roots(1) == {0: 10, 5: 11} and meta.page(10) == (1, PAGE)
+    meta.commit(Transaction(volumes=[_row(2, "a")]))  # the old name is free for another
+    before = _snapshot(meta)
+    with pytest.raises(OSError):
+        meta.commit(Transaction(volumes=[_row(1, "a")]))
+    assert _snapshot(meta) == before
+    again = location.open_meta(readonly=True)
+    try:
+        assert [(v.id, v.name) for v in again.volumes()] == [(2, "a"), (1, "renamed")]
+    finally:
+        again.close()
+
+
 def test_a_failed_commit_changes_nothing(meta: MetadataStore) -> None:
     meta.commit(_txn())
     before = _snapshot(meta)

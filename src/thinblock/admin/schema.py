@@ -180,6 +180,11 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
     "volume_create": {"name": (name_text, True), "size_bytes": (byte_size, True), "detect_zeroes": (DETECT, False)},
     "volume_remove": {"name": (name_text, True), "kind": (KIND, False)},
     "volume_resize": {"name": (name_text, True), "size_bytes": (byte_size, True), "allow_shrink": (flag, False)},
+    "volume_rename": {
+        "name": (name_text, True),
+        "new_name": (name_text, True),
+        "kind": (one_of("volume", "snapshot"), True),
+    },
     "volume_set": {
         "name": (name_text, True),
         "detect_zeroes": (optional(DETECT), False),

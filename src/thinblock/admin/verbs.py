@@ -68,6 +68,7 @@ VERBS: dict[str, Callable[..., Any]] = {
     "volume_resize": lambda pool, name, size_bytes, allow_shrink=False: pool.resize_volume(
         name, size_bytes, allow_shrink=allow_shrink
     ),
+    "volume_rename": lambda pool, name, new_name, kind: pool.rename_volume(name, new_name, kind=kind),
     "volume_set": _volume_set,
     "volume_clone": lambda pool, snapshot, name: pool.volume_info(clone(pool, snapshot, name)),
     "volume_rollback": lambda pool, name, snapshot: rollback(pool, name, snapshot),

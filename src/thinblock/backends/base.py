@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from thinblock.errors import ThinblockError
 from thinblock.meta.base import MetadataStore, Transaction
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace
@@ -103,6 +104,16 @@ class Location(ABC):
     @abstractmethod
     def keep_copy(self) -> str:
         """Repair: keep a copy of the current metadata; returns where it went."""
+
+    def removal(self, superblock: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+        """What `pool remove` deletes: items {"kind": "file"|"object"|..., "name", "bytes"
+        (space it holds, or None when unknown)}, and sentences on what it leaves alone."""
+        raise ThinblockError(f"pool {self.name} cannot be removed with 'pool remove'")
+
+    def remove_pool(self, superblock: dict[str, Any], ownership: Ownership) -> None:
+        """Delete what removal() lists; the caller owns the pool and has released
+        nothing. The metadata goes last, so an interrupted removal can be run again."""
+        raise ThinblockError(f"pool {self.name} cannot be removed with 'pool remove'")
 
     def local_paths(self, superblock: dict[str, Any]) -> list[str]:
         """Local files and directories holding the pool's bytes, which only its owner

@@ -268,6 +268,50 @@ class DirLocation(Location):
         paths = [self.dir, self.data_name(superblock), *(os.path.join(self.dir, n) for n in names)]
         return [p for p in paths if os.path.lexists(p)]
 
+    def _own_files(self, superblock: dict[str, Any]) -> list[str]:
+        """The pool's files in its directory, in the order removal deletes them: the data
+        file, then what serves it, then the metadata (and its kept copies), then the lock."""
+        names = [] if superblock.get("data_path") else [DATA_FILE]
+        names += [SLACK_FILE, "nbd.sock", "control.sock"]
+        try:
+            entries = sorted(os.listdir(self.dir))
+        except OSError:
+            entries = []
+        names += [n for n in entries if n.startswith(DB_NAME + ".")]  # restore's and repair's copies
+        names += [DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LOCK_FILE]
+        return [os.path.join(self.dir, n) for n in names if os.path.lexists(os.path.join(self.dir, n))]
+
+    def removal(self, superblock: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+        items: list[dict[str, Any]] = []
+        for path in self._own_files(superblock):
+            st = os.lstat(path)
+            items.append({"kind": "file", "name": path, "bytes": st.st_blocks * 512})
+        others = sorted(set(os.listdir(self.dir)) - {os.path.basename(i["name"]) for i in items})
+        kept = []
+        device = superblock.get("data_path")
+        if device:
+            # The device is the user's: thinblock never took it over beyond the pool, so it
+            # leaves it as it is (a new `pool create --data` clears it; blkdiscard wipes it).
+            kept.append(
+                f"the data device {device} is left as it is: its blocks still hold the volumes' data"
+                " (wipe it with blkdiscard if that matters)"
+            )
+        if others:
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            kept.append(f"the directory {self.path} stays: it holds other files ({shown})")
+        else:
+            items.append({"kind": "directory", "name": self.dir, "bytes": None})
+        return items, kept
+
+    def remove_pool(self, superblock: dict[str, Any], ownership: Ownership) -> None:
+        for path in self._own_files(superblock):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        _fsync(self.dir, os.O_DIRECTORY)
+        ownership.release()
+        with contextlib.suppress(OSError):  # only if nothing else is in it
+            os.rmdir(self.dir)
+
     def keep_copy(self) -> str:
         backup = self.db + ".bad"
         if os.path.lexists(backup):

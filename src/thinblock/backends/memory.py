@@ -113,5 +113,12 @@ class MemoryLocation(Location):
         self._held().meta = meta.state
         return None
 
+    def removal(self, superblock: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+        return [{"kind": "memory pool", "name": self.name, "bytes": None}], []
+
+    def remove_pool(self, superblock: dict[str, Any], ownership: Ownership) -> None:
+        ownership.release()
+        self.remove_created()
+
     def keep_copy(self) -> str:
         return f"{self.name} (no copy kept in memory)"

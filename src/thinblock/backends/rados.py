@@ -18,6 +18,7 @@ Ownership follows RBD's exclusive-lock model:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -100,6 +101,13 @@ class _Lease(Ownership):
                 )
                 if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
                     return  # taken over, or fenced: nothing more to renew
+
+    def forget(self) -> None:
+        """The metadata object is about to go (pool remove): renew no more (a renewal
+        would make the object again), and release nothing later."""
+        self._stop.set()
+        self._thread.join()
+        self.location.held_epoch = None
 
     def release(self) -> None:
         if self._stop.is_set():
@@ -368,6 +376,75 @@ class RadosLocation(Location):
         kept = self._copy_meta(f"{self.meta_object}.{keep}", fresh=True) if keep else None
         self.open_meta(readonly=False).replace(superblock, txn)
         return kept
+
+    # ----- removal ------------------------------------------------------------------
+
+    def _pool_objects(self, superblock: dict[str, Any]) -> list[str]:
+        """The pool's objects besides its metadata object: its data objects (their prefix
+        holds the pool's random rados_id), a large commit's journal left behind, and the
+        metadata copies restore and repair kept. A `thinblock.NAME.*` object is one of
+        those only if it says so (a journal piece has no omap; a copy carries this
+        pool's rados_id), never merely by its name: another pool may be called NAME.x."""
+        io = self._io()
+        data = self.data_prefix(superblock) + "."
+        mine = f"{self.meta_object}."
+        found, maybe = [], []
+        for obj in io.list_objects():
+            if obj.key.startswith(data):
+                found.append(obj.key)
+            elif obj.key.startswith(mine):
+                maybe.append(obj.key)
+        want = json.dumps(superblock["rados_id"]).encode()
+        for name in maybe:
+            with rados.ReadOpCtx() as op:
+                it, _ = io.get_omap_vals_by_keys(op, ("s.rados_id", "s.format_version"))
+                try:
+                    io.operate_read_op(op, name)
+                except rados.ObjectNotFound:
+                    continue
+                got = dict(it)
+            journal = re.fullmatch(re.escape(mine) + r"journal\.\d+\.\d+", name) is not None and not got
+            if journal or got.get("s.rados_id") == want:
+                found.append(name)
+        return sorted(found)
+
+    def removal(self, superblock: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+        objects = self._pool_objects(superblock)
+        data = [o for o in objects if o.startswith(self.data_prefix(superblock) + ".")]
+        items: list[dict[str, Any]] = []
+        if data:
+            items.append({"kind": "objects", "name": f"{self.data_prefix(superblock)}.* ({len(data)})", "bytes": None})
+        items += [{"kind": "object", "name": o, "bytes": None} for o in objects if o not in data]
+        items.append({"kind": "object", "name": self.meta_object, "bytes": None})
+        return [{**i, "name": f"Ceph pool {self.ceph_pool}: {i['name']}"} for i in items], []
+
+    def remove_pool(self, superblock: dict[str, Any], ownership: Ownership) -> None:
+        io = self._io()
+        objects = self._pool_objects(superblock)
+        for start in range(0, len(objects), 256):
+            pending = [io.aio_remove(name) for name in objects[start : start + 256]]
+            for completion in pending:
+                completion.wait_for_complete()
+                code = completion.get_return_value()
+                if code < 0 and -code != errno.ENOENT:
+                    raise ThinblockError(
+                        f"cannot remove pool {self.name}: removing its objects failed ({os.strerror(-code)});"
+                        " run 'pool remove' again to finish"
+                    )
+        assert isinstance(ownership, _Lease)
+        ownership.forget()
+        try:
+            # Last, and only while the epoch is still ours: a process that took the pool
+            # over meanwhile keeps it (and is told by its next commit that data is gone).
+            with rados.WriteOpCtx() as op:
+                op.omap_cmp(EPOCH_KEY, epoch_value(ownership.epoch), rados.LIBRADOS_CMPXATTR_OP_EQ)
+                op.remove()
+                io.operate_write_op(op, self.meta_object)
+        except rados.Error as exc:
+            raise ThinblockError(
+                f"cannot remove pool {self.name}'s metadata object {self.meta_object}:"
+                f" {as_oserror(exc, 'RADOS').strerror}"
+            ) from None
 
     def keep_copy(self) -> str:
         """Copy the metadata object's omap to thinblock.NAME.bad.TIME."""

@@ -504,6 +504,24 @@ class Pool(CommitPipeline, SpaceAccounts):
         self.commit()
         return {"name": name, "kind": vol.row.kind, "freed_bytes": freed * self.block_size, "dependents": dependents}
 
+    def rename_volume(self, name: str, new_name: str, *, kind: str) -> dict[str, Any]:
+        """Rename a volume or snapshot (lvrename, rbd rename), refused while a client
+        has it open: an NBD client or an attached device knows it by its old name.
+        Everything else stays: origins and dependents link by id, so lineage holds."""
+        if name.startswith(STAGING_PREFIX):  # the pool's own, never the user's
+            raise ThinblockError(f"no {kind} {name!r} in pool {self.path}")
+        with self.quiesced(name, kind=kind) as vol, self.lock:
+            if new_name == name:
+                raise ThinblockError(f"{kind} {name} is already called {new_name}")
+            self.check_new_name(new_name, kind)
+            self.refuse_if_busy(vol, "rename")
+            del self.volumes[name]
+            vol.row.name = new_name
+            self.volumes[new_name] = vol
+            self.mark_volume_dirty(vol)
+        self.commit()
+        return {"kind": kind, "old_name": name, "name": new_name}
+
     def drop_volume(self, vol: Volume) -> list[dict[str, Any]]:
         """Take vol out of the pool (call under the pool lock, with its range held): its
         pages lose a reference, and its dependents' origin becomes none (returned)."""

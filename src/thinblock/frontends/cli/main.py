@@ -22,6 +22,7 @@ from thinblock.frontends.cli import transfer
 from thinblock.frontends.cli.common import UsageError
 from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
+from thinblock.frontends.cli.examples import epilog
 from thinblock.frontends.cli.progress import progress_bar, wanted
 from thinblock.sizes import format_size, parse_size
 from thinblock.tools.check import check_data_store, check_generation, check_metadata, check_privacy
@@ -249,6 +250,40 @@ def cmd_pool_repair(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pool_remove(args: argparse.Namespace) -> int:
+    from thinblock.frontends.fuse.attach import forget_pool
+    from thinblock.tools.remove import remove_pool
+
+    result = remove_pool(args.pool, confirmed=args.yes)
+    if result["removed"]:
+        forget_pool(args.pool)  # a dead FUSE daemon's runtime folder, if one was left
+    _emit(args, result, _human_pool_removal)
+    if not result["removed"]:
+        holding = [v["name"] for v in result["volumes"] if v["data_bytes"]]
+        print(
+            f"thinblock: error: pool {args.pool} holds {format_size(result['data_bytes'])} of data in"
+            f" {len(holding)} volume(s) ({', '.join(holding[:5])}{', ...' if len(holding) > 5 else ''}):"
+            " nothing was deleted; pass --yes to delete it",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    return 0
+
+
+def _human_pool_removal(r: dict[str, Any]) -> str:
+    verb = "removed" if r["removed"] else "would remove"
+    lines = [f"{verb} pool {r['pool']} ({format_size(r['size_bytes'])}) with {len(r['volumes'])} volume(s):"]
+    for v in r["volumes"]:
+        lines.append(
+            f"  {v['kind']} {v['name']}: {format_size(v['size_bytes'])}, {format_size(v['data_bytes'])} of data"
+        )
+    for item in r["deletes"]:
+        held = "" if item["bytes"] is None else f" ({format_size(item['bytes'])} on disk)"
+        lines.append(f"  {item['kind']} {item['name']}{held}")
+    lines += [f"  kept: {sentence}" for sentence in r["kept"]]
+    return "\n".join(lines)
+
+
 def cmd_volume_create(args: argparse.Namespace) -> None:
     _admin(args.pool, "volume_create", name=args.name, size_bytes=args.size, detect_zeroes=args.detect_zeroes)
     print(f"created volume {args.name}: {format_size(args.size)}")
@@ -273,6 +308,19 @@ def cmd_volume_remove(args: argparse.Namespace) -> None:
 def cmd_volume_resize(args: argparse.Namespace) -> None:
     _admin(args.pool, "volume_resize", name=args.name, size_bytes=args.size, allow_shrink=args.allow_shrink)
     print(f"volume {args.name} is now {format_size(args.size)}")
+
+
+def _rename(args: argparse.Namespace, kind: str) -> None:
+    info = _admin(args.pool, "volume_rename", name=args.name, new_name=args.new_name, kind=kind)
+    _emit(args, info, lambda i: f"renamed {kind} {i['old_name']} to {i['name']}")
+
+
+def cmd_volume_rename(args: argparse.Namespace) -> None:
+    _rename(args, "volume")
+
+
+def cmd_snapshot_rename(args: argparse.Namespace) -> None:
+    _rename(args, "snapshot")
 
 
 def cmd_volume_set(args: argparse.Namespace) -> None:
@@ -521,10 +569,28 @@ def cmd_attach(args: argparse.Namespace) -> None:
 
 
 def cmd_detach(args: argparse.Namespace) -> None:
-    from thinblock.frontends.fuse.attach import detach
+    from thinblock.frontends.fuse.attach import detach, detach_volume
 
-    detach(args.device)
-    print(f"detached {args.device}")
+    if args.volume is None:
+        if os.path.isdir(args.device) or ":" in args.device:  # a pool (a directory, rados:...)
+            raise UsageError(f"detach {args.device} needs the VOLUME too, or give a loop device such as /dev/loop3")
+        detach(args.device)
+        print(f"detached {args.device}")
+        return
+    for device in detach_volume(args.device, args.volume):
+        print(f"detached {device} ({args.device} {args.volume})")
+
+
+def cmd_completion(args: argparse.Namespace) -> None:
+    from thinblock.frontends.cli.docgen import completion
+
+    sys.stdout.write(completion(build_parser(), args.shell))
+
+
+def cmd_manpage(args: argparse.Namespace) -> None:
+    from thinblock.frontends.cli.docgen import manpage
+
+    sys.stdout.write(manpage(build_parser()))
 
 
 def cmd_mkfs(args: argparse.Namespace) -> None:
@@ -589,6 +655,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(group: Any, name: str, func: Callable[..., Any], help_text: str, pool: bool = True) -> _Parser:
         p: _Parser = group.add_parser(name, help=help_text, description=help_text)
+        # Its examples (cli/examples.py) close its --help, kept as written.
+        p.epilog = epilog(p.prog.removeprefix(parser.prog + " "))
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
         p.set_defaults(func=func)
         if pool:
             p.add_argument("pool", metavar="POOL", help="pool directory, or rados:CEPHPOOL/NAME")
@@ -622,6 +691,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(pool_sub, "restore", cmd_pool_restore, "rebuild the metadata from a dump (pool must not be in use)")
     p.add_argument("file", metavar="FILE", help="a file written by 'pool dump' (text or --json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    p = add(pool_sub, "remove", cmd_pool_remove, "delete a pool and every volume in it (not while served or attached)")
+    p.add_argument("--yes", action="store_true", help="delete it even though volumes hold data (say what goes first)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(pool_sub, "repair", cmd_pool_repair, "rebuild refcounts and free space from the readable mappings")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
@@ -651,6 +723,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-shrink", action="store_true", help="allow a smaller size (refused while clients have it open)"
     )
+    p = add(vol_sub, "rename", cmd_volume_rename, "rename a volume (refused while clients have it open)")
+    p.add_argument("name", metavar="OLD", help="its name now")
+    p.add_argument("new_name", metavar="NEW", help="the name it takes")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(vol_sub, "set", cmd_volume_set, "change a volume's settings")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--detect-zeroes", choices=("off", "on", "unmap"), help="zero-write handling")
@@ -674,6 +750,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="SNAPSHOT", nargs="?", help="the snapshot's name (default with VOLUME@SNAP: that)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(snap_sub, "list", cmd_snapshot_list, "list snapshots")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(snap_sub, "rename", cmd_snapshot_rename, "rename a snapshot (refused while clients have it open)")
+    p.add_argument("name", metavar="OLD", help="its name now")
+    p.add_argument("new_name", metavar="NEW", help="the name it takes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(snap_sub, "remove", cmd_snapshot_remove, "remove a snapshot; space returns when nothing shares it")
     p.add_argument("name", metavar="SNAPSHOT")
@@ -740,7 +820,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="show what is attached")
     p.add_argument("--json", action="store_true", help="machine-readable output (with --list)")
     p = add(sub, "detach", cmd_detach, "detach a loop device (then the FUSE daemon when unused)", pool=False)
-    p.add_argument("device", metavar="DEVICE", help="/dev/loopN printed by attach")
+    p.add_argument("device", metavar="DEVICE|POOL", help="/dev/loopN printed by attach, or the pool of VOLUME")
+    p.add_argument("volume", metavar="VOLUME", nargs="?", help="with POOL: detach the device attach made for it")
     p = add(
         sub,
         "mkfs",
@@ -762,6 +843,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--volume", default="disk0", help="volume name (default disk0)")
     p.add_argument("--volume-size", type=_size, default=parse_size("64G"), help="volume size if created (default 64G)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add(sub, "completion", cmd_completion, "print the shell completion script for bash or zsh", pool=False)
+    p.add_argument("shell", choices=("bash", "zsh"), help="the shell the script is for")
+    add(sub, "manpage", cmd_manpage, "print the thinblock(1) man page (roff), built from this help", pool=False)
     return parser
 
 

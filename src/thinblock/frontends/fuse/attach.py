@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -269,9 +270,27 @@ def _mounted_at(device: str) -> str | None:
     return next((where for source, where in _mounts() if os.path.realpath(source) == real), None)
 
 
+def detach_volume(pool: str, volume: str) -> list[str]:
+    """detach() of the loop device(s) attach bound to pool's volume (rbd unmap pool/img);
+    returns them, or one sentence if the volume is not attached."""
+    meta = locate(pool).open_meta(readonly=True)  # clear errors for a missing pool
+    meta.close()
+    pdir = _pool_dir(pool)
+    devices = [a.device for a, where in _attachments() if where == pdir and a.volume == volume]
+    if not devices:
+        raise ThinblockError(
+            f"volume {volume} of pool {pool} is not attached ('thinblock attach --list' shows what is)"
+        )
+    for device in devices:
+        detach(device)
+    return devices
+
+
 def detach(device: str) -> None:
     """Remove the loop device, then the pool's FUSE mount when no loop device uses it
-    (a dead daemon's leftovers too)."""
+    (a dead daemon's leftovers too), and then its runtime folder."""
+    if not os.path.exists(device):
+        raise ThinblockError(f"{device} does not exist: give a loop device that attach printed, or POOL VOLUME")
     backing = _backing(device)
     real = os.path.realpath(device)
     found = [(a.device, pdir) for a, pdir in _attachments() if os.path.realpath(a.device) == real]
@@ -330,3 +349,14 @@ def _stop_daemon(pdir: Path) -> None:
     _cleanup_dead(pdir)
     with contextlib.suppress(OSError):
         mnt.rmdir()
+    if not is_mounted(mnt) and not (pid and not (info and info.get("hosted")) and _alive(pid)):
+        # Its last user is gone: so is its folder (the daemon's log, the device record).
+        shutil.rmtree(pdir, ignore_errors=True)
+
+
+def forget_pool(pool: str) -> None:
+    """A removed pool's runtime folder, if one was left (a FUSE daemon that died): gone,
+    unless something is still mounted there."""
+    pdir = _pool_dir(pool)
+    if pdir.is_dir() and not is_mounted(pdir / "mnt"):
+        shutil.rmtree(pdir, ignore_errors=True)
