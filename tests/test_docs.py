@@ -21,7 +21,6 @@ PAGES_ARRIVING = {
     "docs/monitoring.md",
     "docs/service.md",
     "docs/maps.md",
-    "docs/commands.md",
     "docs/install.md",
 }
 

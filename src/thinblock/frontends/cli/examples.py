@@ -93,7 +93,7 @@ EXAMPLES: dict[str, list[str]] = {
     ],
     "export": [
         "thinblock export /srv/pool vm1 vm1.raw",
-        "thinblock export /srv/pool vm1@s1 - --format rbd",
+        "thinblock export /srv/pool vm1 vm1.rbd --format rbd   # with vm1's snapshots, for rbd import --export-format 2",
         "thinblock export /srv/pool vm1 nbd+unix:///disk?socket=/run/other.sock",
     ],
     "export-diff": [
