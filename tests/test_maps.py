@@ -15,9 +15,10 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from tests.cli import ROOT, thinblock
 from tests.nbd_server import Server, connect
@@ -29,11 +30,11 @@ COLOURS = {rgb: code for code, (rgb, _, _) in PALETTE.items()}
 SVG_CODES = {cls: code for code, (_, _, cls) in PALETTE.items()}
 
 
-def info(pool: str, name: str) -> dict:
+def info(pool: str, name: str) -> dict[str, Any]:
     return json.loads(thinblock("volume", "info", pool, name, "--json").stdout)
 
 
-def vmap(pool: str, name: str, *extra: str) -> dict:
+def vmap(pool: str, name: str, *extra: str) -> dict[str, Any]:
     return json.loads(thinblock("volume", "map", pool, name, "--json", *extra).stdout)
 
 
@@ -47,10 +48,12 @@ def qemu_io(server: Server, name: str, *commands: str) -> None:
 
 def png_cells(path: Path) -> str:
     """The cell codes as the PNG shows them: each cell's centre pixel, row after row."""
-    image = Image.open(path).convert("RGB")
-    layout = json.loads(Image.open(path).text["thinblock-map"])
+    with Image.open(path) as png:
+        assert isinstance(png, PngImagePlugin.PngImageFile)
+        layout = json.loads(png.text["thinblock-map"])
+        image = png.convert("RGB")
     px, left, top = layout["cell_pixels"], layout["left"], layout["top"]
-    out = []
+    out: list[str] = []
     for r in range(layout["rows"]):
         for c in range(layout["columns"]):
             x, y = left + c * px + px // 2, top + r * px + px // 2
@@ -76,7 +79,7 @@ def svg_cells(path: Path) -> str:
     return out
 
 
-def counts(codes: str, info: dict) -> None:
+def counts(codes: str, info: dict[str, Any]) -> None:
     """At one block per cell, the cells add up to volume info's figures."""
     assert (codes.count("D") + codes.count("d")) * BS == info["data_bytes"]
     assert (codes.count("Z") + codes.count("z")) * BS == info["zeroed_bytes"]

@@ -21,9 +21,10 @@ beside the map are exact, counted from the runs, not from the cells.
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
-from thinblock.core.mapping import PAGE_ENTRIES, BlockState, entry_dblock, entry_state
+from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, STATE_MASK, BlockState
 from thinblock.core.runs import Runs
 from thinblock.errors import ThinblockError
 
@@ -49,9 +50,8 @@ def allocation_runs(vol: Volume) -> list[tuple[int, int, bool]]:
     merged; UNMAPPED runs are never shared. Consistent: taken under the pool lock."""
     pool = vol.pool
     n_blocks = -(-vol.size_bytes // pool.block_size)
-    runs: Runs[tuple[int, bool]] = Runs()
+    runs: Runs[int] = Runs()  # key: state * 2 + shared (0: UNMAPPED)
     add = runs.add
-    unmapped = (UNMAPPED, False)
     refcounts = pool.space.refcounts
     pos = 0
     with pool.lock:
@@ -59,19 +59,20 @@ def allocation_runs(vol: Volume) -> list[tuple[int, int, bool]]:
             first = page_index * PAGE_ENTRIES
             if first >= n_blocks:
                 break  # pages past the end cannot hold mappings; stay safe if one does
-            add(first - pos, unmapped)
+            add(first - pos, 0)
             page = pool.page(vol.root[page_index])
-            page_shared = page.refcount > 1
             entries = page.entries[: min(PAGE_ENTRIES, n_blocks - first)]
-            for entry in entries:
-                if not entry:
-                    add(1, unmapped)
-                else:
-                    shared = page_shared or refcounts[entry_dblock(entry)] > 1
-                    add(1, (entry_state(entry), shared))
+            # One key per entry in a comprehension, then groupby: this loop is the
+            # cost of mapping a volume full of data (about 0.6 s per million blocks).
+            if page.refcount > 1:
+                keys = [(e & STATE_MASK) * 2 + 1 if e else 0 for e in entries]
+            else:
+                keys = [(e & STATE_MASK) * 2 + (refcounts[e >> DBLOCK_SHIFT] > 1) if e else 0 for e in entries]
+            for key, group in groupby(keys):
+                add(sum(1 for _ in group), key)
             pos = first + len(entries)
-    add(n_blocks - pos, unmapped)
-    return [(n, state, shared) for n, (state, shared) in runs.pairs()]
+    add(n_blocks - pos, 0)
+    return [(n, key >> 1, bool(key & 1)) for n, key in runs.pairs()]
 
 
 def _code(counts: list[int]) -> str:
