@@ -94,6 +94,9 @@ def test_fold_cells_shows_the_most_allocated_state_and_a_shared_majority() -> No
     assert fold_cells(runs, 11, 4) == "dZz"
     assert fold_cells(runs, 11, 1) == "...dZZZZzzZ"
     assert fold_cells([(1 << 34, UNMAPPED, False)], 1 << 34, 1 << 18) == "." * (1 << 16)
+    # DATA over ZEROED; shared when at least half of that state's blocks are
+    mixed = [(1, ZEROED, True), (1, DATA, True), (2, DATA, False), (2, DATA, True), (2, DATA, False)]
+    assert fold_cells(mixed, 8, 4) == "Dd"
 
 
 def test_pictures_match_volume_info_after_writes_trim_and_a_snapshot(tmp_path: Path) -> None:
@@ -119,6 +122,11 @@ def test_pictures_match_volume_info_after_writes_trim_and_a_snapshot(tmp_path: P
         counts(before, info(pool, "v"))  # and no shared colour before a snapshot
 
         thinblock("snapshot", "create", pool, "v", "s1")
+        shared = "d.d.......d.........zzzz" + "." * 40  # every mapped block, through the shared page
+        assert vmap(pool, "v")["cells"] == vmap(pool, "s1")["cells"] == shared
+        thinblock("volume", "map", pool, "v", "-o", str(tmp_path / "shared.png"))
+        assert png_cells(tmp_path / "shared.png") == shared
+        counts(shared, info(pool, "v"))
         qemu_io(server, "v", "write -P 0x63 0 64k")  # block 0 is the volume's own again
         after = "D.d.......d.........zzzz" + "." * 40
         for width in ("16", "64"):  # the layout changes, the cells do not
