@@ -35,6 +35,7 @@ INK = (26, 32, 44)
 MARGIN = 12
 FONT_PX = 14
 LINE_PX = 20
+LABEL_PX = 56  # room for the rows' offsets left of the map
 
 
 def colour_wanted(stream: Any) -> bool:
@@ -55,10 +56,19 @@ def _rows(m: dict[str, Any]) -> list[str]:
 
 def headline(pool: str, m: dict[str, Any]) -> str:
     per_cell = "one block" if m["blocks_per_cell"] == 1 else format_size(m["cell_bytes"])
+    per_row = f", each row {format_size(m['cell_bytes'] * m['columns'])}" if m["rows"] > 1 else ""
     return (
         f"{pool} {m['kind']} {m['name']}: {format_size(m['size_bytes'])} in {format_size(m['block_size'])} blocks;"
-        f" each cell {per_cell}"
+        f" each cell {per_cell}{per_row}"
     )
+
+
+def row_labels(m: dict[str, Any]) -> list[tuple[int, str]]:
+    """(row, offset) labels down the left side: the first row and about every quarter."""
+    if m["rows"] < 2:
+        return []
+    step = max(1, m["rows"] // 4)
+    return [(r, format_size(r * m["columns"] * m["cell_bytes"]) if r else "0") for r in range(0, m["rows"], step)]
 
 
 def figures_line(m: dict[str, Any]) -> str:
@@ -103,7 +113,8 @@ def layout(m: dict[str, Any]) -> dict[str, int]:
     """Where the cells are in the picture: cell (c, r) is the square at
     left + c * cell_pixels, top + r * cell_pixels."""
     px = cell_pixels(m)
-    return {"left": MARGIN, "top": MARGIN + 2 * LINE_PX, "cell_pixels": px, "columns": m["columns"], "rows": m["rows"]}
+    left = MARGIN + (LABEL_PX if m["rows"] > 1 else 0)
+    return {"left": left, "top": MARGIN + 2 * LINE_PX, "cell_pixels": px, "columns": m["columns"], "rows": m["rows"]}
 
 
 def _legend(m: dict[str, Any]) -> list[tuple[str, str]]:
@@ -118,7 +129,7 @@ def write_svg(path: str, pool: str, m: dict[str, Any]) -> dict[str, int]:
     shown = min(m["columns"], len(m["cells"]))
     map_h = m["rows"] * px
     legend_y = top + map_h + LINE_PX
-    width = max(left * 2 + shown * px, 760)
+    width = max(left + shown * px + MARGIN, 760)
     height = legend_y + 2 * LINE_PX + MARGIN
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}"'
@@ -142,6 +153,11 @@ def write_svg(path: str, pool: str, m: dict[str, Any]) -> dict[str, int]:
             )
             c = end
     out.append("</g>")
+    for r, label in row_labels(m):
+        out.append(
+            f'<text class="offset" x="{left - 6}" y="{top + r * px + FONT_PX - 3}" text-anchor="end"'
+            f' fill="rgb{INK}">{label}</text>'
+        )
     out.append('<g id="legend">')
     x = left
     for code, name in _legend(m):
@@ -175,7 +191,7 @@ def write_png(path: str, pool: str, m: dict[str, Any]) -> dict[str, int]:
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     legend_w = sum(FONT_PX + 20 + probe.textlength(name, font=font) for _, name in _legend(m))
     text_w = max(probe.textlength(title, font=font), probe.textlength(figs, font=font), legend_w)
-    width = int(max(left * 2 + shown * px, left * 2 + text_w))
+    width = int(max(left + shown * px, left + text_w) + MARGIN)
     legend_y = top + m["rows"] * px + LINE_PX // 2
     height = legend_y + LINE_PX + MARGIN
     # The cells first, one pixel each, then scaled up by whole pixels: no blur, and fast.
@@ -190,6 +206,8 @@ def write_png(path: str, pool: str, m: dict[str, Any]) -> dict[str, int]:
             (left + end * px, top + r * px, left + shown * px - 1, top + (r + 1) * px - 1), fill=BACKGROUND
         )
     draw = ImageDraw.Draw(image)
+    for r, label in row_labels(m):
+        draw.text((left - 6, top + r * px), label, fill=INK, font=font, anchor="ra")
     draw.text((left, MARGIN), title, fill=INK, font=font)
     draw.text((left, MARGIN + LINE_PX), figs, fill=INK, font=font)
     x = float(left)
