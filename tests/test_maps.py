@@ -21,6 +21,7 @@ import pytest
 from PIL import Image, PngImagePlugin
 
 from tests.cli import ROOT, thinblock
+from tests.conftest import new_rados_locator
 from tests.nbd_server import Server, connect
 from thinblock.core.allocation_map import DATA, UNMAPPED, ZEROED, fold_cells
 from thinblock.frontends.cli.pictures import PALETTE
@@ -267,3 +268,17 @@ def test_terminal_gets_colours_and_a_pipe_gets_plain_text(tmp_path: Path) -> Non
     assert bar == ["[#++++++++++-----------------------------] used 128K (1%), reserved 4M, free 11.9M"]
     assert not any(line.startswith("[") for line in thinblock("pool", "status", pool).stdout.splitlines())
     assert "\x1b" not in _on_a_terminal("pool", "status", pool, "--json")
+
+
+def test_a_pool_in_ceph_maps_alike(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    pool = new_rados_locator(request, "maps")
+    thinblock("pool", "create", pool, "--size", "16M")
+    data = tmp_path / "data"
+    data.write_bytes(b"\0" * BS + b"x" * BS + b"\0" * (2 * BS))  # block 1 only
+    thinblock("import", str(data), pool, "v")
+    thinblock("snapshot", "create", pool, "v", "s")
+    assert vmap(pool, "v")["cells"] == ".d.."
+    thinblock("volume", "map", pool, "v", "-o", str(tmp_path / "v.svg"))
+    assert svg_cells(tmp_path / "v.svg") == ".d.."
+    counts(".d..", info(pool, "v"))
+    assert info(pool, "v")["snapshots"] == ["s"]

@@ -236,11 +236,12 @@ def space_bar(status: dict[str, Any], width: int, colour: bool) -> str:
     if used and not n_used:
         n_used = 1  # a little used space still shows
     n_free = max(0, width - n_used - n_reserved)
-    parts = [("#", 160, n_used), ("+", 214, n_reserved), ("-", 250, n_free)]
+    # (plain, on a terminal, its colour): the shapes differ too, for eyes that miss the colours
+    parts = [("#", "█", 160, n_used), ("+", "▒", 214, n_reserved), ("-", "░", 250, n_free)]
     if colour:
-        bar = "".join(f"\x1b[38;5;{ansi}m{('█' if ch != '-' else '░') * n}\x1b[0m" for ch, ansi, n in parts if n)
+        bar = "".join(f"\x1b[38;5;{ansi}m{shape * n}\x1b[0m" for _, shape, ansi, n in parts if n)
     else:
-        bar = "".join(ch * n for ch, _, n in parts)
+        bar = "".join(plain * n for plain, _, _, n in parts)
     return (
         f"[{bar}] used {format_size(used)} ({100 * used / size:.0f}%), reserved {format_size(reserved)},"
         f" free {format_size(free)}"
