@@ -186,6 +186,9 @@ def test_info_lists_origin_snapshots_and_clones(tmp_path: Path) -> None:
         (["volume", "map", "{pool}", "nope"], 1, "no volume or snapshot 'nope' in pool"),
         (["volume", "map", "{pool}", "v", "-o", "{tmp}/x.jpg"], 2, "name it FILE.png or FILE.svg"),
         (["volume", "map", "{pool}", "v", "--width", "0"], 2, "invalid number of cells '0'"),
+        (["volume", "map", "{pool}", "v", "-o", "{tmp}/no/x.png"], 1, "cannot write the map to {tmp}/no/x.png"),
+        (["volume", "map", "{pool}", "v", "-o", "{tmp}/no/x.svg"], 1, "cannot write the map to {tmp}/no/x.svg"),
+        (["volume", "map", "{pool}", "v", "-o", "{tmp}"], 2, "name it FILE.png or FILE.svg"),
         (["volume", "map", "{pool}", "v", "--width", "4096", "--height", "4096"], 2, "more than the 262144 cells"),
     ],
 )
@@ -196,8 +199,8 @@ def test_bad_input_is_one_sentence(tmp_path: Path, args: list[str], status: int,
     proc = thinblock(*[a.format(pool=pool, tmp=tmp_path) for a in args], check=False)
     assert proc.returncode == status, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("thinblock: error:")]
-    assert len(errors) == 1 and words in errors[0], proc.stderr
-    assert not (tmp_path / "x.jpg").exists()
+    assert len(errors) == 1 and words.format(tmp=tmp_path) in errors[0], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool"]  # nothing written, not even half
 
 
 def test_a_petabyte_volume_maps_fast(tmp_path: Path) -> None:

@@ -8,8 +8,10 @@ formats and draws (pictures.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -17,6 +19,7 @@ from typing import Any
 
 from thinblock.admin.access import open_admin
 from thinblock.core.allocation_map import MAX_CELLS, cell_runs
+from thinblock.errors import ThinblockError
 from thinblock.frontends.cli import pictures
 from thinblock.frontends.cli.common import UsageError, emit
 from thinblock.frontends.cli.progress import progress_bar
@@ -79,7 +82,7 @@ def cmd_volume_map(args: argparse.Namespace) -> None:
     out = args.output
     kind = None
     if out is not None:
-        kind = out.rsplit(".", 1)[-1].lower() if "." in out else ""
+        kind = os.path.splitext(out)[1].lower().lstrip(".")
         if kind not in ("png", "svg"):
             raise UsageError(f"cannot tell the picture's format from {out!r}: name it FILE.png or FILE.svg")
     colour = out is None and pictures.colour_wanted(sys.stdout)
@@ -95,8 +98,7 @@ def cmd_volume_map(args: argparse.Namespace) -> None:
     m = _call(args.pool, "volume_map", name=args.name, columns=columns, max_rows=rows)
     result: dict[str, Any] = {**{k: v for k, v in m.items() if k != "cells"}, "runs": cell_runs(m["cells"])}
     if kind is not None:
-        write = pictures.write_png if kind == "png" else pictures.write_svg
-        result["picture"] = {"file": out, **write(out, args.pool, m)}
+        result["picture"] = {"file": out, **_write_picture(out, kind, args.pool, m)}
     if args.json:
         print(json.dumps({**result, "cells": m["cells"]}, indent=1))
     elif kind is not None:
@@ -104,6 +106,21 @@ def cmd_volume_map(args: argparse.Namespace) -> None:
         print(pictures.figures_line(m))
     else:
         print(pictures.text_map(args.pool, m, colour))
+
+
+def _write_picture(path: str, kind: str, pool: str, m: dict[str, Any]) -> dict[str, int]:
+    """Write the picture beside path, then rename it there: a failure leaves no half picture."""
+    write = pictures.write_png if kind == "png" else pictures.write_svg
+    directory, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{base}.{os.getpid()}.tmp")
+    try:
+        layout = write(tmp, pool, m)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ThinblockError(f"cannot write the map to {path}: {exc.strerror or exc}") from None
+    return layout
 
 
 def _cells_arg(text: str) -> int:
