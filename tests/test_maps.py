@@ -285,3 +285,15 @@ def test_a_pool_in_ceph_maps_alike(tmp_path: Path, request: pytest.FixtureReques
     assert svg_cells(tmp_path / "v.svg") == ".d.."
     counts(".d..", info(pool, "v"))
     assert info(pool, "v")["snapshots"] == ["s"]
+
+
+def test_a_picture_that_cannot_be_put_in_place_leaves_nothing(tmp_path: Path) -> None:
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "16M")
+    thinblock("volume", "create", pool, "v", "--size", "1M")
+    (tmp_path / "x.png").mkdir()  # the picture is drawn, then cannot replace a directory
+    proc = thinblock("volume", "map", pool, "v", "-o", str(tmp_path / "x.png"), check=False)
+    assert proc.returncode == 1
+    assert proc.stderr == f"thinblock: error: cannot write the map to {tmp_path}/x.png: Is a directory\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool", "x.png"]
+    assert not any((tmp_path / "x.png").iterdir())
