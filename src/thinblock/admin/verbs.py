@@ -16,6 +16,7 @@ from thinblock.core.allocation_map import allocation_map
 from thinblock.core.delta import delta_dict
 from thinblock.core.pool import Pool
 from thinblock.core.snapshot import clone, create_snapshot, rollback
+from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.meta.base import RESERVE_FULL
 from thinblock.tools.dump import dump_metadata
@@ -51,7 +52,8 @@ def _listing(pool: Pool, kind: str | None) -> list[dict[str, Any]]:
     return [v for v in pool.status()["volumes"] if kind is None or v["kind"] == kind]
 
 
-def _visible(pool: Pool, name: str) -> Any:
+def _visible(pool: Pool, name: str) -> Volume:
+    """A volume or snapshot a user may name (staging volumes are the pool's own)."""
     vol = pool.visible_volume(name)
     if vol is None:
         raise ThinblockError(f"no volume or snapshot {name!r} in pool {pool.path}")
