@@ -20,7 +20,6 @@ README_MAX_LINES = 320
 PAGES_ARRIVING = {
     "docs/monitoring.md",
     "docs/service.md",
-    "docs/maps.md",
     "docs/install.md",
 }
 

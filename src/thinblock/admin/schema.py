@@ -177,6 +177,12 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
     },
     "pool_dump": {},
     "volume_list": {"kind": (KIND, False)},
+    "volume_info": {"name": (name_text, True)},
+    "volume_map": {
+        "name": (name_text, True),
+        "columns": (whole(1, 4096), True),
+        "max_rows": (whole(1, 4096), True),  # and columns * max_rows <= MAX_CELLS (allocation_map)
+    },
     "volume_create": {"name": (name_text, True), "size_bytes": (byte_size, True), "detect_zeroes": (DETECT, False)},
     "volume_remove": {"name": (name_text, True), "kind": (KIND, False)},
     "volume_resize": {"name": (name_text, True), "size_bytes": (byte_size, True), "allow_shrink": (flag, False)},

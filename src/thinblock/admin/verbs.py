@@ -12,9 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from thinblock.admin.schema import validate
+from thinblock.core.allocation_map import allocation_map
 from thinblock.core.delta import delta_dict
 from thinblock.core.pool import Pool
 from thinblock.core.snapshot import clone, create_snapshot, rollback
+from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.meta.base import RESERVE_FULL
 from thinblock.tools.dump import dump_metadata
@@ -50,6 +52,28 @@ def _listing(pool: Pool, kind: str | None) -> list[dict[str, Any]]:
     return [v for v in pool.status()["volumes"] if kind is None or v["kind"] == kind]
 
 
+def _visible(pool: Pool, name: str) -> Volume:
+    """A volume or snapshot a user may name (staging volumes are the pool's own)."""
+    vol = pool.visible_volume(name)
+    if vol is None:
+        raise ThinblockError(f"no volume or snapshot {name!r} in pool {pool.path}")
+    return vol
+
+
+def _volume_info(pool: Pool, name: str) -> dict[str, Any]:
+    """One volume or snapshot as volume list shows it, with its lineage: the
+    snapshots taken of it and the volumes cloned from it (those whose origin it is)."""
+    with pool.lock:  # one moment for the figures and the lineage
+        vol = _visible(pool, name)
+        children = sorted((v for v in pool.visible().values() if v.row.origin_id == vol.row.id), key=lambda v: v.name)
+        return {
+            **pool.volume_info(vol),
+            "block_size": pool.block_size,
+            "snapshots": [v.name for v in children if v.row.kind == "snapshot"],
+            "clones": [v.name for v in children if v.row.kind == "volume"],
+        }
+
+
 def _dump(pool: Pool) -> dict[str, Any]:
     pool.commit()  # everything completed so far, then a dump of that committed state
     return pool.between_commits(dump_metadata)
@@ -61,6 +85,8 @@ VERBS: dict[str, Callable[..., Any]] = {
     "pool_set": lambda pool, **changes: (pool.set_policy(changes), pool.policy.settings())[1],
     "pool_dump": _dump,
     "volume_list": lambda pool, kind=None: _listing(pool, kind),
+    "volume_info": _volume_info,
+    "volume_map": lambda pool, name, columns, max_rows: allocation_map(_visible(pool, name), columns, max_rows),
     "volume_create": lambda pool, name, size_bytes, detect_zeroes="on": pool.volume_info(
         pool.create_volume(name, size_bytes, detect_zeroes=detect_zeroes)
     ),

@@ -53,6 +53,15 @@ EXAMPLES: dict[str, list[str]] = {
         "thinblock volume create /srv/pool vm1 --size 100G",
         "thinblock volume create /srv/pool scratch --size 1T --detect-zeroes unmap",
     ],
+    "volume info": [
+        "thinblock volume info /srv/pool vm1",
+        "thinblock volume info /srv/pool vm1@nightly --json",
+    ],
+    "volume map": [
+        "thinblock volume map /srv/pool vm1",
+        "thinblock volume map /srv/pool vm1 -o vm1.png",
+        "thinblock volume map rados:thinblock-test/vmpool vm1 -o vm1.svg --width 128",
+    ],
     "volume list": [
         "thinblock volume list /srv/pool",
         "thinblock volume list rados:rbd/vmpool --json",

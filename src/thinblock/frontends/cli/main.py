@@ -18,7 +18,7 @@ from thinblock.admin.access import open_admin
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.errors import OpError, PoolBusyError, ThinblockError
-from thinblock.frontends.cli import transfer
+from thinblock.frontends.cli import maps, transfer
 from thinblock.frontends.cli.common import UsageError
 from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
@@ -148,7 +148,12 @@ def cmd_pool_create(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_status(args: argparse.Namespace) -> None:
-    _emit(args, _admin(args.pool, "status"), _human_status)
+    status = _admin(args.pool, "status")
+    _emit(args, status, _human_status)
+    if not args.json and sys.stdout.isatty():  # a picture for people, not for scripts
+        from thinblock.frontends.cli.pictures import colour_wanted, space_bar
+
+        print(space_bar(status, 40, colour_wanted(sys.stdout)))
 
 
 def cmd_pool_grow(args: argparse.Namespace) -> None:
@@ -741,6 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="VOLUME")
     p.add_argument("snapshot", metavar="SNAPSHOT")
 
+    maps.register(vol_sub, add)
     transfer.register(sub, vol_sub, add)
 
     snap_p = sub.add_parser("snapshot", help="create, list and remove snapshots", description="Snapshot commands.")
