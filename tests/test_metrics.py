@@ -126,8 +126,9 @@ def test_failures_are_counted_by_errno(tmp_path: Path) -> None:
 
 
 def test_refusals_are_counted_by_limit(tmp_path: Path) -> None:
-    """Past --max-connections the newcomer is refused, and counted under that limit."""
-    with served_pool(tmp_path, "64M", {"disk": "32M"}, "--metrics", "127.0.0.1:0", "--max-connections", "1") as server:
+    """Past --max-connections the newcomer is refused, and counted under that limit.
+    (A bare port: the endpoint is on 127.0.0.1, which scrape() checks.)"""
+    with served_pool(tmp_path, "64M", {"disk": "32M"}, "--metrics", "0", "--max-connections", "1") as server:
         first = connect(server)
         with pytest.raises(nbd.Error):
             connect(server)
