@@ -4,8 +4,10 @@ libnbd) doing the requests, and prometheus_client's own parser reading the text.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ import nbd
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import new_rados_locator
 from tests.nbd_server import Server, connect, served_pool, thinblock
 from thinblock.frontends.metrics import parse_address
 from thinblock.stats import LATENCY_BUCKETS_S
@@ -182,3 +185,35 @@ def test_parse_address() -> None:
     for bad in ("", "x", ":1", "[]:1", "::1:1", "1:65536"):
         with pytest.raises(ValueError):
             parse_address(bad)
+
+
+def test_rados_lease_events(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A takeover shows on both servers: the taker broke the lock, fenced the holder
+    and acquired the lease; the holder's next renewal finds the lease lost."""
+    locator = new_rados_locator(request, "metrics")
+    thinblock("pool", "create", locator, "--size", "256M")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    os.environ["THINBLOCK_RADOS_LEASE_S"] = "3"  # renewed every second
+    try:
+        first = Server(locator, "--socket", str(tmp_path / "a.sock"), "--metrics", "0", workdir=tmp_path / "a")
+        second = Server(
+            locator, "--socket", str(tmp_path / "b.sock"), "--metrics", "0", "--takeover", workdir=tmp_path / "b"
+        )
+    finally:
+        del os.environ["THINBLOCK_RADOS_LEASE_S"]
+    try:
+        taker, _ = scrape(second)
+        for event in ("acquired", "lock_broken", "fenced_holder"):
+            assert value(taker, "thinblock_lease_events_total", pool=locator, event=event) == 1, event
+        deadline = time.monotonic() + 60
+        while True:
+            held, _ = scrape(first)
+            if value(held, "thinblock_lease_events_total", pool=locator, event="lost"):
+                break
+            assert time.monotonic() < deadline, "the fenced holder never counted its lost lease"
+            time.sleep(0.2)
+        assert value(held, "thinblock_lease_events_total", pool=locator, event="acquired") == 1
+    finally:
+        second.stop()
+        first.stop()
