@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -217,3 +218,15 @@ def test_rados_lease_events(request: pytest.FixtureRequest, tmp_path: Path) -> N
     finally:
         second.stop()
         first.stop()
+
+
+def test_grafana_dashboard_uses_only_served_metrics(served: Server) -> None:
+    """Every series contrib/grafana/thinblock.json queries is one the server declares."""
+    dashboard = json.loads((Path(__file__).parent.parent / "contrib" / "grafana" / "thinblock.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert any("histogram_quantile" in e for e in exprs)
+    _, families = scrape(served)
+    named = {m for e in exprs for m in re.findall(r"thinblock_[a-z_]+", e)}
+    assert len(named) >= 15
+    for metric in sorted(named):
+        assert re.sub(r"_(total|bucket|count|sum)$", "", metric) in families, metric
