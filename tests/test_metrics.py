@@ -4,6 +4,7 @@ libnbd) doing the requests, and prometheus_client's own parser reading the text.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import socket
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import new_rados_locator
 from tests.nbd_server import Server, connect, served_pool, thinblock
+from tests.test_attach import env  # noqa: F401 (the fixture: a private runtime dir, cleaned up after)
 from thinblock.frontends.metrics import parse_address
 from thinblock.stats import LATENCY_BUCKETS_S
 
@@ -230,3 +232,25 @@ def test_grafana_dashboard_uses_only_served_metrics(served: Server) -> None:
     assert len(named) >= 15
     for metric in sorted(named):
         assert re.sub(r"_(total|bucket|count|sum)$", "", metric) in families, metric
+
+
+def test_writes_through_an_attached_device_are_counted(env: Path) -> None:  # noqa: F811 (the fixture)
+    """The served pool's FUSE mount (attach) counts in the same export handle as NBD:
+    1 MiB written to the loop device shows as write bytes of that export."""
+    with served_pool(env, "64M", {"disk": "32M"}, "--metrics", "0") as server:
+        dev = thinblock("attach", server.pool, "disk").stdout.strip()
+        try:
+            fd = os.open(dev, os.O_RDWR | os.O_DIRECT)
+            try:
+                buf = mmap.mmap(-1, MiB)  # page-aligned, as O_DIRECT wants
+                buf.write(b"\x5a" * MiB)
+                assert os.pwritev(fd, [buf], 0) == MiB
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        finally:
+            thinblock("detach", dev)
+        samples, _ = scrape(server)
+    key = {"pool": server.pool, "export": "disk"}
+    assert value(samples, "thinblock_export_bytes_total", **key, op="write") >= MiB
+    assert value(samples, "thinblock_export_ops_total", **key, op="flush") >= 1
