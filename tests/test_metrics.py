@@ -85,6 +85,10 @@ def test_writes_through_nbd_are_counted(served: Server) -> None:
     key = {"pool": pool, "export": "disk", "op": "write"}
     writes = [f"write -P 0x{i + 1:02x} {i * 64}k 64k" for i in range(16)]
     qemu_io(served.unix_uri("disk"), *writes, "read -P 0x01 0 64k", "flush")
+    mapped = subprocess.run(
+        ["nbdinfo", "--map", served.unix_uri("disk")], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "data" in mapped.stdout
     after, families = scrape(served)
 
     grown = value(after, "thinblock_export_bytes_total", **key) - value(before, "thinblock_export_bytes_total", **key)
@@ -93,6 +97,8 @@ def test_writes_through_nbd_are_counted(served: Server) -> None:
     read = {**key, "op": "read"}
     assert value(after, "thinblock_export_bytes_total", **read) >= 64 << 10
     assert value(after, "thinblock_export_ops_total", export="disk", pool=pool, op="flush") >= 1
+    assert value(after, "thinblock_export_ops_total", export="disk", pool=pool, op="block_status") >= 1
+    assert value(after, "thinblock_export_bytes_total", export="disk", pool=pool, op="block_status") >= 32 * MiB
     check_histogram(after, "thinblock_export_latency_seconds", **key)
     check_histogram(after, "thinblock_pool_commit_latency_seconds", pool=pool)
     assert value(after, "thinblock_pool_commits_total", pool=pool) > value(

@@ -13,8 +13,7 @@ frontend counts on its own. The frontends only translate protocols.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, TypeVar
 
@@ -77,8 +76,10 @@ class Export:
     # ----- counting -----------------------------------------------------------------
     # Request kinds: read, write, trim, zero, provision, flush, block_status, cache.
 
-    def _counted(self, kind: str, nbytes: int, run: Callable[[], _T]) -> _T:
-        """run() as one request of kind, counted (bytes only when it succeeds)."""
+    def counted(self, kind: str, nbytes: int, run: Callable[[], _T]) -> _T:
+        """run() as one request of kind, counted (bytes only when it succeeds). The
+        verbs below use it; a frontend only for work it does itself (an NBD block
+        status walks several metadata contexts through allocation() and guaranteed())."""
         stats = self.stats
         if stats is None:
             return run()
@@ -91,21 +92,6 @@ class Export:
         stats.done(kind, nbytes, started)
         return result
 
-    @contextmanager
-    def measured(self, kind: str, nbytes: int) -> Iterator[None]:
-        """Count a request whose work the frontend does itself (an NBD block status
-        walks several metadata contexts through allocation() and guaranteed())."""
-        stats = self.stats
-        started = perf_counter()
-        try:
-            yield
-        except BaseException as exc:
-            if stats is not None:
-                stats.failed(kind, errno_of(exc), started)
-            raise
-        if stats is not None:
-            stats.done(kind, nbytes, started)
-
     def refused(self, kind: str, code: int) -> None:
         """A request the frontend rejected before running it (a range past the end, a
         bad flag): counted as a failure with that errno."""
@@ -115,40 +101,40 @@ class Export:
     # ----- the verbs --------------------------------------------------------------
 
     def read(self, offset: int, length: int) -> bytes:
-        return self._counted("read", length, lambda: self.volume.read(offset, length))
+        return self.counted("read", length, lambda: self.volume.read(offset, length))
 
     def read_clipped(self, offset: int, length: int) -> bytes:
         """A file read: short at the end of the volume, empty beyond it."""
         length = max(0, min(length, self.volume.size_bytes - offset))
-        return self._counted("read", length, lambda: self.volume.read(offset, length) if length else b"")
+        return self.counted("read", length, lambda: self.volume.read(offset, length) if length else b"")
 
     def read_sparse(self, offset: int, length: int) -> list[tuple[int, int, bytes | None]]:
-        return self._counted("read", length, lambda: self.volume.read_sparse(offset, length))
+        return self.counted("read", length, lambda: self.volume.read_sparse(offset, length))
 
     def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
-        self._counted("write", len(data), lambda: self._writable().write(offset, data, fua=fua))
+        self.counted("write", len(data), lambda: self._writable().write(offset, data, fua=fua))
 
     def trim(self, offset: int, length: int, *, fua: bool = False) -> None:
-        self._counted("trim", length, lambda: self._writable().trim(offset, length, fua=fua))
+        self.counted("trim", length, lambda: self._writable().trim(offset, length, fua=fua))
 
     def write_zeroes(
         self, offset: int, length: int, *, no_hole: bool = False, fast: bool = False, fua: bool = False
     ) -> None:
-        self._counted(
+        self.counted(
             "zero",
             length,
             lambda: self._writable().write_zeroes(offset, length, no_hole=no_hole, fast=fast, fua=fua),
         )
 
     def provision(self, offset: int, length: int, *, fua: bool = False) -> None:
-        self._counted("provision", length, lambda: self._writable().provision(offset, length, fua=fua))
+        self.counted("provision", length, lambda: self._writable().provision(offset, length, fua=fua))
 
     def cache(self, offset: int, length: int) -> None:
         """A prefetch hint: the data store is a local file or RADOS, nothing to warm."""
-        self._counted("cache", length, lambda: None)
+        self.counted("cache", length, lambda: None)
 
     def flush(self) -> None:
-        self._counted("flush", 0, self.volume.flush)
+        self.counted("flush", 0, self.volume.flush)
 
     # ----- what clients are told about allocation -------------------------------------
 
@@ -173,7 +159,7 @@ class Export:
     def data_runs(self, offset: int, length: int) -> list[tuple[int, bool]]:
         """(length, is_data) runs for SEEK_DATA/SEEK_HOLE: only DATA may read non-zero
         (counted as a block status request)."""
-        return self._counted(
+        return self.counted(
             "block_status",
             length,
             lambda: Runs(
