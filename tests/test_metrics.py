@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import new_rados_locator
 from tests.nbd_server import Server, connect, served_pool, thinblock
+from tests.nbd_tls_client import PKI
 from tests.test_attach import env  # noqa: F401 (the fixture: a private runtime dir, cleaned up after)
 from thinblock.frontends.metrics import parse_address
 from thinblock.stats import LATENCY_BUCKETS_S
@@ -260,3 +261,29 @@ def test_writes_through_an_attached_device_are_counted(env: Path) -> None:  # no
     key = {"pool": server.pool, "export": "disk"}
     assert value(samples, "thinblock_export_bytes_total", **key, op="write") >= MiB
     assert value(samples, "thinblock_export_ops_total", **key, op="flush") >= 1
+
+
+def test_authz_refusals_are_counted(tmp_path: Path) -> None:
+    """Under --tls-authz, a client certificate asking for an export its grant does
+    not cover is refused, and counted as an authz refusal."""
+    pki = PKI(tmp_path / "pki")
+    backup = pki.client("backup", "/CN=backup")
+    rules = tmp_path / "authz"
+    rules.write_text("backup ro disk\n")
+    rules.chmod(0o600)
+    with served_pool(
+        tmp_path, "64M", {"disk": "16M", "other": "16M"}, *pki.serve_args(rules), "--metrics", "0"
+    ) as server:
+        port = server.tcp_uri("disk").rsplit(":", 1)[1].split("/")[0]
+        allowed = nbd.NBD()
+        allowed.set_tls(nbd.TLS_REQUIRE)
+        allowed.set_tls_certificates(str(backup))
+        allowed.connect_uri(f"nbds://localhost:{port}/disk")
+        allowed.shutdown()
+        refused = nbd.NBD()
+        refused.set_tls(nbd.TLS_REQUIRE)
+        refused.set_tls_certificates(str(backup))
+        with pytest.raises(nbd.Error):
+            refused.connect_uri(f"nbds://localhost:{port}/other")
+        samples, _ = scrape(server)
+    assert value(samples, "thinblock_nbd_refusals_total", pool=server.pool, reason="authz") == 1

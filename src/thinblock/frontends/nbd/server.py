@@ -218,15 +218,18 @@ def execute(conn: ServerConnection, vol: Export, req: Request) -> list[bytes]:
         vol.cache(req.offset, req.length)
     elif cmd == c.CMD_BLOCK_STATUS:
         # Bounded and paced (status.py): the reply may cover less than was asked.
-        with vol.measured("block_status", req.length):
-            replies = bounded_status(
+        replies = vol.counted(
+            "block_status",
+            req.length,
+            lambda: bounded_status(
                 lambda name, offset, length: context_extents(vol, name, offset, length),
                 conn.neg.contexts,
                 status_volumes(vol, conn.neg.contexts.values()),
                 req.offset,
                 req.length,
                 req_one=bool(req.flags & c.CMD_FLAG_REQ_ONE),
-            )
+            ),
+        )
         return [conn.block_status_reply(req.cookie, replies)]
     return [conn.simple_reply(req.cookie)]
 
