@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import nbd
@@ -24,7 +25,8 @@ from tests.nbd_server import Server, connect, served_pool, thinblock
 from tests.nbd_tls_client import PKI
 from tests.test_attach import env  # noqa: F401 (the fixture: a private runtime dir, cleaned up after)
 from thinblock.frontends.metrics import parse_address
-from thinblock.stats import LATENCY_BUCKETS_S
+from thinblock.frontends.nbd.limits import Admission, AdmissionLimits, Refusal, Slot
+from thinblock.stats import LATENCY_BUCKETS_S, ExportStats, Histogram
 
 MiB = 1 << 20
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -287,3 +289,35 @@ def test_authz_refusals_are_counted(tmp_path: Path) -> None:
             refused.connect_uri(f"nbds://localhost:{port}/other")
         samples, _ = scrape(server)
     assert value(samples, "thinblock_nbd_refusals_total", pool=server.pool, reason="authz") == 1
+
+
+def test_latency_buckets_count_a_bound_as_within_it() -> None:
+    """Prometheus's le is "less than or equal": a request of exactly 1 ms is in le=0.001."""
+    h = Histogram()
+    for seconds in (0.001, 10.0, 10.5):
+        h.observe(seconds)
+    assert h.buckets[LATENCY_BUCKETS_S.index(0.001)] == 1
+    assert h.buckets[LATENCY_BUCKETS_S.index(10.0)] == 1 and h.buckets[-1] == 1  # +Inf
+    stats = ExportStats()  # its request path bins the same way
+    stats.done("read", 1, perf_counter() - 20.0)  # started 20 s ago: beyond 10 s
+    stats.failed("read", 28)
+    counts = stats.snapshot()["read"]
+    assert counts.latency.buckets[-1] == 1 and counts.latency.count == 1
+    assert counts.errors == {"ENOSPC": 1} and counts.ops == 2 and counts.bytes == 1
+
+
+def test_refusals_name_the_limit() -> None:
+    class Occupant:
+        def readable(self) -> bool:
+            return True  # never silent: never displaced
+
+        def displace(self) -> None:
+            raise AssertionError("displaced")
+
+    rules = Admission(AdmissionLimits(2, 8, 1, 1))
+    assert isinstance(rules.admit("a", Occupant()), Slot)
+    per_address = rules.admit("a", Occupant())
+    assert isinstance(per_address, Refusal) and per_address.limit == "max-connections-per-address"
+    assert isinstance(rules.admit("b", Occupant()), Slot)
+    total = rules.admit("c", Occupant())
+    assert isinstance(total, Refusal) and total.limit == "max-connections"
