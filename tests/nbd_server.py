@@ -39,6 +39,7 @@ class Server:
             env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         )
         self.uris: list[str] = []
+        self.metrics_url: str | None = None  # with --metrics: where /metrics is served
         deadline = time.monotonic() + 30
         assert self.proc.stdout is not None
         while True:
@@ -47,6 +48,8 @@ class Server:
                 raise RuntimeError(f"server exited before it was ready: {self.log.read_text()}")
             if line.startswith("export "):
                 self.uris.append(line.split(" ", 1)[1].strip())
+            if line.startswith("metrics "):
+                self.metrics_url = line.split(" ", 1)[1].strip()
             if line.startswith("ready"):
                 break
             if time.monotonic() > deadline:

@@ -39,6 +39,7 @@ from thinblock.meta.base import Transaction
 from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
 from thinblock.runtime import private_runtime_dir
 from thinblock.sizes import env_seconds, format_size
+from thinblock.stats import LEASE_EVENTS
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
 from thinblock.store.owned import RADOS_TAIL_OFFSET, OwnedStore
@@ -94,12 +95,14 @@ class _Lease(Ownership):
             except rados.Error as exc:
                 if self._stop.is_set():
                     return
+                lost = isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED
+                LEASE_EVENTS.add(self.location.name, "lost" if lost else "renew_failed")
                 log.error(
                     "pool %s: renewing the lease failed: %s; commits will be refused if another host took over",
                     self.location.name,
                     as_oserror(exc, "lock").strerror,
                 )
-                if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
+                if lost:
                     return  # taken over, or fenced: nothing more to renew
 
     def forget(self) -> None:
@@ -114,6 +117,7 @@ class _Lease(Ownership):
             return
         self._stop.set()
         self._thread.join()
+        LEASE_EVENTS.add(self.location.name, "released")
         self.location.held_epoch = None
         with contextlib.suppress(rados.Error):
             with rados.WriteOpCtx() as op:
@@ -307,6 +311,7 @@ class RadosLocation(Location):
                 io.execute(
                     self.meta_object, "lock", "break_lock", _break_lock_args(holder["instance"], holder["cookie"])
                 )
+                LEASE_EVENTS.add(self.name, "lock_broken")
                 log.warning("pool %s: broke the lock of %s", self.name, self._who(holder))
                 io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=lease_s())
             try:
@@ -320,6 +325,7 @@ class RadosLocation(Location):
         except rados.Error as exc:
             raise ThinblockError(f"cannot take pool {self.name}: {as_oserror(exc, 'RADOS').strerror}") from None
         self.held_epoch = epoch
+        LEASE_EVENTS.add(self.name, "acquired")
         lease = _Lease(self, io, cookie, desc, epoch)
         try:
             RadosMetadata(cluster, self.ceph_pool, self.meta_object, epoch=lambda: epoch).finish_journal()
@@ -333,6 +339,7 @@ class RadosLocation(Location):
         the next epoch (one guarded op, so a racing taker cannot get the same one)."""
         previous, old = self._holder(io)
         if previous is not None and previous.get("addr") != me["addr"]:
+            LEASE_EVENTS.add(self.name, "fenced_holder")
             log.warning("pool %s: fencing its previous holder %s", self.name, self._who(previous))
             cluster.blocklist(str(previous["addr"]), BLOCKLIST_S)
         with rados.WriteOpCtx() as op:

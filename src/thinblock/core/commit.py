@@ -26,6 +26,7 @@ from thinblock.core.spacemap import SpaceMap, to_runs
 from thinblock.errors import CommitError, ThinblockError, is_no_space
 from thinblock.meta.base import MetadataStore, Transaction
 from thinblock.progress import ProgressFn, no_progress
+from thinblock.stats import PoolStats
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace
 from thinblock.store.owned import OwnedStore
@@ -69,6 +70,7 @@ class CommitPipeline:
     volumes: dict[str, Volume]
     policy: SpacePolicy
     host: HostSpace
+    stats: PoolStats
     dirty: bool
     last_commit: float
     commit_failure: str | None
@@ -172,8 +174,14 @@ class CommitPipeline:
             if self._closed.is_set():
                 return
             self._committing = True
+        started = time.perf_counter()
         try:
             self._commit_once()
+        except BaseException:
+            self.stats.commit_failed(time.perf_counter() - started)
+            raise
+        else:
+            self.stats.committed(time.perf_counter() - started)
         finally:
             with self.lock:
                 self._committing = False

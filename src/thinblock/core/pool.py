@@ -32,6 +32,7 @@ from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockE
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.progress import ProgressFn
 from thinblock.sizes import format_size
+from thinblock.stats import PoolStats
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
@@ -179,6 +180,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         # across data I/O or a sync (see volume.py and commit.py).
         self.lock = threading.RLock()
         self.meta_lock = threading.Lock()  # one metadata commit at a time
+        self.stats = PoolStats()  # commits, ENOSPC results, requests per export (metrics)
         sb = meta.superblock()
         self.block_size = int(sb["block_size"])
         self.size_bytes = int(sb["size_bytes"])

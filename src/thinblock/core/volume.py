@@ -648,6 +648,7 @@ class Volume:
                 if deadline is None:
                     deadline = self.pool.policy.full_deadline()
                 if deadline is None or not self.pool.wait_for_space(deadline):
+                    self.pool.stats.no_space()
                     raise
         if fua:
             self.pool.commit()

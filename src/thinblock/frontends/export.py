@@ -5,13 +5,17 @@ volume. Both open an `Export`, which counts the client (removal and rollback
 refuse while any is open), refuses writes to read-only exports, clips reads at
 the end of the volume, says what errno a failure is, and turns block states
 into the views clients ask for: allocation (NBD base:allocation's HOLE and ZERO),
-the space guarantee (thinblock:guaranteed) and data (SEEK_DATA/SEEK_HOLE). The frontends only translate protocols.
+the space guarantee (thinblock:guaranteed) and data (SEEK_DATA/SEEK_HOLE). It also
+counts every request by kind, bytes, latency and errno (thinblock.stats), so no
+frontend counts on its own. The frontends only translate protocols.
 """
 
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from time import perf_counter
+from typing import TYPE_CHECKING, TypeVar
 
 from thinblock.core.mapping import BlockState
 from thinblock.core.runs import Runs
@@ -20,6 +24,8 @@ from thinblock.errors import ReadOnlyError
 if TYPE_CHECKING:
     from thinblock.core.pool import Pool
     from thinblock.core.volume import Volume
+
+_T = TypeVar("_T")
 
 
 def errno_of(exc: BaseException) -> int:
@@ -38,6 +44,8 @@ class Export:
         self.volume = volume
         self.read_only = read_only or volume.readonly
         self._open = counted
+        # The counters of this export's requests; None unless metrics are served.
+        self.stats = pool.stats.export(volume.name)
         if counted:
             with pool.lock:
                 volume.users += 1
@@ -65,35 +73,68 @@ class Export:
             raise ReadOnlyError(f"export {self.volume.name} is read-only")
         return self.volume
 
+    # ----- counting -----------------------------------------------------------------
+    # Request kinds: read, write, trim, zero, provision, flush, block_status, cache.
+
+    def counted(self, kind: str, nbytes: int, run: Callable[[], _T]) -> _T:
+        """run() as one request of kind, counted (bytes only when it succeeds). The
+        verbs below use it; a frontend only for work it does itself (an NBD block
+        status walks several metadata contexts through allocation() and guaranteed())."""
+        stats = self.stats
+        if stats is None:
+            return run()
+        started = perf_counter()
+        try:
+            result = run()
+        except BaseException as exc:
+            stats.failed(kind, errno_of(exc), started)
+            raise
+        stats.done(kind, nbytes, started)
+        return result
+
+    def refused(self, kind: str, code: int) -> None:
+        """A request the frontend rejected before running it (a range past the end, a
+        bad flag): counted as a failure with that errno."""
+        if self.stats is not None:
+            self.stats.failed(kind, code)
+
     # ----- the verbs --------------------------------------------------------------
 
     def read(self, offset: int, length: int) -> bytes:
-        return self.volume.read(offset, length)
+        return self.counted("read", length, lambda: self.volume.read(offset, length))
 
     def read_clipped(self, offset: int, length: int) -> bytes:
         """A file read: short at the end of the volume, empty beyond it."""
         length = max(0, min(length, self.volume.size_bytes - offset))
-        return self.volume.read(offset, length) if length else b""
+        return self.counted("read", length, lambda: self.volume.read(offset, length) if length else b"")
 
     def read_sparse(self, offset: int, length: int) -> list[tuple[int, int, bytes | None]]:
-        return self.volume.read_sparse(offset, length)
+        return self.counted("read", length, lambda: self.volume.read_sparse(offset, length))
 
     def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
-        self._writable().write(offset, data, fua=fua)
+        self.counted("write", len(data), lambda: self._writable().write(offset, data, fua=fua))
 
     def trim(self, offset: int, length: int, *, fua: bool = False) -> None:
-        self._writable().trim(offset, length, fua=fua)
+        self.counted("trim", length, lambda: self._writable().trim(offset, length, fua=fua))
 
     def write_zeroes(
         self, offset: int, length: int, *, no_hole: bool = False, fast: bool = False, fua: bool = False
     ) -> None:
-        self._writable().write_zeroes(offset, length, no_hole=no_hole, fast=fast, fua=fua)
+        self.counted(
+            "zero",
+            length,
+            lambda: self._writable().write_zeroes(offset, length, no_hole=no_hole, fast=fast, fua=fua),
+        )
 
     def provision(self, offset: int, length: int, *, fua: bool = False) -> None:
-        self._writable().provision(offset, length, fua=fua)
+        self.counted("provision", length, lambda: self._writable().provision(offset, length, fua=fua))
+
+    def cache(self, offset: int, length: int) -> None:
+        """A prefetch hint: the data store is a local file or RADOS, nothing to warm."""
+        self.counted("cache", length, lambda: None)
 
     def flush(self) -> None:
-        self.volume.flush()
+        self.counted("flush", 0, self.volume.flush)
 
     # ----- what clients are told about allocation -------------------------------------
 
@@ -116,5 +157,12 @@ class Export:
         return self.volume.guaranteed_status(offset, length)
 
     def data_runs(self, offset: int, length: int) -> list[tuple[int, bool]]:
-        """(length, is_data) runs for SEEK_DATA/SEEK_HOLE: only DATA may read non-zero."""
-        return Runs((n, state is BlockState.DATA) for n, state in self.volume.block_status(offset, length)).pairs()
+        """(length, is_data) runs for SEEK_DATA/SEEK_HOLE: only DATA may read non-zero
+        (counted as a block status request)."""
+        return self.counted(
+            "block_status",
+            length,
+            lambda: Runs(
+                (n, state is BlockState.DATA) for n, state in self.volume.block_status(offset, length)
+            ).pairs(),
+        )

@@ -136,7 +136,7 @@ EXAMPLES: dict[str, list[str]] = {
     "serve": [
         "thinblock serve /srv/pool",
         "thinblock serve /srv/pool --listen 0.0.0.0:10809 --tls-cert server.pem --tls-key server.key",
-        "thinblock serve /srv/pool --socket /run/vm.sock --socket-group kvm --socket-mode 0660",
+        "thinblock serve /srv/pool --metrics 9750   # Prometheus text on http://127.0.0.1:9750/metrics",
     ],
     "attach": [
         "thinblock attach /srv/pool vm1",

@@ -481,6 +481,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
         except OSError as exc:
             server.close()
             raise ThinblockError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+        metrics = None
+        if args.metrics:
+            from thinblock.frontends.metrics import MetricsServer
+
+            try:
+                metrics = MetricsServer(pool, server, *args.metrics)
+            except OSError as exc:
+                control.close()
+                host.close()
+                server.close()
+                mhost, mport = args.metrics
+                shown_host = f"[{mhost}]" if ":" in mhost else mhost
+                raise ThinblockError(f"cannot serve metrics on {shown_host}:{mport}: {exc.strerror or exc}") from None
+            logging.getLogger("thinblock.metrics").info("metrics on %s", metrics.url)
+            print(f"metrics {metrics.url}", flush=True)
         for uri in export_uris(sorted(pool.volumes), socket_path=socket_path, tcp=bound, tls=tls is not None):
             print(f"export {uri}", flush=True)
         print(f"ready: serving {len(pool.volumes)} volume(s) of {args.pool}", flush=True)
@@ -490,6 +505,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         control.close()
         host.close()
         server.close()
+        if metrics is not None:
+            metrics.close()
     print("stopped", flush=True)
 
 
@@ -515,6 +532,15 @@ class _SignalQueue:
         while not self._pending:
             self._pending += self._read.recv(64)
         return self._pending.pop(0)
+
+
+def _metrics_address(text: str) -> tuple[str, int]:
+    from thinblock.frontends.metrics import parse_address
+
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _octal_mode(text: str) -> int:
@@ -818,6 +844,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--takeover", action="store_true", help="rados: pools: fence off the live holder and serve (see docs/ceph.md)"
+    )
+    p.add_argument(
+        "--metrics",
+        type=_metrics_address,
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (host defaults to 127.0.0.1; no authentication:"
+        " see docs/monitoring.md)",
     )
 
     p = add(sub, "attach", cmd_attach, "attach a volume as a kernel block device (FUSE file + loop)", pool=False)

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -166,11 +166,21 @@ class GrantedCatalog:
     The grant can change (SIGHUP): `regrant` swaps it, and `lost` says whether a
     connection already in transmission may keep what it negotiated."""
 
-    def __init__(self, catalog: ContextCatalog, who: Identity, grant: Grant | None, session: str) -> None:
+    def __init__(
+        self,
+        catalog: ContextCatalog,
+        who: Identity,
+        grant: Grant | None,
+        session: str,
+        *,
+        refused: Callable[[], None] | None = None,
+    ) -> None:
+        """refused: told of each refusal (the server counts them for its metrics)."""
         self.catalog = catalog
         self.who = who
         self.grant = grant
         self.session = session
+        self._refused = refused or (lambda: None)
 
     def _refusal(self) -> str:
         why = f"{self.who.problem}" if self.who.problem else "is not in the authorisation list"
@@ -179,6 +189,7 @@ class GrantedCatalog:
     def list_exports(self) -> list[ExportInfo]:
         grant = self.grant
         if grant is None:
+            self._refused()
             raise ExportRefused(self._refusal())
         return [self._view(e, grant) for e in self.catalog.list_exports() if grant.allows(e.name)]
 
@@ -191,6 +202,7 @@ class GrantedCatalog:
             reason = self._refusal()
             if not self.who.problem:  # an ambiguous certificate was logged once, at TLS
                 log.warning("%s: refused: %s", self.session, reason)
+            self._refused()
             raise ExportRefused(reason)
         # Decided on the name asked for before the catalog is consulted; the default
         # export "" is resolved first, as its name is only known then.
@@ -199,6 +211,7 @@ class GrantedCatalog:
             return None  # it does not exist
         if export is not None and grant.allows(export.name):
             return self._view(export, grant)
+        self._refused()
         log.warning(
             "%s: refused: client certificate %s may not use export '%s'",
             self.session,

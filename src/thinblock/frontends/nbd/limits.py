@@ -42,6 +42,18 @@ from typing import Protocol
 SILENT, TALKING, SERVING = 0, 1, 2  # a slot's stage: no byte yet, negotiating, transmission
 
 
+class Refusal(str):
+    """Why a connection is refused (a sentence for the client), and which limit it
+    met (the option's name without dashes, e.g. max-connections: a metrics label)."""
+
+    limit: str
+
+    def __new__(cls, message: str, limit: str) -> Refusal:
+        self = super().__new__(cls, message)
+        self.limit = limit
+        return self
+
+
 @dataclass(frozen=True)
 class AdmissionLimits:
     max_connections: int = 256
@@ -86,34 +98,37 @@ class Admission:
         with self._lock:
             return len(self._slots)
 
-    def admit(self, address: str | None, occupant: Occupant) -> Slot | str:
+    def admit(self, address: str | None, occupant: Occupant) -> Slot | Refusal:
         """A slot for a new connection, or why it is refused (a sentence for the client).
         May displace the oldest silent connection within the limit that is reached."""
         lim = self.limits
         victim = None
         with self._lock:
             mine = self._by_address.get(address) if address is not None else None
-            reason = None
+            reason = limit = None
             scope: OrderedDict[Slot, None] | None = None
             if mine is not None and len(mine) >= lim.max_connections_per_address:
                 reason = (
                     f"this address already holds {lim.max_connections_per_address} connections,"
                     " the limit (--max-connections-per-address)"
                 )
+                limit = "max-connections-per-address"
                 scope = mine
             elif mine is not None and sum(s.stage < SERVING for s in mine) >= lim.max_negotiating_per_address:
                 reason = (
                     f"this address already has {lim.max_negotiating_per_address} connections negotiating,"
                     " the limit (--max-negotiating-per-address)"
                 )
+                limit = "max-negotiating-per-address"
                 scope = mine
             elif len(self._slots) >= lim.max_connections:
                 reason = f"the server holds {lim.max_connections} connections, the limit (--max-connections)"
+                limit = "max-connections"
                 scope = self._slots
             if scope is not None:
                 victim = next((s for s in scope if s.stage == SILENT and not s.occupant.readable()), None)
                 if victim is None:
-                    return f"{reason}; try again later"
+                    return Refusal(f"{reason}; try again later", limit or "")
                 victim.displaced = True
                 self._remove(victim)
             slot = Slot(address, occupant)
@@ -138,7 +153,7 @@ class Admission:
         with self._lock:
             slot.stage = SERVING
 
-    def claim_identity(self, slot: Slot, identity: str) -> str | None:
+    def claim_identity(self, slot: Slot, identity: str) -> Refusal | None:
         """Count the connection against its client certificate; why not, if that
         certificate already holds its limit (the connection is then refused)."""
         limit = self.limits.max_connections_per_identity
@@ -147,9 +162,10 @@ class Admission:
                 return None
             held = self._by_identity.get(identity, 0)
             if held >= limit:
-                return (
+                return Refusal(
                     f"this client certificate already holds {limit} connections,"
-                    " the limit (--max-connections-per-identity); try again later"
+                    " the limit (--max-connections-per-identity); try again later",
+                    "max-connections-per-identity",
                 )
             self._by_identity[identity] = held + 1
             slot.identity = identity

@@ -54,6 +54,7 @@ from thinblock.iovec import IOV_MAX, write_all
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.logtext import shown
 from thinblock.privacy import PRIVATE_FILE
+from thinblock.stats import ServerStats
 
 log = logging.getLogger("thinblock.nbd")
 
@@ -96,6 +97,30 @@ _ERRNO_TO_NBD = {
     errno.ENOTSUP: c.ENOTSUP,
     errno.EOPNOTSUPP: c.ENOTSUP,
     errno.ESHUTDOWN: c.ESHUTDOWN,
+}
+
+
+# The errno each NBD error stands for (they share Linux's numbers; named here once).
+_NBD_TO_ERRNO = {
+    c.EPERM: errno.EPERM,
+    c.EIO: errno.EIO,
+    c.ENOMEM: errno.ENOMEM,
+    c.EINVAL: errno.EINVAL,
+    c.ENOSPC: errno.ENOSPC,
+    c.EOVERFLOW: errno.EOVERFLOW,
+    c.ENOTSUP: errno.ENOTSUP,
+    c.ESHUTDOWN: errno.ESHUTDOWN,
+}
+
+# The request kinds the export handle counts (export.py), by NBD command.
+_KIND = {
+    c.CMD_READ: "read",
+    c.CMD_WRITE: "write",
+    c.CMD_FLUSH: "flush",
+    c.CMD_TRIM: "trim",
+    c.CMD_CACHE: "cache",
+    c.CMD_WRITE_ZEROES: "zero",
+    c.CMD_BLOCK_STATUS: "block_status",
 }
 
 
@@ -190,16 +215,20 @@ def execute(conn: ServerConnection, vol: Export, req: Request) -> list[bytes]:
             fua=fua,
         )
     elif cmd == c.CMD_CACHE:
-        pass  # the data store is a local file: the page cache already serves this
+        vol.cache(req.offset, req.length)
     elif cmd == c.CMD_BLOCK_STATUS:
         # Bounded and paced (status.py): the reply may cover less than was asked.
-        replies = bounded_status(
-            lambda name, offset, length: context_extents(vol, name, offset, length),
-            conn.neg.contexts,
-            status_volumes(vol, conn.neg.contexts.values()),
-            req.offset,
+        replies = vol.counted(
+            "block_status",
             req.length,
-            req_one=bool(req.flags & c.CMD_FLAG_REQ_ONE),
+            lambda: bounded_status(
+                lambda name, offset, length: context_extents(vol, name, offset, length),
+                conn.neg.contexts,
+                status_volumes(vol, conn.neg.contexts.values()),
+                req.offset,
+                req.length,
+                req_one=bool(req.flags & c.CMD_FLAG_REQ_ONE),
+            ),
         )
         return [conn.block_status_reply(req.cookie, replies)]
     return [conn.simple_reply(req.cookie)]
@@ -406,6 +435,7 @@ class NBDServer:
         self._next_id = 0
         self.budget = ByteBudget(SERVER_BUDGET_BYTES)
         self.large_budget = ByteBudget(LARGE_BUDGET_BYTES)
+        self.stats = ServerStats()  # connections admitted and refused (metrics)
 
     def executor_for(self, req: Request) -> ThreadPoolExecutor:
         """BLOCK_STATUS goes to the one paced status thread, everything else to the workers."""
@@ -458,12 +488,14 @@ class NBDServer:
             return
         admitted = self.admission.admit(address, session)
         if isinstance(admitted, str):
+            self.stats.refuse(admitted.limit)
             if time.monotonic() - self._refused_logged > 5:
                 self._refused_logged = time.monotonic()
                 log.warning("refused a connection from %s: %s", address or "the unix socket", admitted)
             self._refuse(sock, admitted)
             return
         session.slot = admitted
+        self.stats.accept()
         with self.lock:
             self.sessions.add(session)
         if sock.family != socket.AF_UNIX:
@@ -631,6 +663,7 @@ class Session:
             return
         problem = self.server.admission.claim_identity(self.slot, identity)
         if problem is not None:
+            self.server.stats.refuse(problem.limit)
             log.warning("%s: refused: %s", self.name, problem)
             self.conn.catalog = _Refusing(problem)
 
@@ -783,7 +816,9 @@ class Session:
             if self.server.authz is None:
                 return
             who, grant = self.server.authz.client(self.sock.getpeercert())
-            self.conn.catalog = GrantedCatalog(self.server.catalog, who, grant, self.name)
+            self.conn.catalog = GrantedCatalog(
+                self.server.catalog, who, grant, self.name, refused=lambda: self.server.stats.refuse("authz")
+            )
         if who.problem:
             log.warning("%s: client certificate %s %s", self.name, who.shown, who.problem)
 
@@ -923,9 +958,11 @@ class Session:
     def _reply(self, req: Request) -> list[bytes]:
         conn = self.conn
         problem = conn.check_request(req)
-        if problem is not None:
-            return [conn.error_reply(req.cookie, *problem)]
         export = self.export
+        if problem is not None:
+            if export is not None and req.command in _KIND:
+                export.refused(_KIND[req.command], _NBD_TO_ERRNO.get(problem[0], errno.EIO))
+            return [conn.error_reply(req.cookie, *problem)]
         if export is None or export.gone:
             return [conn.error_reply(req.cookie, c.EIO, "the volume behind this export was removed")]
         if req.command == c.CMD_BLOCK_STATUS and (context := self._context_refused()) is not None:
