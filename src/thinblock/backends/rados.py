@@ -29,9 +29,8 @@ import time
 import uuid
 from typing import Any
 
-import rados
-
 from thinblock.backends.base import Location, Ownership
+from thinblock.bindings import RADOS_POOLS, require
 from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, connect, rados_errno
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
@@ -42,6 +41,8 @@ from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
 from thinblock.store.owned import RADOS_TAIL_OFFSET, OwnedStore
 from thinblock.store.rados import DEFAULT_OBJECT_SIZE, RadosStore
+
+rados = require("rados", feature=RADOS_POOLS)
 
 log = logging.getLogger("thinblock.rados")
 

@@ -31,11 +31,12 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import rados
-
+from thinblock.bindings import RADOS_POOLS, require
 from thinblock.ceph.cluster import Cluster, as_oserror, rados_errno
 from thinblock.errors import ThinblockError
 from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow, initial_superblock
+
+rados = require("rados", feature=RADOS_POOLS)
 
 EPOCH_KEY = "x.epoch"
 OWNER_KEY = "x.owner"

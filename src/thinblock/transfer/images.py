@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from thinblock.bindings import NBD_URIS, require
 from thinblock.errors import ThinblockError
 from thinblock.store.file import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, fallocate
 from thinblock.zeros import zero_bytes
@@ -264,9 +265,8 @@ class _Nbd:
     """One libnbd connection driven asynchronously: many commands in flight on it.
     One connection, because a server may take one client only (qemu-nbd's default)."""
 
-    def __init__(self, name: str, connect: Any, *, write: bool) -> None:
-        import nbd
-
+    def __init__(self, name: str, connect: Any, *, write: bool, feature: str = NBD_URIS) -> None:
+        nbd = require("nbd", feature=feature)
         self.name = name
         self.nbd = nbd
         self.lock = threading.Lock()
@@ -309,9 +309,9 @@ class _Nbd:
 class NbdSource:
     """An NBD export, read where base:allocation says it holds data."""
 
-    def __init__(self, name: str, connect: Any) -> None:
+    def __init__(self, name: str, connect: Any, *, feature: str = NBD_URIS) -> None:
         self.name = name
-        self.conn = _Nbd(name, connect, write=False)
+        self.conn = _Nbd(name, connect, write=False, feature=feature)
         self.size_bytes = int(self.conn.h.get_size())
 
     def extents(self) -> Iterator[tuple[int, int, bool]]:

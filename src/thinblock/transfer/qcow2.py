@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from thinblock.bindings import QCOW2_IMPORT, require
 from thinblock.errors import ThinblockError
 from thinblock.transfer.common import bound_size
 from thinblock.transfer.images import QCOW2_MAGIC, NbdSource
@@ -314,7 +315,7 @@ class Qcow2Source(NbdSource):
         remap = dict(zip(image.fds, moved, strict=True))
         argv = ["qemu-nbd", "--read-only", spec([remap[fd] for fd in image.fds], image.formats)]
         try:
-            super().__init__(name, lambda h: h.connect_systemd_socket_activation(argv))
+            super().__init__(name, lambda h: h.connect_systemd_socket_activation(argv), feature=QCOW2_IMPORT)
         finally:
             for fd in moved:
                 with contextlib.suppress(OSError):
@@ -340,6 +341,7 @@ def open_qcow2(
     """The import's qcow2 source: the image at fds[0] and the backing chain at the
     others ("FORMAT:PATH" each, as backing_chain found them), checked, bounded in
     size, checked for damage, then served. Refusals come before qemu-nbd starts."""
+    require("nbd", feature=QCOW2_IMPORT)  # before the checks: without it nothing can be served
     layers = [entry.split(":", 1) for entry in backing]
     formats = ["qcow2", *[fmt for fmt, _ in layers]]
     image = check_image(fds, formats, name, [name, *[path for _, path in layers]])
