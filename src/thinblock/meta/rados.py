@@ -188,7 +188,7 @@ class RadosMetadata(MetadataStore):
 
     # ----- reading -----------------------------------------------------------------
 
-    def _read_failed(self, exc: rados.Error) -> ThinblockError:
+    def _read_failed(self, exc: Exception) -> ThinblockError:
         if isinstance(exc, rados.ObjectNotFound):
             return ThinblockError(f"no pool's metadata in Ceph object {self.obj}")
         return ThinblockError(f"cannot read the pool's metadata in Ceph: {as_oserror(exc, 'RADOS').strerror}")
