@@ -152,9 +152,15 @@ class DirLocation(Location):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
 
+    def _require_dir(self) -> None:
+        """One sentence for a pool path that is no directory: there is no pool there."""
+        if os.path.isdir(self.dir):
+            return
+        what = "no such directory" if not os.path.lexists(self.dir) else "it is not a directory"
+        raise ThinblockError(f"no pool at {self.path}: {what}")
+
     def open_meta(self, *, readonly: bool) -> SqliteMetadata:
-        if not os.path.isdir(self.dir):
-            raise ThinblockError(f"no pool at {self.path}: not a directory")
+        self._require_dir()
         try:
             st = os.lstat(self.db)
         except FileNotFoundError:
@@ -189,8 +195,7 @@ class DirLocation(Location):
             raise ThinblockError(f"cannot open pool {self.path} for writing: {exc.strerror}") from None
 
     def own(self, purpose: str, *, takeover: bool = False) -> Ownership:
-        if not os.path.isdir(self.dir):
-            raise ThinblockError(f"no pool at {self.path}: not a directory")
+        self._require_dir()
         fd = self._lock_fd()
         if not _ofd_lock(fd, fcntl.F_WRLCK):
             holder = _describe_holder(os.pread(fd, 200, 0).decode(errors="replace").strip())

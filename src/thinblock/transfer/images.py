@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from thinblock.bindings import NBD_URIS, require
 from thinblock.errors import ThinblockError
+from thinblock.sizes import format_exact
 from thinblock.store.file import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, fallocate
 from thinblock.zeros import zero_bytes
 
@@ -381,7 +382,9 @@ class NbdSink:
         have = int(self.conn.h.get_size())
         if have < size_bytes:
             self.conn.close()
-            raise ThinblockError(f"NBD export {name} is {have} bytes, smaller than the {size_bytes} to export")
+            raise ThinblockError(
+                f"NBD export {name} is {format_exact(have)}, smaller than the {format_exact(size_bytes)} to export"
+            )
         self.can_zero = bool(self.conn.h.can_zero())
 
     def _submit(self, what: str, start: Any) -> None:
