@@ -25,6 +25,31 @@ import stat
 from thinblock.errors import ThinblockError
 from thinblock.privacy import PRIVATE_DIR
 
+# The sockets a pool's runtime directory holds (a directory pool's is the pool
+# directory itself): the server's control socket, and serve's default NBD socket.
+CONTROL_SOCKET = "control.sock"
+NBD_SOCKET = "nbd.sock"
+# sockaddr_un's sun_path is 108 bytes with its terminating NUL: a longer path cannot
+# be bound, and no client (libnbd, qemu, nbdinfo) can connect to it.
+SOCKET_PATH_MAX = 107
+
+
+def socket_path_problem(path: str) -> str | None:
+    """Why no unix socket can live at path (its absolute form is too long), or None."""
+    length = len(os.fsencode(os.path.abspath(path)))
+    if length <= SOCKET_PATH_MAX:
+        return None
+    return f"{length} bytes long, beyond the {SOCKET_PATH_MAX} a unix socket path can have"
+
+
+def require_socket_room(runtime_dir: str, shorter: str) -> None:
+    """ThinblockError unless every socket of a pool's runtime directory fits
+    sockaddr_un; shorter says how to get a shorter path."""
+    sock = os.path.join(runtime_dir, max((CONTROL_SOCKET, NBD_SOCKET), key=len))
+    problem = socket_path_problem(sock)
+    if problem:
+        raise ThinblockError(f"the pool could not be served: its control socket {sock} would be {problem}; {shorter}")
+
 
 def runtime_base() -> str:
     """The base of this user's runtime tree (a path; nothing is created)."""

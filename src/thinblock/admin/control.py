@@ -32,7 +32,7 @@ from typing import Any
 
 from thinblock.admin.jobs import JOBS, close_fds, run_job
 from thinblock.admin.schema import validate
-from thinblock.admin.verbs import CONTROL_SOCKET, VERBS, run_validated
+from thinblock.admin.verbs import VERBS, run_validated
 from thinblock.core.pool import Pool
 from thinblock.errors import (
     NoSpaceError,
@@ -45,6 +45,7 @@ from thinblock.errors import (
 )
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.progress import ProgressFn
+from thinblock.runtime import CONTROL_SOCKET
 from thinblock.sizes import env_seconds
 
 log = logging.getLogger("thinblock.control")

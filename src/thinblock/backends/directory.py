@@ -99,6 +99,11 @@ class DirLocation(Location):
     def runtime_dir(self) -> str:
         return self.path
 
+    def runtime_path(self) -> str:
+        return self.path
+
+    shorter_runtime_path = "a pool's sockets live in its directory: give the pool a shorter path"
+
     def exists(self) -> bool:
         return os.path.exists(self.db)
 

@@ -35,7 +35,7 @@ from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, connect, ra
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
-from thinblock.runtime import private_runtime_dir
+from thinblock.runtime import private_runtime_dir, runtime_base
 from thinblock.sizes import env_seconds, format_size
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
@@ -193,6 +193,11 @@ class RadosLocation(Location):
 
     def runtime_dir(self) -> str:
         return private_runtime_dir("rados", self.ceph_pool, self.pool_name)  # its sockets are the owner's alone
+
+    def runtime_path(self) -> str:
+        return os.path.join(runtime_base(), "rados", self.ceph_pool, self.pool_name)
+
+    shorter_runtime_path = "set THINBLOCK_RUNTIME_DIR to a shorter directory, or give the pool a shorter name"
 
     def exists(self) -> bool:
         try:

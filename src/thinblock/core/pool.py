@@ -31,6 +31,7 @@ from thinblock.core.volume import Volume
 from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockError, UncleanCloseError, UsageError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.progress import ProgressFn
+from thinblock.runtime import require_socket_room
 from thinblock.sizes import format_exact, format_size
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
@@ -266,6 +267,9 @@ class Pool(CommitPipeline, SpaceAccounts):
             )
         if location.exists():
             raise ThinblockError(f"a pool already exists at {location.name}")
+        runtime = location.runtime_path()
+        if runtime is not None:  # a pool that could be made but never served is refused now
+            require_socket_room(runtime, location.shorter_runtime_path)
         if object_size is not None and not location.takes_object_size:
             raise ThinblockError("--object-size applies to pools in Ceph (rados:CEPHPOOL/NAME)")
         if data_path is not None:

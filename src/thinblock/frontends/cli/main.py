@@ -23,6 +23,7 @@ from thinblock.frontends.cli.common import UsageError
 from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
 from thinblock.frontends.cli.progress import progress_bar, wanted
+from thinblock.runtime import NBD_SOCKET, require_socket_room, socket_path_problem
 from thinblock.sizes import format_size, parse_size
 from thinblock.tools.check import check_data_store, check_generation, check_metadata, check_privacy
 
@@ -394,7 +395,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_connections_per_address=args.max_connections_per_address,
         max_connections_per_identity=args.max_connections_per_identity,
     )
-    socket_path = os.path.abspath(args.socket or os.path.join(locate(args.pool).runtime_dir(), "nbd.sock"))
+    location = locate(args.pool)
+    socket_path = os.path.abspath(args.socket or os.path.join(location.runtime_dir(), NBD_SOCKET))
+    if problem := socket_path_problem(socket_path):  # said before the pool is opened, in one sentence
+        raise ThinblockError(
+            f"cannot serve on the unix socket {socket_path}: it is {problem}; give --socket a shorter path"
+        )
+    if (runtime := location.runtime_path()) is not None:
+        require_socket_room(runtime, location.shorter_runtime_path)
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     try:
         with progress_bar("recovering free space", sys.stderr.isatty()) as bar:

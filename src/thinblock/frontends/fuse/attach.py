@@ -20,12 +20,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from thinblock.admin.verbs import CONTROL_SOCKET
 from thinblock.backends import locate
 from thinblock.errors import ThinblockError
 from thinblock.paths import child_path
 from thinblock.privacy import create_private_file
-from thinblock.runtime import private_runtime_dir, runtime_base
+from thinblock.runtime import CONTROL_SOCKET, private_runtime_dir, runtime_base
 
 LOOP_CONTROL = "/dev/loop-control"  # losetup --find asks it for a free loop device
 RUNTIME_DIR = Path(runtime_base())  # this user's; each pool's directory is checked as it is used
