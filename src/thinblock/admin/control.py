@@ -38,6 +38,7 @@ from thinblock.errors import (
     NoSpaceError,
     NotSupportedError,
     OpError,
+    OutputClosed,
     PoolBusyError,
     RangeError,
     ReadOnlyError,
@@ -164,6 +165,8 @@ class ControlServer:
             return {"error": exc.strerror or str(exc), "errno": exc.errno}
         except PoolBusyError as exc:
             return {"error": str(exc), "busy": True}
+        except OutputClosed as exc:  # the command's reader went: the command ends quietly
+            return {"error": str(exc), "output_closed": True}
         except ThinblockError as exc:
             return {"error": str(exc)}
         except Exception as exc:
@@ -334,6 +337,8 @@ class ControlClient:
             raise _ERRORS.get(code, OpError)(reply["error"])
         if reply.get("busy"):
             raise PoolBusyError(reply["error"])
+        if reply.get("output_closed"):
+            raise OutputClosed(reply["error"])
         raise ThinblockError(reply["error"])
 
     def close(self) -> None:

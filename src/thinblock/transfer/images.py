@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from thinblock.bindings import NBD_URIS, require
-from thinblock.errors import ThinblockError
+from thinblock.errors import OutputClosed, ThinblockError
 from thinblock.sizes import format_exact
 from thinblock.store.file import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, fallocate
 from thinblock.zeros import zero_bytes
@@ -213,8 +213,11 @@ class StreamWriter:
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view) :]
+        try:
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except BrokenPipeError:
+            raise OutputClosed(f"the reader of {self.name} went away") from None
 
     def zeros(self, length: int) -> None:
         while length:

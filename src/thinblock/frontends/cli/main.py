@@ -17,7 +17,7 @@ from thinblock import __version__
 from thinblock.admin.access import open_admin
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
-from thinblock.errors import OpError, PoolBusyError, ThinblockError
+from thinblock.errors import OpError, OutputClosed, PoolBusyError, ThinblockError
 from thinblock.frontends.cli import transfer
 from thinblock.frontends.cli.common import UsageError
 from thinblock.frontends.cli.common import emit as _emit
@@ -776,9 +776,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(list(sys.argv[1:] if argv is None else argv))
-    except BrokenPipeError:
-        # The reader went away (| head -1): stop quietly, as tools killed by SIGPIPE do.
-        # Later flushes (at exit) must not fail again, so stdout goes to /dev/null.
+    except (BrokenPipeError, OutputClosed):
+        # The reader went away (| head -1), of what this process printed or of a job's
+        # stream (written here or by the server running the job): stop quietly, as
+        # tools killed by SIGPIPE do. Later flushes (at exit) must not fail again, so
+        # stdout goes to /dev/null.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_PIPE
 
@@ -805,6 +807,8 @@ def _run(argv: list[str]) -> int:
     try:
         result = args.func(args)
         sys.stdout.flush()
+    except OutputClosed:
+        raise  # main's quiet 141
     except (ThinblockError, OpError) as exc:
         print(f"thinblock: error: {exc.strerror if isinstance(exc, OpError) else exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILED
