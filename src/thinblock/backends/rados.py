@@ -161,6 +161,34 @@ class RadosSpace(NoHostSpace):
         out["ceph_error"] = "; ".join(errors) or None
         return out
 
+    def capacity_warning(self, size_bytes: int, data_path: str) -> str | None:
+        """A sentence when the Ceph pool cannot take a pool of size_bytes: room is its
+        max_avail (what `ceph df` shows: replication and the full ratio counted),
+        bounded by what its quota leaves. No figures (no mgr yet): no warning."""
+        cluster = self.location.cluster()
+        pool = self.location.ceph_pool
+        try:
+            df = cluster.mon_command({"prefix": "df", "format": "json"})
+            stats = next(p["stats"] for p in df["pools"] if p["name"] == pool)
+            room, why = int(stats["max_avail"]), "the cluster has room for"
+            quota = int(
+                cluster.mon_command({"prefix": "osd pool get-quota", "pool": pool, "format": "json"}).get(
+                    "quota_max_bytes"
+                )
+                or 0
+            )
+        except (rados.Error, ThinblockError, KeyError, ValueError, TypeError, StopIteration) as exc:
+            log.debug("no capacity figures for Ceph pool %s: %s", pool, exc)
+            return None
+        if quota and quota - int(stats["stored"]) < room:
+            room, why = max(0, quota - int(stats["stored"])), "its quota leaves room for"
+        if size_bytes <= room:
+            return None
+        return (
+            f"pool {self.location.name} ({format_size(size_bytes)}) is larger than Ceph pool {pool} can hold"
+            f" ({why} {format_size(room)} more): writes will fail with ENOSPC before the pool is full"
+        )
+
 
 class RadosLocation(Location):
     """`rados:CEPHPOOL/NAME`. The cluster is whatever CEPH_CONF / CEPH_ID name."""
