@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -201,3 +203,53 @@ def test_a_rados_pool_larger_than_its_ceph_pool_is_warned_about(request: pytest.
     assert f"thinblock: warning: pool {big} (2T) is larger than Ceph pool" in grown
     small = new_rados_locator(request, "small")
     assert thinblock("pool", "create", small, "--size", "64M").stderr == ""
+
+
+def test_runtime_folders_go_with_their_last_user(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rados: pool's runtime folder lives while a server or a job's control socket
+    uses it, and goes when the last of them stops; the shared levels above stay."""
+    run = Path(tempfile.mkdtemp(prefix="tbrt-", dir="/tmp"))  # short: a pytest tmp_path leaves no room for sockets
+    request.addfinalizer(lambda: shutil.rmtree(run, ignore_errors=True))
+    monkeypatch.setenv("THINBLOCK_RUNTIME_DIR", str(run))
+    locator = new_rados_locator(request, "rt")
+    ceph_pool, name = locator.removeprefix("rados:").split("/")
+    folder = run / "rados" / ceph_pool / name
+    thinblock("pool", "create", locator, "--size", "64M")
+    thinblock("volume", "create", locator, "v", "--size", "1M")
+    server = Server(locator, workdir=tmp_path)
+    try:
+        assert sorted(p.name for p in folder.iterdir()) == ["control.sock"]  # (its NBD socket is in tmp_path)
+        assert "v" in thinblock("volume", "list", locator).stdout  # a client of the control socket
+        assert folder.is_dir()
+    finally:
+        server.stop()
+    assert not folder.exists() and (run / "rados" / ceph_pool).is_dir()
+    data = tmp_path / "data"
+    data.write_bytes(b"x" * (1 << 20))
+    thinblock("import", str(data), locator, "v", "--force", "--no-progress")  # a job: its own control socket
+    assert not folder.exists()
+
+
+def test_a_server_hosting_attached_devices_leaves_no_runtime_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from thinblock.backends import locate
+    from thinblock.frontends.fuse.attach import runtime_dir_for
+
+    monkeypatch.setenv("THINBLOCK_RUNTIME_DIR", str(tmp_path / "run"))
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    thinblock("volume", "create", pool, "v", "--size", "1M")
+    server = Server(pool)
+    try:
+        device = thinblock("attach", pool, "v").stdout.strip()
+        assert device.startswith("/dev/loop")
+        monkeypatch.setattr("thinblock.frontends.fuse.attach.RUNTIME_DIR", tmp_path / "run")
+        folder = runtime_dir_for(locate(pool).key())
+        assert (folder / "mnt").is_dir() and (folder / "daemon.json").exists()
+    finally:
+        server.stop()
+    assert not folder.exists(), sorted(p.name for p in folder.rglob("*"))
+    assert (tmp_path / "run").is_dir()

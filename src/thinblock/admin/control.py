@@ -46,7 +46,7 @@ from thinblock.errors import (
 )
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.progress import ProgressFn
-from thinblock.runtime import CONTROL_SOCKET
+from thinblock.runtime import CONTROL_SOCKET, release_runtime_dir
 from thinblock.sizes import env_seconds
 
 log = logging.getLogger("thinblock.control")
@@ -182,6 +182,7 @@ class ControlServer:
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        release_runtime_dir(os.path.dirname(self.path))  # a rados: or memory: pool's, when empty now
 
 
 class _Requests:

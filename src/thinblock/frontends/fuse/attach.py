@@ -24,7 +24,7 @@ from thinblock.backends import locate
 from thinblock.errors import ThinblockError
 from thinblock.paths import child_path
 from thinblock.privacy import create_private_file
-from thinblock.runtime import CONTROL_SOCKET, private_runtime_dir, runtime_base
+from thinblock.runtime import CONTROL_SOCKET, private_runtime_dir, release_runtime_dir, runtime_base
 
 LOOP_CONTROL = "/dev/loop-control"  # losetup --find asks it for a free loop device
 RUNTIME_DIR = Path(runtime_base())  # this user's; each pool's directory is checked as it is used
@@ -329,3 +329,20 @@ def _stop_daemon(pdir: Path) -> None:
     _cleanup_dead(pdir)
     with contextlib.suppress(OSError):
         mnt.rmdir()
+
+
+def release_pool_dir(pdir: Path, pid: int) -> None:
+    """What the process pid (a server that hosted the pool's mount, or a FUSE daemon)
+    leaves of the pool's runtime folder when it stops: its own daemon record, a device
+    record with no device left, and then the mount point and the folder itself, each
+    only when nothing else is in it (runtime.release_runtime_dir)."""
+    info = _daemon_info(pdir)
+    if info and info.get("pid") == pid:
+        with contextlib.suppress(FileNotFoundError):
+            (pdir / "daemon.json").unlink()
+    if not _record(pdir):
+        with contextlib.suppress(FileNotFoundError):
+            (pdir / "devices.json").unlink()
+    if not is_mounted(pdir / "mnt"):
+        release_runtime_dir(str(pdir / "mnt"))
+    release_runtime_dir(str(pdir))
