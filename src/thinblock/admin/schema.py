@@ -59,7 +59,7 @@ def name_text(name: str, value: object) -> None:
 
 def byte_size(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        _fail(name, f"a whole number of bytes from 1 to {MAX_VOLUME_BYTES}", value)
+        _fail(name, f"a whole number of bytes from 1 to {MAX_VOLUME_SHOWN}", value)
     assert isinstance(value, int)
     if value > MAX_VOLUME_BYTES:
         raise ThinblockError(
@@ -313,7 +313,7 @@ def check_fields(
     for arg, (check, required) in schema.items():
         if arg not in fields:
             if required:
-                raise ThinblockError(f"{what}: {arg} is required")
+                raise ThinblockError(f"{what}: {(terms or {}).get(arg, arg)} is required")
             continue
         try:
             check((terms or {}).get(arg, arg), fields[arg])
