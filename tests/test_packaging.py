@@ -134,3 +134,15 @@ def test_a_missing_binding_names_its_package(
     assert proc.returncode == 1
     assert proc.stderr == f"thinblock: error: {feature} {sentence}\n"
     assert [v["name"] for v in json.loads(run(venv, "volume", "list", pool, "--json").stdout)] == ["v"]  # nothing made
+
+
+def test_the_install_holds_every_module_and_the_command(venv: Path) -> None:
+    """Nothing of the source tree is left out of the package, and the entry point is the CLI."""
+    from thinblock import __version__
+
+    site = next((venv.parent / "lib").glob("python3*/site-packages/thinblock"))
+    src = ROOT / "src" / "thinblock"
+    wanted = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    have = sorted(str(p.relative_to(site)) for p in site.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    assert have == wanted
+    assert run(venv, "--version").stdout.strip() == f"thinblock {__version__}"
