@@ -24,6 +24,17 @@ class ThinblockError(Exception):
     """A failure explained in plain words (CLI prints it and exits 1)."""
 
 
+class UsageError(ThinblockError):
+    """The request lacks or misuses something the caller must give (pool create
+    without --size): the command line was wrong, and the CLI exits 2 as argparse does."""
+
+
+class OutputClosed(ThinblockError):
+    """Whoever read a job's output stream went away (EPIPE: `export ... - | head`).
+    Not a failure to report: the command ends quietly with 128+SIGPIPE, as a tool
+    killed by SIGPIPE does, whether the job ran in it or in a server."""
+
+
 class UncleanCloseError(ThinblockError):
     """A pool closed without its final commit (a fenced client, a failing store): it
     is left marked unclean, and the next open recovers it as after a crash."""

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 
 from thinblock.privacy import PRIVATE_FILE
+from thinblock.runtime import socket_path_problem
 
 # accept() errors that pass (out of descriptors or memory, a client gone before it
 # was accepted): the listener is fine; pause and go on accepting.
@@ -61,12 +62,18 @@ def bind_unix(path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None, li
     An existing path is refused unless it is a socket nobody listens on (live_ok: the
     caller holds the pool lock, so a socket there is its own dead predecessor's); a
     symlink is never followed or replaced."""
+    problem = socket_path_problem(path)
+    if problem:
+        raise OSError(errno.ENAMETOOLONG, f"its path {path} is {problem}")
     check_socket_path(path, live_ok=live_ok)
     workdir = tempfile.mkdtemp(prefix=".tb", dir=os.path.dirname(os.path.abspath(path)))
     tmp = os.path.join(workdir, "s")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dir_fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        sock.bind(tmp)
+        # Bound through /proc/self/fd, always short: the temporary name is longer
+        # than the final one, and must not be what makes a path too long.
+        sock.bind(f"/proc/self/fd/{dir_fd}/s")
         os.chmod(tmp, mode)
         if gid is not None:
             os.chown(tmp, -1, gid)
@@ -75,6 +82,7 @@ def bind_unix(path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None, li
         sock.close()
         raise
     finally:
+        os.close(dir_fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         os.rmdir(workdir)

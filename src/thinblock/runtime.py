@@ -10,6 +10,9 @@ when it is opened. It must be a real directory, not a symlink, owned by this
 user, and mode 0700. One that is ours with a wider mode is narrowed to 0700.
 Anything else is refused with one sentence, never used.
 
+A directory goes when its last user goes (release_runtime_dir), so that folders
+under /run/thinblock do not pile up after servers stop and devices are detached.
+
 The base: THINBLOCK_RUNTIME_DIR when set. Otherwise /run/thinblock for root (one
 place for every root shell, whatever its environment), $XDG_RUNTIME_DIR/thinblock
 for a user who has one (the login's own private directory), else
@@ -24,6 +27,31 @@ import stat
 
 from thinblock.errors import ThinblockError
 from thinblock.privacy import PRIVATE_DIR
+
+# The sockets a pool's runtime directory holds (a directory pool's is the pool
+# directory itself): the server's control socket, and serve's default NBD socket.
+CONTROL_SOCKET = "control.sock"
+NBD_SOCKET = "nbd.sock"
+# sockaddr_un's sun_path is 108 bytes with its terminating NUL: a longer path cannot
+# be bound, and no client (libnbd, qemu, nbdinfo) can connect to it.
+SOCKET_PATH_MAX = 107
+
+
+def socket_path_problem(path: str) -> str | None:
+    """Why no unix socket can live at path (its absolute form is too long), or None."""
+    length = len(os.fsencode(os.path.abspath(path)))
+    if length <= SOCKET_PATH_MAX:
+        return None
+    return f"{length} bytes long, beyond the {SOCKET_PATH_MAX} a unix socket path can have"
+
+
+def require_socket_room(runtime_dir: str, shorter: str) -> None:
+    """ThinblockError unless every socket of a pool's runtime directory fits
+    sockaddr_un; shorter says how to get a shorter path."""
+    sock = os.path.join(runtime_dir, max((CONTROL_SOCKET, NBD_SOCKET), key=len))
+    problem = socket_path_problem(sock)
+    if problem:
+        raise ThinblockError(f"the pool could not be served: its control socket {sock} would be {problem}; {shorter}")
 
 
 def runtime_base() -> str:
@@ -67,6 +95,28 @@ def private_runtime_dir(*parts: str) -> str:
     finally:
         os.close(fd)
     return path
+
+
+def release_runtime_dir(path: str) -> bool:
+    """Remove path, a directory of the runtime tree, when its last user is gone: every
+    holder (serve's NBD socket, a control socket, a hosted FUSE mount) calls this after
+    removing its own file there, and rmdir succeeds only for the one that leaves it
+    empty, so nobody's socket is ever taken from under it. Only directories strictly
+    below the runtime base are touched (a directory pool's sockets live in the pool's
+    own directory, which is never removed); the base and the shared levels above a
+    pool's directory (rados/, rados/CEPHPOOL/) stay, a handful whatever happens.
+    True when it was removed (or was not there)."""
+    base = runtime_base()
+    path = os.path.abspath(path)
+    if os.path.dirname(path) == path or os.path.commonpath([base, path]) != base or path == base:
+        return False
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError:  # not empty (someone still uses it), or not ours to remove
+        return False
+    return True
 
 
 def _check(path: str, fd: int) -> None:

@@ -36,6 +36,13 @@ def format_size(n_bytes: int) -> str:
     return f"{n_bytes}B"
 
 
+def format_exact(n_bytes: int) -> str:
+    """format_size when it is exact (`32M`), else the bytes (`3000 bytes`): for a
+    figure that is refused, where a rounded one would hide what was wrong with it."""
+    shown = format_size(n_bytes)
+    return shown if "." not in shown else f"{n_bytes} bytes"
+
+
 MAX_DURATION_S = 86400.0  # a day: more is a mistake, and infinity overflows every timeout below
 
 

@@ -16,11 +16,12 @@ from typing import Any, Protocol
 
 from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s
 from thinblock.admin.jobs import run_job
-from thinblock.admin.verbs import CONTROL_SOCKET, run_verb
+from thinblock.admin.verbs import run_verb
 from thinblock.backends import locate
 from thinblock.core.pool import Pool
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.progress import ProgressFn, no_progress
+from thinblock.runtime import CONTROL_SOCKET
 from thinblock.sizes import env_seconds
 
 

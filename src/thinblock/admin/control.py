@@ -32,12 +32,13 @@ from typing import Any
 
 from thinblock.admin.jobs import JOBS, close_fds, run_job
 from thinblock.admin.schema import validate
-from thinblock.admin.verbs import CONTROL_SOCKET, VERBS, run_validated
+from thinblock.admin.verbs import VERBS, run_validated
 from thinblock.core.pool import Pool
 from thinblock.errors import (
     NoSpaceError,
     NotSupportedError,
     OpError,
+    OutputClosed,
     PoolBusyError,
     RangeError,
     ReadOnlyError,
@@ -45,6 +46,7 @@ from thinblock.errors import (
 )
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.progress import ProgressFn
+from thinblock.runtime import CONTROL_SOCKET, release_runtime_dir
 from thinblock.sizes import env_seconds
 
 log = logging.getLogger("thinblock.control")
@@ -163,6 +165,8 @@ class ControlServer:
             return {"error": exc.strerror or str(exc), "errno": exc.errno}
         except PoolBusyError as exc:
             return {"error": str(exc), "busy": True}
+        except OutputClosed as exc:  # the command's reader went: the command ends quietly
+            return {"error": str(exc), "output_closed": True}
         except ThinblockError as exc:
             return {"error": str(exc)}
         except Exception as exc:
@@ -178,6 +182,7 @@ class ControlServer:
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        release_runtime_dir(os.path.dirname(self.path))  # a rados: or memory: pool's, when empty now
 
 
 class _Requests:
@@ -333,6 +338,8 @@ class ControlClient:
             raise _ERRORS.get(code, OpError)(reply["error"])
         if reply.get("busy"):
             raise PoolBusyError(reply["error"])
+        if reply.get("output_closed"):
+            raise OutputClosed(reply["error"])
         raise ThinblockError(reply["error"])
 
     def close(self) -> None:

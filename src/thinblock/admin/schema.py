@@ -20,10 +20,17 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from thinblock.core.pool import MAX_BLOCK_SIZE, MAX_VOLUME_BYTES, MIN_BLOCK_SIZE, validate_volume_size
+from thinblock.core.pool import (
+    MAX_BLOCK_SIZE,
+    MAX_VOLUME_BYTES,
+    MAX_VOLUME_SHOWN,
+    MIN_BLOCK_SIZE,
+    validate_volume_size,
+)
 from thinblock.core.space_policy import parse_percent, parse_when_full
 from thinblock.errors import ThinblockError
 from thinblock.meta.base import RESERVE_FULL
+from thinblock.sizes import format_size
 
 MAX_TEXT = 4096  # a shell command, a policy string, a name: never longer
 
@@ -41,13 +48,25 @@ def text(name: str, value: object) -> None:
 
 
 def name_text(name: str, value: object) -> None:
-    if not isinstance(value, str) or not 1 <= len(value) <= 128:
-        _fail(name, "a name of 1-128 characters", value)
+    if not isinstance(value, str):
+        _fail(name, "a name of 1 to 128 characters", value)
+    assert isinstance(value, str)
+    if not value:
+        raise ThinblockError(f"{name} is empty: a name has 1 to 128 characters")
+    if len(value) > 128:
+        raise ThinblockError(f"{name} is {len(value)} characters long: a name has 1 to 128")
 
 
 def byte_size(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_VOLUME_BYTES:
-        _fail(name, f"a whole number of bytes from 1 to {MAX_VOLUME_BYTES}", value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, f"a whole number of bytes from 1 to {MAX_VOLUME_SHOWN}", value)
+    assert isinstance(value, int)
+    if value > MAX_VOLUME_BYTES:
+        raise ThinblockError(
+            f"{name} {format_size(value)} is beyond the largest thinblock supports ({MAX_VOLUME_SHOWN})"
+        )
+    if value <= 0:
+        raise ThinblockError(f"{name} must be at least 1 byte, not {value}")
 
 
 def flag(name: str, value: object) -> None:
@@ -267,8 +286,37 @@ DUMP_VOLUME: dict[str, tuple[Check, bool]] = {
 }
 
 
-def check_fields(what: str, schema: dict[str, tuple[Check, bool]], fields: object) -> None:
-    """ThinblockError starting with what (a verb's arguments, a dump's record), or nothing."""
+# How validate's sentences call an argument: what the user typed or would say
+# (--max-size, "the name"), never the protocol's key (max_size_bytes). A dump's
+# fields keep their keys: those are what its file holds.
+TERMS = {
+    "name": "the name",
+    "volume": "the volume name",
+    "snapshot": "the snapshot name",
+    "from_snap": "--from-snap",
+    "size_bytes": "the size",
+    "max_size_bytes": "--max-size",
+    "detect_zeroes": "--detect-zeroes",
+    "reserve": "--reserve",
+    "low_water": "--low-water",
+    "on_low_water": "--on-low-water",
+    "autogrow": "--autogrow",
+    "when_full": "--when-full",
+    "allow_shrink": "--allow-shrink",
+    "allow_resize": "--allow-resize",
+    "force": "--force",
+    "dest": "the destination",
+    "mountpoint": "the mount point",
+}
+VERB_TERMS = {("volume_create", "size_bytes"): "volume size", ("volume_resize", "size_bytes"): "volume size"}
+VERB_TERMS |= {("pool_grow", "size_bytes"): "pool size", ("import", "size_bytes"): "--size"}
+
+
+def check_fields(
+    what: str, schema: dict[str, tuple[Check, bool]], fields: object, terms: dict[str, str] | None = None
+) -> None:
+    """ThinblockError starting with what (a verb's arguments, a dump's record), or
+    nothing; terms: what to call each argument in the sentence (default its key)."""
     if not isinstance(fields, dict):
         raise ThinblockError(f"{what}: an object of named fields was expected, not {type(fields).__name__}")
     unknown = sorted(str(k) for k in set(fields) - set(schema))
@@ -277,17 +325,19 @@ def check_fields(what: str, schema: dict[str, tuple[Check, bool]], fields: objec
     for arg, (check, required) in schema.items():
         if arg not in fields:
             if required:
-                raise ThinblockError(f"{what}: {arg} is required")
+                raise ThinblockError(f"{what}: {(terms or {}).get(arg, arg)} is required")
             continue
         try:
-            check(arg, fields[arg])
+            check((terms or {}).get(arg, arg), fields[arg])
         except ThinblockError as exc:
             raise ThinblockError(f"{what}: {exc}") from None
 
 
 def validate(verb: str, args: dict[str, Any]) -> None:
-    """ThinblockError naming the verb and the argument, or nothing."""
+    """ThinblockError naming the command (`volume create`) and the argument in the
+    user's terms, or nothing."""
     schema = SCHEMAS.get(verb)
     if schema is None:
         raise ThinblockError(f"unknown administration verb {verb[:60]!r}")
-    check_fields(f"bad arguments for {verb}", schema, args)
+    terms = {arg: VERB_TERMS.get((verb, arg), TERMS.get(arg, arg.replace("_", " "))) for arg in schema}
+    check_fields(verb.replace("_", " "), schema, args, terms)

@@ -21,8 +21,6 @@ from thinblock.errors import ThinblockError
 from thinblock.meta.base import RESERVE_FULL
 from thinblock.tools.dump import dump_metadata
 
-CONTROL_SOCKET = "control.sock"
-
 
 def _reserve_bytes(value: object) -> int:
     """A reservation as the control protocol carries it: "full", "none" or bytes."""

@@ -44,6 +44,14 @@ class Location(ABC):
     def runtime_dir(self) -> str:
         """The local directory for the sockets of the process that serves the pool."""
 
+    def runtime_path(self) -> str | None:
+        """Where runtime_dir() is, without making it (None: a place chosen per
+        process, always short); create checks its sockets will fit there."""
+        return None
+
+    # How to get a shorter runtime_path, when its sockets would not fit.
+    shorter_runtime_path = "choose a shorter path"
+
     @abstractmethod
     def exists(self) -> bool:
         """Whether a pool's metadata is there."""

@@ -27,6 +27,7 @@ from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.sqlite import DB_NAME, SqliteError, SqliteMetadata
 from thinblock.privacy import create_private_file, make_private_dir
+from thinblock.runtime import CONTROL_SOCKET, NBD_SOCKET
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
@@ -99,6 +100,11 @@ class DirLocation(Location):
     def runtime_dir(self) -> str:
         return self.path
 
+    def runtime_path(self) -> str:
+        return self.path
+
+    shorter_runtime_path = "a pool's sockets live in its directory: give the pool a shorter path"
+
     def exists(self) -> bool:
         return os.path.exists(self.db)
 
@@ -152,9 +158,15 @@ class DirLocation(Location):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
 
+    def _require_dir(self) -> None:
+        """One sentence for a pool path that is no directory: there is no pool there."""
+        if os.path.isdir(self.dir):
+            return
+        what = "no such directory" if not os.path.lexists(self.dir) else "it is not a directory"
+        raise ThinblockError(f"no pool at {self.path}: {what}")
+
     def open_meta(self, *, readonly: bool) -> SqliteMetadata:
-        if not os.path.isdir(self.dir):
-            raise ThinblockError(f"no pool at {self.path}: not a directory")
+        self._require_dir()
         try:
             st = os.lstat(self.db)
         except FileNotFoundError:
@@ -189,8 +201,7 @@ class DirLocation(Location):
             raise ThinblockError(f"cannot open pool {self.path} for writing: {exc.strerror}") from None
 
     def own(self, purpose: str, *, takeover: bool = False) -> Ownership:
-        if not os.path.isdir(self.dir):
-            raise ThinblockError(f"no pool at {self.path}: not a directory")
+        self._require_dir()
         fd = self._lock_fd()
         if not _ofd_lock(fd, fcntl.F_WRLCK):
             holder = _describe_holder(os.pread(fd, 200, 0).decode(errors="replace").strip())
@@ -272,7 +283,7 @@ class DirLocation(Location):
         """The pool's files in its directory, in the order removal deletes them: the data
         file, then what serves it, then the metadata (and its kept copies), then the lock."""
         names = [] if superblock.get("data_path") else [DATA_FILE]
-        names += [SLACK_FILE, "nbd.sock", "control.sock"]
+        names += [SLACK_FILE, NBD_SOCKET, CONTROL_SOCKET]
         try:
             entries = sorted(os.listdir(self.dir))
         except OSError:

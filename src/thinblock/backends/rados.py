@@ -30,20 +30,21 @@ import time
 import uuid
 from typing import Any
 
-import rados
-
 from thinblock.backends.base import Location, Ownership
+from thinblock.bindings import RADOS_POOLS, require
 from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, connect, rados_errno
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
-from thinblock.runtime import private_runtime_dir
+from thinblock.runtime import private_runtime_dir, runtime_base
 from thinblock.sizes import env_seconds, format_size
 from thinblock.stats import LEASE_EVENTS
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
 from thinblock.store.owned import RADOS_TAIL_OFFSET, OwnedStore
 from thinblock.store.rados import DEFAULT_OBJECT_SIZE, RadosStore
+
+rados = require("rados", feature=RADOS_POOLS)
 
 log = logging.getLogger("thinblock.rados")
 
@@ -172,6 +173,34 @@ class RadosSpace(NoHostSpace):
         out["ceph_error"] = "; ".join(errors) or None
         return out
 
+    def capacity_warning(self, size_bytes: int, data_path: str) -> str | None:
+        """A sentence when the Ceph pool cannot take a pool of size_bytes: room is its
+        max_avail (what `ceph df` shows: replication and the full ratio counted),
+        bounded by what its quota leaves. No figures (no mgr yet): no warning."""
+        cluster = self.location.cluster()
+        pool = self.location.ceph_pool
+        try:
+            df = cluster.mon_command({"prefix": "df", "format": "json"})
+            stats = next(p["stats"] for p in df["pools"] if p["name"] == pool)
+            room, why = int(stats["max_avail"]), "the cluster has room for"
+            quota = int(
+                cluster.mon_command({"prefix": "osd pool get-quota", "pool": pool, "format": "json"}).get(
+                    "quota_max_bytes"
+                )
+                or 0
+            )
+        except (rados.Error, ThinblockError, KeyError, ValueError, TypeError, StopIteration) as exc:
+            log.debug("no capacity figures for Ceph pool %s: %s", pool, exc)
+            return None
+        if quota and quota - int(stats["stored"]) < room:
+            room, why = max(0, quota - int(stats["stored"])), "its quota leaves room for"
+        if size_bytes <= room:
+            return None
+        return (
+            f"pool {self.location.name} ({format_size(size_bytes)}) is larger than Ceph pool {pool} can hold"
+            f" ({why} {format_size(room)} more): writes will fail with ENOSPC before the pool is full"
+        )
+
 
 class RadosLocation(Location):
     """`rados:CEPHPOOL/NAME`. The cluster is whatever CEPH_CONF / CEPH_ID name."""
@@ -204,6 +233,11 @@ class RadosLocation(Location):
 
     def runtime_dir(self) -> str:
         return private_runtime_dir("rados", self.ceph_pool, self.pool_name)  # its sockets are the owner's alone
+
+    def runtime_path(self) -> str:
+        return os.path.join(runtime_base(), "rados", self.ceph_pool, self.pool_name)
+
+    shorter_runtime_path = "set THINBLOCK_RUNTIME_DIR to a shorter directory, or give the pool a shorter name"
 
     def exists(self) -> bool:
         try:

@@ -23,9 +23,10 @@ import threading
 import uuid
 from typing import Any
 
-import rados
-
+from thinblock.bindings import RADOS_POOLS, require
 from thinblock.errors import ThinblockError
+
+rados = require("rados", feature=RADOS_POOLS)
 
 OP_TIMEOUT_S = 15
 CONNECT_TIMEOUT_S = 10

@@ -28,10 +28,11 @@ from thinblock.core.space import SpaceAccounts
 from thinblock.core.space_policy import SpacePolicy, parse_low_water
 from thinblock.core.spacemap import SpaceMap
 from thinblock.core.volume import Volume
-from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockError, UncleanCloseError
+from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockError, UncleanCloseError, UsageError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
 from thinblock.progress import ProgressFn
-from thinblock.sizes import format_size
+from thinblock.runtime import require_socket_room
+from thinblock.sizes import format_exact, format_size
 from thinblock.stats import PoolStats
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
@@ -45,6 +46,7 @@ SECTOR_BYTES = 512
 # Largest volume: loff_t (FUSE, loop) and qemu's int64 sizes cap at 2**63 - 1; stay a
 # multiple of the largest block size below that.
 MAX_VOLUME_BYTES = (1 << 63) - MAX_BLOCK_SIZE
+MAX_VOLUME_SHOWN = "8E less 16M"  # MAX_VOLUME_BYTES in words (format_size would round it to 8.0E)
 DETECT_ZEROES = ("off", "on", "unmap")
 log = logging.getLogger("thinblock.pool")
 # Staging volumes (snapshot.stage) are named with this; user names cannot start with it.
@@ -68,11 +70,11 @@ def validate_name(name: str, kind: str = "volume") -> None:
 def validate_volume_size(size_bytes: int) -> None:
     if size_bytes <= 0 or size_bytes % SECTOR_BYTES:
         raise ThinblockError(
-            f"invalid volume size {format_size(size_bytes)}: must be a positive multiple of {SECTOR_BYTES} bytes"
+            f"invalid volume size {format_exact(size_bytes)}: must be a positive multiple of {SECTOR_BYTES} bytes"
         )
     if size_bytes > MAX_VOLUME_BYTES:
         raise ThinblockError(
-            f"volume size {format_size(size_bytes)} is beyond the largest thinblock supports ({format_size(MAX_VOLUME_BYTES)})"
+            f"volume size {format_size(size_bytes)} is beyond the largest thinblock supports ({MAX_VOLUME_SHOWN})"
         )
 
 
@@ -262,11 +264,14 @@ class Pool(CommitPipeline, SpaceAccounts):
         location = locate(locator)
         if block_size < MIN_BLOCK_SIZE or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
             raise ThinblockError(
-                f"invalid block size {block_size}: must be a power of two from {format_size(MIN_BLOCK_SIZE)}"
+                f"invalid block size {format_exact(block_size)}: must be a power of two from {format_size(MIN_BLOCK_SIZE)}"
                 f" to {format_size(MAX_BLOCK_SIZE)}"
             )
         if location.exists():
             raise ThinblockError(f"a pool already exists at {location.name}")
+        runtime = location.runtime_path()
+        if runtime is not None:  # a pool that could be made but never served is refused now
+            require_socket_room(runtime, location.shorter_runtime_path)
         if object_size is not None and not location.takes_object_size:
             raise ThinblockError("--object-size applies to pools in Ceph (rados:CEPHPOOL/NAME)")
         if data_path is not None:
@@ -283,7 +288,9 @@ class Pool(CommitPipeline, SpaceAccounts):
                     f" beside the pool's header and birth table ({format_size(limit)})"
                 )
         if size_bytes is None:
-            raise ThinblockError("a pool in a sparse file needs --size")
+            raise UsageError(
+                "pool create needs --size (only a pool over a device or file given with --data takes its size)"
+            )
         if size_bytes < block_size or size_bytes % block_size:
             raise ThinblockError(
                 f"invalid pool size {format_size(size_bytes)}: must be a positive multiple of the block size"

@@ -31,11 +31,12 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import rados
-
+from thinblock.bindings import RADOS_POOLS, require
 from thinblock.ceph.cluster import Cluster, as_oserror, rados_errno
 from thinblock.errors import ThinblockError
 from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow, initial_superblock
+
+rados = require("rados", feature=RADOS_POOLS)
 
 EPOCH_KEY = "x.epoch"
 OWNER_KEY = "x.owner"
@@ -187,7 +188,7 @@ class RadosMetadata(MetadataStore):
 
     # ----- reading -----------------------------------------------------------------
 
-    def _read_failed(self, exc: rados.Error) -> ThinblockError:
+    def _read_failed(self, exc: Exception) -> ThinblockError:
         if isinstance(exc, rados.ObjectNotFound):
             return ThinblockError(f"no pool's metadata in Ceph object {self.obj}")
         return ThinblockError(f"cannot read the pool's metadata in Ceph: {as_oserror(exc, 'RADOS').strerror}")

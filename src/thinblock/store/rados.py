@@ -25,10 +25,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import rados
-
+from thinblock.bindings import RADOS_POOLS, require
 from thinblock.ceph.cluster import Cluster, as_oserror, errno_error, probe_zero_order, rados_errno, write_op_zero
 from thinblock.store.base import OPTIONAL_VERBS, DataStore, Support
+
+rados = require("rados", feature=RADOS_POOLS)
 
 DEFAULT_OBJECT_SIZE = 4 << 20
 IN_FLIGHT = 64

@@ -15,10 +15,10 @@ import time
 from typing import Any
 
 from thinblock.admin.access import wait_s
-from thinblock.admin.verbs import CONTROL_SOCKET
 from thinblock.backends import Location, Ownership, locate
 from thinblock.core.pool import volume_dict
 from thinblock.errors import PoolBusyError, ThinblockError
+from thinblock.runtime import CONTROL_SOCKET
 
 
 def _take(location: Location) -> Ownership:

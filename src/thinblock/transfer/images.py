@@ -25,7 +25,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from thinblock.errors import ThinblockError
+from thinblock.bindings import NBD_URIS, require
+from thinblock.errors import OutputClosed, ThinblockError
+from thinblock.sizes import format_exact
 from thinblock.store.file import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, fallocate
 from thinblock.zeros import zero_bytes
 
@@ -211,8 +213,11 @@ class StreamWriter:
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view) :]
+        try:
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except BrokenPipeError:
+            raise OutputClosed(f"the reader of {self.name} went away") from None
 
     def zeros(self, length: int) -> None:
         while length:
@@ -264,9 +269,8 @@ class _Nbd:
     """One libnbd connection driven asynchronously: many commands in flight on it.
     One connection, because a server may take one client only (qemu-nbd's default)."""
 
-    def __init__(self, name: str, connect: Any, *, write: bool) -> None:
-        import nbd
-
+    def __init__(self, name: str, connect: Any, *, write: bool, feature: str = NBD_URIS) -> None:
+        nbd = require("nbd", feature=feature)
         self.name = name
         self.nbd = nbd
         self.lock = threading.Lock()
@@ -309,9 +313,9 @@ class _Nbd:
 class NbdSource:
     """An NBD export, read where base:allocation says it holds data."""
 
-    def __init__(self, name: str, connect: Any) -> None:
+    def __init__(self, name: str, connect: Any, *, feature: str = NBD_URIS) -> None:
         self.name = name
-        self.conn = _Nbd(name, connect, write=False)
+        self.conn = _Nbd(name, connect, write=False, feature=feature)
         self.size_bytes = int(self.conn.h.get_size())
 
     def extents(self) -> Iterator[tuple[int, int, bool]]:
@@ -381,7 +385,9 @@ class NbdSink:
         have = int(self.conn.h.get_size())
         if have < size_bytes:
             self.conn.close()
-            raise ThinblockError(f"NBD export {name} is {have} bytes, smaller than the {size_bytes} to export")
+            raise ThinblockError(
+                f"NBD export {name} is {format_exact(have)}, smaller than the {format_exact(size_bytes)} to export"
+            )
         self.can_zero = bool(self.conn.h.can_zero())
 
     def _submit(self, what: str, start: Any) -> None:

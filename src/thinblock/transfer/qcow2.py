@@ -28,12 +28,16 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import struct
 import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from thinblock.bindings import QCOW2_IMPORT, require
 from thinblock.errors import ThinblockError
 from thinblock.transfer.common import bound_size
 from thinblock.transfer.images import QCOW2_MAGIC, NbdSource
@@ -204,9 +208,32 @@ def _qemu_img(args: list[str], fds: list[int], name: str) -> subprocess.Complete
         raise ThinblockError(f"qemu-img {args[0]} of {name} took more than {_QEMU_TIMEOUT_S} s: refused") from None
 
 
-def _last_line(text: str) -> str:
+def _last_line(text: str, prefix: str = "qemu-img: ") -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1].removeprefix("qemu-img: ") if lines else "no reason given"
+    return lines[-1].removeprefix(prefix) if lines else "no reason given"
+
+
+def _qemu_nbd_said(text: str, files: dict[int, str]) -> str:
+    """qemu-nbd's complaint as one clause: its lines joined, without its own name or
+    the json: spec it was given, the /dev/fd/N it opened named as the files they are."""
+    lines = [line.strip().removeprefix("qemu-nbd: ") for line in text.splitlines() if line.strip()]
+    said = re.sub(r"Failed to blk_new_open '[^']*': ", "", ": ".join(lines))
+    return re.sub(r"/dev/fd/(\d+)", lambda m: files.get(int(m.group(1)), m.group(0)), said)
+
+
+# Run between libnbd and qemu-nbd: stderr onto the descriptor in argv[1], then exec
+# the rest in the same process (so socket activation's LISTEN_PID still holds).
+_STDERR_TO_FD = """
+import os, sys
+fd = int(sys.argv[1])
+os.dup2(fd, 2)
+os.close(fd)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    sys.stderr.write(f"{sys.argv[2]}: cannot run it: {exc.strerror}\\n")
+    sys.exit(127)
+"""
 
 
 @dataclass
@@ -312,13 +339,28 @@ class Qcow2Source(NbdSource):
         # opened the image); Python's own children never inherit them (close_fds).
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in image.fds]
         remap = dict(zip(image.fds, moved, strict=True))
-        argv = ["qemu-nbd", "--read-only", spec([remap[fd] for fd in image.fds], image.formats)]
-        try:
-            super().__init__(name, lambda h: h.connect_systemd_socket_activation(argv))
-        finally:
-            for fd in moved:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        # qemu-nbd's stderr goes to a file of ours, so that a failure is told as its
+        # own words in one sentence (libnbd alone says only that the socket closed).
+        with tempfile.TemporaryFile() as err:
+            err_fd = fcntl.fcntl(err.fileno(), fcntl.F_DUPFD, 10)
+            moved.append(err_fd)
+            qemu = ["qemu-nbd", "--read-only", spec([remap[fd] for fd in image.fds], image.formats)]
+            argv = [sys.executable, "-I", "-S", "-c", _STDERR_TO_FD, str(err_fd), *qemu]
+            try:
+                super().__init__(name, lambda h: h.connect_systemd_socket_activation(argv), feature=QCOW2_IMPORT)
+            except ThinblockError:
+                err.seek(0)
+                said = _qemu_nbd_said(
+                    err.read(4096).decode(errors="replace"),
+                    dict(zip(moved[: len(image.fds)], image.files, strict=True)),
+                )
+                if not said:
+                    raise
+                raise ThinblockError(f"qemu-nbd cannot serve {name}: {said}") from None
+            finally:
+                for fd in moved:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
         if self.size_bytes != image.size_bytes:
             self.close()
             raise ThinblockError(f"qemu-nbd serves {name} as {self.size_bytes} bytes, not its virtual size: refused")
@@ -340,6 +382,7 @@ def open_qcow2(
     """The import's qcow2 source: the image at fds[0] and the backing chain at the
     others ("FORMAT:PATH" each, as backing_chain found them), checked, bounded in
     size, checked for damage, then served. Refusals come before qemu-nbd starts."""
+    require("nbd", feature=QCOW2_IMPORT)  # before the checks: without it nothing can be served
     layers = [entry.split(":", 1) for entry in backing]
     formats = ["qcow2", *[fmt for fmt, _ in layers]]
     image = check_image(fds, formats, name, [name, *[path for _, path in layers]])

@@ -7,12 +7,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from thinblock.errors import ThinblockError
+from thinblock.errors import ThinblockError, UsageError
 from thinblock.sizes import parse_size
 
-
-class UsageError(ThinblockError):
-    """A command line argparse accepted but that makes no sense (exit 2, like argparse's)."""
+__all__ = ["UsageError", "emit", "size_arg"]  # UsageError lives in errors.py: the core raises it too
 
 
 def size_arg(text: str) -> int:

@@ -17,13 +17,14 @@ from thinblock import __version__
 from thinblock.admin.access import open_admin
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
-from thinblock.errors import OpError, PoolBusyError, ThinblockError
+from thinblock.errors import OpError, OutputClosed, PoolBusyError, ThinblockError
 from thinblock.frontends.cli import maps, transfer
 from thinblock.frontends.cli.common import UsageError
 from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
 from thinblock.frontends.cli.examples import epilog
 from thinblock.frontends.cli.progress import progress_bar, wanted
+from thinblock.runtime import NBD_SOCKET, require_socket_room, socket_path_problem
 from thinblock.sizes import format_size, parse_size
 from thinblock.tools.check import check_data_store, check_generation, check_metadata, check_privacy
 
@@ -447,7 +448,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_connections_per_address=args.max_connections_per_address,
         max_connections_per_identity=args.max_connections_per_identity,
     )
-    socket_path = os.path.abspath(args.socket or os.path.join(locate(args.pool).runtime_dir(), "nbd.sock"))
+    location = locate(args.pool)
+    socket_path = os.path.abspath(args.socket or os.path.join(location.runtime_dir(), NBD_SOCKET))
+    if problem := socket_path_problem(socket_path):  # said before the pool is opened, in one sentence
+        raise ThinblockError(
+            f"cannot serve on the unix socket {socket_path}: it is {problem}; give --socket a shorter path"
+        )
+    if (runtime := location.runtime_path()) is not None:
+        require_socket_room(runtime, location.shorter_runtime_path)
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     try:
         with progress_bar("recovering free space", sys.stderr.isatty()) as bar:
@@ -891,9 +899,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(list(sys.argv[1:] if argv is None else argv))
-    except BrokenPipeError:
-        # The reader went away (| head -1): stop quietly, as tools killed by SIGPIPE do.
-        # Later flushes (at exit) must not fail again, so stdout goes to /dev/null.
+    except (BrokenPipeError, OutputClosed):
+        # The reader went away (| head -1), of what this process printed or of a job's
+        # stream (written here or by the server running the job): stop quietly, as
+        # tools killed by SIGPIPE do. Later flushes (at exit) must not fail again, so
+        # stdout goes to /dev/null.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_PIPE
 
@@ -920,6 +930,8 @@ def _run(argv: list[str]) -> int:
     try:
         result = args.func(args)
         sys.stdout.flush()
+    except OutputClosed:
+        raise  # main's quiet 141
     except (ThinblockError, OpError) as exc:
         print(f"thinblock: error: {exc.strerror if isinstance(exc, OpError) else exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILED

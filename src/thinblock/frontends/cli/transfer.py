@@ -147,7 +147,11 @@ def _open_source(path: str) -> tuple[int, bool]:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise UsageError(f"cannot open {path}: {exc.strerror}") from None
-    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):
+        os.close(fd)
+        raise UsageError(f"{path} is a directory, not an image to import (the source comes first: SOURCE POOL VOLUME)")
+    if not stat.S_ISFIFO(mode):
         os.set_blocking(fd, True)
         return fd, False
     budget = wait_s()

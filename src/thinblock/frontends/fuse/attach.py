@@ -21,12 +21,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from thinblock.admin.verbs import CONTROL_SOCKET
 from thinblock.backends import locate
 from thinblock.errors import ThinblockError
 from thinblock.paths import child_path
 from thinblock.privacy import create_private_file
-from thinblock.runtime import private_runtime_dir, runtime_base
+from thinblock.runtime import CONTROL_SOCKET, private_runtime_dir, release_runtime_dir, runtime_base
 
 LOOP_CONTROL = "/dev/loop-control"  # losetup --find asks it for a free loop device
 RUNTIME_DIR = Path(runtime_base())  # this user's; each pool's directory is checked as it is used
@@ -360,3 +359,20 @@ def forget_pool(pool: str) -> None:
     pdir = _pool_dir(pool)
     if pdir.is_dir() and not is_mounted(pdir / "mnt"):
         shutil.rmtree(pdir, ignore_errors=True)
+
+
+def release_pool_dir(pdir: Path, pid: int) -> None:
+    """What the process pid (a server that hosted the pool's mount, or a FUSE daemon)
+    leaves of the pool's runtime folder when it stops: its own daemon record, a device
+    record with no device left, and then the mount point and the folder itself, each
+    only when nothing else is in it (runtime.release_runtime_dir)."""
+    info = _daemon_info(pdir)
+    if info and info.get("pid") == pid:
+        with contextlib.suppress(FileNotFoundError):
+            (pdir / "daemon.json").unlink()
+    if not _record(pdir):
+        with contextlib.suppress(FileNotFoundError):
+            (pdir / "devices.json").unlink()
+    if not is_mounted(pdir / "mnt"):
+        release_runtime_dir(str(pdir / "mnt"))
+    release_runtime_dir(str(pdir))

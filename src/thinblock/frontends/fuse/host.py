@@ -15,11 +15,12 @@ import os
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from thinblock.core.pool import Pool
 from thinblock.errors import ThinblockError
-from thinblock.frontends.fuse.attach import detach_all_under, is_mounted, runtime_dir_for
+from thinblock.frontends.fuse.attach import detach_all_under, is_mounted, release_pool_dir, runtime_dir_for
 from thinblock.frontends.fuse.fs import mount
 
 log = logging.getLogger("thinblock.fuse")
@@ -78,3 +79,5 @@ class MountHost:
                     log.warning("%s is still in use (attached loop devices): unmounting lazily", mountpoint)
                     subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True, check=False)
                 thread.join(timeout=10)
+        for mountpoint in threads:
+            release_pool_dir(Path(mountpoint).parent, os.getpid())  # the pool's runtime folder goes with us

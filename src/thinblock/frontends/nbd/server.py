@@ -54,6 +54,7 @@ from thinblock.iovec import IOV_MAX, write_all
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.logtext import shown
 from thinblock.privacy import PRIVATE_FILE
+from thinblock.runtime import release_runtime_dir
 from thinblock.stats import ServerStats
 
 log = logging.getLogger("thinblock.nbd")
@@ -574,6 +575,7 @@ class NBDServer:
             with contextlib.suppress(OSError):
                 if os.stat(path).st_ino == inode:  # never remove a newer server's socket
                     os.unlink(path)
+            release_runtime_dir(os.path.dirname(path))  # a rados: pool's, when nothing else is in it
         with self.lock:
             sessions = list(self.sessions)
         for session in sessions:
