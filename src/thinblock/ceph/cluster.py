@@ -21,6 +21,7 @@ import json
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import rados
@@ -124,10 +125,15 @@ class Cluster:
             raise ThinblockError(f"Ceph refused {command['prefix']!r}: {err or os.strerror(-ret)}")
         return json.loads(out) if out else None
 
-    def blocklist(self, address: str, expire_s: int) -> None:
-        """Fence a client off: from the next OSD map on, everything it sends fails."""
+    def blocklist(self, address: str, expire_s: int, *, on_step: Callable[[str], None] | None = None) -> None:
+        """Fence a client off: from the next OSD map on, everything it sends fails.
+        on_step is told as each of the two parts ends (they can take seconds each)."""
         self.mon_command({"prefix": "osd blocklist", "blocklistop": "add", "addr": address, "expire": float(expire_s)})
+        if on_step:
+            on_step(f"the monitors blocklisted {address}")
         self.rados.wait_for_latest_osdmap()
+        if on_step:
+            on_step("got the OSD map with the blocklist")
 
 
 def _probe_zero_order(io: Any) -> bool:
