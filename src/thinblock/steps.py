@@ -47,7 +47,10 @@ def timed(log: logging.Logger, what: str, *, level: int = logging.INFO) -> Itera
         yield step
     except BaseException as exc:
         elapsed = step.elapsed_s()
-        log.warning(
+        # At the step's own level: the caller reports the failure itself (one
+        # sentence), so this line is for the log's timeline, not a second complaint.
+        log.log(
+            level,
             "%s: failed after %.3f s (%s)",
             what,
             elapsed,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import threading
 import uuid
@@ -27,6 +28,9 @@ from typing import Any
 import rados
 
 from thinblock.errors import ThinblockError
+from thinblock.steps import timed
+
+log = logging.getLogger("thinblock.ceph")
 
 OP_TIMEOUT_S = 15
 CONNECT_TIMEOUT_S = 10
@@ -77,7 +81,8 @@ class Cluster:
         for key in ("rados_osd_op_timeout", "rados_mon_op_timeout", "client_mount_timeout"):
             self.rados.conf_set(key, str(OP_TIMEOUT_S))
         try:
-            self.rados.connect(timeout=CONNECT_TIMEOUT_S)
+            with timed(log, "connecting to the Ceph cluster"):
+                self.rados.connect(timeout=CONNECT_TIMEOUT_S)
         except rados.Error as exc:
             self.rados.shutdown()
             code = rados_errno(exc)
