@@ -64,6 +64,17 @@ def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
     return out, err
 
 
+def _ended(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """The output of a serve that must end by itself (a refusal); killed if it does
+    not, so a broken refusal fails the test instead of leaving a server behind."""
+    try:
+        return proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("serve kept running instead of refusing") from None
+
+
 def _nbd_size(uri: str) -> int:
     return int(
         subprocess.run(["nbdinfo", "--size", uri], capture_output=True, text=True, check=True, timeout=60).stdout
@@ -200,7 +211,7 @@ def test_socket_activation_of_tcp_needs_tls_or_insecure(tmp_path: Path) -> None:
     listener.listen(16)
     port = listener.getsockname()[1]
     refused = _activated(listener, pool)
-    _out, err = refused.communicate(timeout=60)
+    _out, err = _ended(refused)
     assert refused.returncode == 2, err
     assert f"TCP 127.0.0.1:{port} passed by socket activation has no TLS" in err and "--insecure" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -227,7 +238,7 @@ def test_socket_activation_refuses_what_is_not_a_listening_stream_socket(tmp_pat
         os.close(write)
         passed = _FdHolder(read)
     proc = _activated(passed, pool)
-    out, err = proc.communicate(timeout=60)
+    out, err = _ended(proc)
     passed.close()
     assert proc.returncode == 1 and out == ""
     assert err.strip() == (
@@ -254,7 +265,7 @@ def test_socket_activation_is_refused_with_socket_or_listen(tmp_path: Path) -> N
     listener.bind(str(tmp_path / "a.sock"))
     listener.listen(1)
     proc = _activated(listener, pool, "--socket", str(tmp_path / "own.sock"))
-    _out, err = proc.communicate(timeout=60)
+    _out, err = _ended(proc)
     listener.close()
     assert proc.returncode == 2 and "without --socket or --listen" in err
 
@@ -362,7 +373,8 @@ def test_config_max_connections_from_the_file_applies(tmp_path: Path) -> None:
     ],
 )
 def test_a_bad_config_file_is_one_sentence(tmp_path: Path, content: str | None, sentence: str) -> None:
-    pool = _pool(tmp_path)
+    # No pool there: were the file taken, serve would end at once saying so (exit 1).
+    pool = str(tmp_path / "no-pool")
     config = tmp_path / "serve.toml"
     if content is not None:
         config.write_text(content)
