@@ -534,3 +534,28 @@ def test_attach_passes_its_log_options_to_the_fuse_daemon(tmp_path: Path) -> Non
     assert any(e["message"] == "unmounted; pool committed and closed" for e in entries)
     daemon_log = next((tmp_path / "run").glob("*/daemon.log"))
     assert "thinblock.fuse" not in daemon_log.read_text()  # not there: in the log file asked for
+
+
+def test_a_log_line_stays_one_line_whatever_its_message_holds() -> None:
+    """Unit test of the two formats (in addition to the real processes above): a
+    message with control characters is escaped in text and in JSON, and a
+    traceback is indented below its text line or in its own JSON field."""
+    import logging
+
+    from thinblock.logsetup import JSONFormatter, TextFormatter
+
+    try:
+        raise ValueError("boom\nforged line")
+    except ValueError:
+        import sys as _sys
+
+        exc_info = _sys.exc_info()
+    record = logging.LogRecord("thinblock.nbd", logging.WARNING, __file__, 1, "name %s", ("a\nb\x1b[2J",), exc_info)
+    text = TextFormatter().format(record)
+    first, *rest = text.split("\n")
+    assert first.endswith(" thinblock.nbd warning: name a\\nb\\x1b[2J")
+    # Indented, every continuation line: none can pass for a line of its own.
+    assert rest and all(line.startswith("    ") for line in rest) and "    forged line" in rest
+    entry = json.loads(JSONFormatter().format(record))
+    assert "\n" not in JSONFormatter().format(record)
+    assert entry["message"] == "name a\nb\x1b[2J" and "ValueError: boom" in entry["exception"]
