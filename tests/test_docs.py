@@ -14,13 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README_MAX_LINES = 320
 
-# Pages other slices of issue 24 write in their own branches. Links to them may
-# dangle until they are merged; the coordinator removes each entry as its page
-# lands (test_arriving_pages_are_not_yet_here says when).
-PAGES_ARRIVING = {
-    "docs/service.md",
-}
-
 # Spelled in pieces so that this file does not match itself.
 OUTSIDE_POINTERS = ("shared" + "/DESIGN.md", "../" + "shared", "/work/" + "shared")
 
@@ -60,8 +53,7 @@ def broken_links(path: Path, root: Path = ROOT) -> list[str]:
         dest = (path.parent / file_part).resolve() if file_part else path
         rel = os.path.relpath(dest, root)
         if not dest.exists():
-            if rel not in PAGES_ARRIVING:
-                problems.append(f"{path.relative_to(root)}: {target} (no such file)")
+            problems.append(f"{path.relative_to(root)}: {target} (no such file)")
             continue
         if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             problems.append(f"{path.relative_to(root)}: {target} (no such heading in {rel})")
@@ -85,19 +77,6 @@ def test_the_checker_sees_a_broken_link(tmp_path: Path) -> None:
         "page.md: missing.md (no such file)",
         "page.md: #nowhere (no such heading in page.md)",
     ]
-
-
-def test_arriving_pages_are_not_yet_here() -> None:
-    """An arriving page that has landed must leave PAGES_ARRIVING, so that its
-    links are checked like every other; one that never lands must lose its links."""
-    landed = sorted(p for p in PAGES_ARRIVING if (ROOT / p).exists())
-    assert landed == [], f"remove {landed} from PAGES_ARRIVING in tests/test_docs.py"
-
-
-def test_arriving_pages_are_in_the_index() -> None:
-    index = (ROOT / "docs" / "README.md").read_text()
-    missing = sorted(p for p in PAGES_ARRIVING if f"({Path(p).name})" not in index)
-    assert missing == []
 
 
 def repository_files() -> list[Path]:

@@ -39,6 +39,7 @@ from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_valu
 from thinblock.runtime import private_runtime_dir, runtime_base
 from thinblock.sizes import env_seconds, format_size
 from thinblock.stats import LEASE_EVENTS
+from thinblock.steps import Step, timed
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, NoHostSpace
 from thinblock.store.owned import RADOS_TAIL_OFFSET, OwnedStore
@@ -89,6 +90,7 @@ class _Lease(Ownership):
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(lease_s() / 3):
+            began = time.monotonic()
             try:
                 self.io.lock_exclusive(
                     self.location.meta_object, LOCK_NAME, self.cookie, desc=self.desc, duration=lease_s(), flags=1
@@ -99,12 +101,27 @@ class _Lease(Ownership):
                 lost = isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED
                 LEASE_EVENTS.add(self.location.name, "lost" if lost else "renew_failed")
                 log.error(
-                    "pool %s: renewing the lease failed: %s; commits will be refused if another host took over",
+                    "pool %s: renewing the lease failed after %.3f s: %s; commits will be refused if another host"
+                    " took over",
                     self.location.name,
+                    time.monotonic() - began,
                     as_oserror(exc, "lock").strerror,
+                    extra={"step": "lease renewal", "elapsed_s": round(time.monotonic() - began, 6)},
                 )
                 if lost:
                     return  # taken over, or fenced: nothing more to renew
+                continue
+            took = time.monotonic() - began
+            # A renewal slower than a third of the lease eats into the margin before
+            # another host may take over: worth a warning, the rest only at debug.
+            log.log(
+                logging.WARNING if took > lease_s() / 3 else logging.DEBUG,
+                "pool %s: renewed the %d s lease in %.3f s",
+                self.location.name,
+                lease_s(),
+                took,
+                extra={"step": "lease renewal", "elapsed_s": round(took, 6)},
+            )
 
     def forget(self) -> None:
         """The metadata object is about to go (pool remove): renew no more (a renewal
@@ -330,56 +347,66 @@ class RadosLocation(Location):
             "since": time.time(),
         }
         desc = json.dumps({k: me[k] for k in ("host", "pid", "purpose")})
-        try:
+        with timed(log, f"pool {self.name}: taking ownership{' (--takeover)' if takeover else ''}") as step:
             try:
-                io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=lease_s())
+                try:
+                    io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=lease_s())
+                    step.mark("took the lock")
+                except rados.ObjectBusy:
+                    holder, _epoch = self._holder(io)
+                    step.mark(
+                        "the lock is held by %s", self._who(holder) if holder else "a client that recorded no owner"
+                    )
+                    if not takeover:
+                        raise PoolBusyError(self._busy(holder)) from None
+                    if holder is None:
+                        raise PoolBusyError(
+                            f"pool {self.name} is locked by a client that recorded no owner: break it with"
+                            f" 'rados -p {self.ceph_pool} lock break {self.meta_object} {LOCK_NAME} ...'"
+                        ) from None
+                    io.execute(
+                        self.meta_object, "lock", "break_lock", _break_lock_args(holder["instance"], holder["cookie"])
+                    )
+                    LEASE_EVENTS.add(self.name, "lock_broken")
+                    step.mark("broke the lock of %s", self._who(holder), level=logging.WARNING)
+                    io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=lease_s())
+                    step.mark("took the lock")
+                try:
+                    epoch = self._fence_and_bump(cluster, io, me, step)
+                except BaseException:
+                    with contextlib.suppress(rados.Error):
+                        io.unlock(self.meta_object, LOCK_NAME, cookie)
+                    raise
             except rados.ObjectBusy:
-                holder, _epoch = self._holder(io)
-                if not takeover:
-                    raise PoolBusyError(self._busy(holder)) from None
-                if holder is None:
-                    raise PoolBusyError(
-                        f"pool {self.name} is locked by a client that recorded no owner: break it with"
-                        f" 'rados -p {self.ceph_pool} lock break {self.meta_object} {LOCK_NAME} ...'"
-                    ) from None
-                io.execute(
-                    self.meta_object, "lock", "break_lock", _break_lock_args(holder["instance"], holder["cookie"])
-                )
-                LEASE_EVENTS.add(self.name, "lock_broken")
-                log.warning("pool %s: broke the lock of %s", self.name, self._who(holder))
-                io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=lease_s())
+                raise PoolBusyError(f"pool {self.name} was taken by another client at the same moment") from None
+            except rados.Error as exc:
+                raise ThinblockError(f"cannot take pool {self.name}: {as_oserror(exc, 'RADOS').strerror}") from None
+            self.held_epoch = epoch
+            LEASE_EVENTS.add(self.name, "acquired")
+            lease = _Lease(self, io, cookie, desc, epoch)
             try:
-                epoch = self._fence_and_bump(cluster, io, me)
+                RadosMetadata(cluster, self.ceph_pool, self.meta_object, epoch=lambda: epoch).finish_journal()
             except BaseException:
-                with contextlib.suppress(rados.Error):
-                    io.unlock(self.meta_object, LOCK_NAME, cookie)
+                lease.release()
                 raise
-        except rados.ObjectBusy:
-            raise PoolBusyError(f"pool {self.name} was taken by another client at the same moment") from None
-        except rados.Error as exc:
-            raise ThinblockError(f"cannot take pool {self.name}: {as_oserror(exc, 'RADOS').strerror}") from None
-        self.held_epoch = epoch
-        LEASE_EVENTS.add(self.name, "acquired")
-        lease = _Lease(self, io, cookie, desc, epoch)
-        try:
-            RadosMetadata(cluster, self.ceph_pool, self.meta_object, epoch=lambda: epoch).finish_journal()
-        except BaseException:
-            lease.release()
-            raise
+            step.mark("metadata journal finished")
         return lease
 
-    def _fence_and_bump(self, cluster: Cluster, io: Any, me: dict[str, Any]) -> int:
+    def _fence_and_bump(self, cluster: Cluster, io: Any, me: dict[str, Any], step: Step) -> int:
         """We hold the lock: fence the previous holder if it never let go, then take
         the next epoch (one guarded op, so a racing taker cannot get the same one)."""
         previous, old = self._holder(io)
         if previous is not None and previous.get("addr") != me["addr"]:
             LEASE_EVENTS.add(self.name, "fenced_holder")
-            log.warning("pool %s: fencing its previous holder %s", self.name, self._who(previous))
-            cluster.blocklist(str(previous["addr"]), BLOCKLIST_S)
+            step.mark("fencing its previous holder %s", self._who(previous), level=logging.WARNING)
+            cluster.blocklist(str(previous["addr"]), BLOCKLIST_S, on_step=step.mark)
+        else:
+            step.mark("its previous holder let go: nothing to fence")
         with rados.WriteOpCtx() as op:
             op.omap_cmp(EPOCH_KEY, epoch_value(old), rados.LIBRADOS_CMPXATTR_OP_EQ)
             io.set_omap(op, (EPOCH_KEY, OWNER_KEY), (epoch_value(old + 1).encode(), json.dumps(me).encode()))
             io.operate_write_op(op, self.meta_object)
+        step.mark("took epoch %d", old + 1)
         return old + 1
 
     @staticmethod

@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from thinblock.bindings import RADOS_POOLS, require
 from thinblock.errors import ThinblockError
+from thinblock.steps import timed
+
+log = logging.getLogger("thinblock.ceph")
 
 rados = require("rados", feature=RADOS_POOLS)
 
@@ -77,7 +82,8 @@ class Cluster:
         for key in ("rados_osd_op_timeout", "rados_mon_op_timeout", "client_mount_timeout"):
             self.rados.conf_set(key, str(OP_TIMEOUT_S))
         try:
-            self.rados.connect(timeout=CONNECT_TIMEOUT_S)
+            with timed(log, "connecting to the Ceph cluster"):
+                self.rados.connect(timeout=CONNECT_TIMEOUT_S)
         except rados.Error as exc:
             self.rados.shutdown()
             code = rados_errno(exc)
@@ -125,10 +131,15 @@ class Cluster:
             raise ThinblockError(f"Ceph refused {command['prefix']!r}: {err or os.strerror(-ret)}")
         return json.loads(out) if out else None
 
-    def blocklist(self, address: str, expire_s: int) -> None:
-        """Fence a client off: from the next OSD map on, everything it sends fails."""
+    def blocklist(self, address: str, expire_s: int, *, on_step: Callable[[str], None] | None = None) -> None:
+        """Fence a client off: from the next OSD map on, everything it sends fails.
+        on_step is told as each of the two parts ends (they can take seconds each)."""
         self.mon_command({"prefix": "osd blocklist", "blocklistop": "add", "addr": address, "expire": float(expire_s)})
+        if on_step:
+            on_step(f"the monitors blocklisted {address}")
         self.rados.wait_for_latest_osdmap()
+        if on_step:
+            on_step("got the OSD map with the blocklist")
 
 
 def _probe_zero_order(io: Any) -> bool:

@@ -26,7 +26,9 @@ from thinblock.core.spacemap import SpaceMap, to_runs
 from thinblock.errors import CommitError, ThinblockError, is_no_space
 from thinblock.meta.base import MetadataStore, Transaction
 from thinblock.progress import ProgressFn, no_progress
+from thinblock.sizes import format_size
 from thinblock.stats import PoolStats
+from thinblock.steps import timed
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace
 from thinblock.store.owned import OwnedStore
@@ -315,34 +317,33 @@ class CommitPipeline:
         ZEROED blocks' dblocks may hold bytes written but never committed (a write
         into them ran, the commit recording it did not). Punch the free ones, zero
         the ZEROED ones, durably. progress counts their bytes: the free ones, then the ZEROED."""
-        runs = self.space.free_runs()
-        total = sum(count for _, count in runs)
-        done = 0
-        tell = progress or no_progress
-        for start, count in runs:
-            self.store.punch(start * self.block_size, count * self.block_size)
-            done += count
-            tell(done * self.block_size, total * self.block_size)
-        zeroed = sorted(
-            {
-                entry_dblock(entry)
-                for _pid, _ref, blob in self.meta.all_pages()
-                for entry in Page.from_blob(0, 0, blob).entries
-                if entry_state(entry) == BlockState.ZEROED
-            }
-        )
-        total += len(zeroed)
-        for start, count in to_runs(zeroed):
-            self.store.zero(start * self.block_size, count * self.block_size)
-            done += count
-            tell(done * self.block_size, total * self.block_size)
-        self.store.flush()
-        log.info(
-            "pool %s was not closed cleanly: punched %d free extents, re-zeroed %d ZEROED blocks",
-            self.path,
-            len(runs),
-            len(zeroed),
-        )
+        with timed(log, f"pool {self.path}: recovery after an unclean close") as step:
+            runs = self.space.free_runs()
+            total = sum(count for _, count in runs)
+            done = 0
+            tell = progress or no_progress
+            for start, count in runs:
+                self.store.punch(start * self.block_size, count * self.block_size)
+                done += count
+                tell(done * self.block_size, total * self.block_size)
+            step.mark("punched %d free extents (%s)", len(runs), format_size(total * self.block_size))
+            zeroed = sorted(
+                {
+                    entry_dblock(entry)
+                    for _pid, _ref, blob in self.meta.all_pages()
+                    for entry in Page.from_blob(0, 0, blob).entries
+                    if entry_state(entry) == BlockState.ZEROED
+                }
+            )
+            step.mark("found %d ZEROED blocks", len(zeroed))
+            total += len(zeroed)
+            for start, count in to_runs(zeroed):
+                self.store.zero(start * self.block_size, count * self.block_size)
+                done += count
+                tell(done * self.block_size, total * self.block_size)
+            step.mark("re-zeroed %d ZEROED blocks", len(zeroed))
+            self.store.flush()
+            step.mark("data store synced")
 
     def _drop_empty_pages(self) -> None:
         for vol, page_index in self._touched:

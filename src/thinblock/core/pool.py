@@ -34,6 +34,7 @@ from thinblock.progress import ProgressFn
 from thinblock.runtime import require_socket_room
 from thinblock.sizes import format_exact, format_size
 from thinblock.stats import PoolStats
+from thinblock.steps import Step, timed
 from thinblock.store.base import DataStore
 from thinblock.store.fallback import FallbackStore
 from thinblock.store.file import FileStore
@@ -358,12 +359,28 @@ class Pool(CommitPipeline, SpaceAccounts):
         takeover: bool,
         progress: ProgressFn | None,
     ) -> Pool:
+        with timed(log, f"pool {location.name}: opening") as step:
+            pool = cls._open_steps(location, autocommit, purpose, takeover, progress, step)
+        return pool
+
+    @classmethod
+    def _open_steps(
+        cls,
+        location: Location,
+        autocommit: bool,
+        purpose: str,
+        takeover: bool,
+        progress: ProgressFn | None,
+        step: Step,
+    ) -> Pool:
         meta = location.open_meta(readonly=False)
+        step.mark("metadata opened")
         try:
             ownership = location.own(purpose, takeover=takeover)
         except BaseException:
             meta.close()
             raise
+        step.mark("ownership taken")
         try:
             sb = meta.superblock()
             owned = location.owned_store(sb, location.open_data(sb))
@@ -374,6 +391,7 @@ class Pool(CommitPipeline, SpaceAccounts):
                 adopted = claim(owned, sb, location.data_owner(), location.name, data_name)
                 check_data_size(store, int(sb["size_bytes"]), data_name)  # blocks end where the tail begins
                 owned.clear_interrupted_grow(int(sb["size_bytes"]))
+                step.mark("data store opened")
                 pool = cls(
                     location,
                     meta,
@@ -391,6 +409,7 @@ class Pool(CommitPipeline, SpaceAccounts):
             meta.close()
             ownership.release()
             raise
+        step.mark("metadata loaded")
         try:
             pool._drop_stale_staging()
         except BaseException:

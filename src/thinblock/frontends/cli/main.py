@@ -18,14 +18,16 @@ from thinblock.admin.access import open_admin
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.errors import OpError, OutputClosed, PoolBusyError, ThinblockError
-from thinblock.frontends.cli import maps, transfer
+from thinblock.frontends.cli import config, maps, transfer
 from thinblock.frontends.cli.common import UsageError
 from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
 from thinblock.frontends.cli.examples import epilog
 from thinblock.frontends.cli.progress import progress_bar, wanted
+from thinblock.logsetup import add_log_options, configure_from, log_arguments
 from thinblock.runtime import NBD_SOCKET, require_socket_room, socket_path_problem
 from thinblock.sizes import format_size, parse_size
+from thinblock.steps import timed
 from thinblock.tools.check import check_data_store, check_generation, check_metadata, check_privacy
 
 DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-pool"))
@@ -395,17 +397,33 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Serve every volume over NBD until SIGINT/SIGTERM, then commit and stop; SIGHUP
-    reloads the --tls-authz file."""
+    reloads the --tls-authz file. Under systemd: readiness and stopping go to
+    $NOTIFY_SOCKET, and sockets passed by socket activation are served instead of
+    --socket/--listen (thinblock/systemd.py)."""
     import logging
     import signal
+    import socket
     import ssl
+    import time
 
+    from thinblock import systemd
     from thinblock.admin.control import ControlServer
     from thinblock.frontends.fuse.host import MountHost
     from thinblock.frontends.nbd.authz import Authz
     from thinblock.frontends.nbd.server import Limits, NBDServer, TLSConfig, export_uris, parse_listen
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    started = time.monotonic()
+    if args.pool is None:
+        raise UsageError('serve needs POOL: on the command line, or pool = "..." in the --config file')
+    configure_from(args)
+    log = logging.getLogger("thinblock.serve")
+    activated = systemd.listen_fds()
+    if activated and (args.socket or args.listen):
+        for sock, _name in activated:
+            sock.close()
+        raise UsageError(
+            "the service manager passed listening sockets (socket activation): serve them without --socket or --listen"
+        )
     try:
         tcp = parse_listen(args.listen) if args.listen else None
     except ValueError as exc:
@@ -427,6 +445,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise UsageError(
             f"TCP without TLS lets anyone who can reach {tcp[0]}:{tcp[1]} read and write every volume:"
             " give --tls-cert and --tls-key (and --tls-ca), or --insecure to serve it anyway"
+        )
+    activated_tcp = [sock for sock, _name in activated if sock.family != socket.AF_UNIX]
+    if activated_tcp and not args.tls_cert and not args.insecure:
+        where = systemd.describe(activated_tcp[0])
+        raise UsageError(
+            f"the {where} passed by socket activation has no TLS: anyone who can reach it could read and write"
+            " every volume; give --tls-cert and --tls-key (and --tls-ca), or --insecure to serve it anyway"
         )
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
     authz = Authz.load(args.tls_authz) if args.tls_authz else None
@@ -457,6 +482,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if (runtime := location.runtime_path()) is not None:
         require_socket_room(runtime, location.shorter_runtime_path)
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    systemd.notify(f"STATUS=opening pool {args.pool}")
     try:
         with progress_bar("recovering free space", sys.stderr.isatty()) as bar:
             pool = Pool.open(args.pool, purpose="thinblock serve", takeover=args.takeover, progress=bar)
@@ -466,23 +492,35 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 f"{exc}: detach its devices first (serve, then attach: the server hosts the attached devices)"
             ) from None
         raise
+    log.info("pool %s open after %.3f s", args.pool, time.monotonic() - started)
     with pool:
         try:
             server = NBDServer(pool, read_only=args.read_only, tls=tls, authz=authz, limits=limits)
         except (OSError, ValueError) as exc:
             raise ThinblockError(f"cannot load TLS certificate/key: {exc}") from None
-        if tcp and tls is None:
+        if (tcp or activated_tcp) and tls is None:
             logging.getLogger("thinblock.nbd").warning(
-                "serving TCP %s:%d without TLS (--insecure): anyone who can reach it can read and write every volume",
-                *tcp,
+                "serving TCP without TLS (--insecure): anyone who can reach it can read and write every volume"
             )
         where = f"unix socket {socket_path}"
+        bound = None
+        unix_path: str | None = socket_path
         try:
-            server.listen_unix(socket_path, mode=socket_mode, gid=socket_gid)
-            bound = None
-            if tcp:
-                where = f"TCP {tcp[0]}:{tcp[1]}"
-                bound = (tcp[0], server.listen_tcp(*tcp))
+            if activated:
+                unix_path = None
+                for sock, name in activated:
+                    log.info("serving %s passed by socket activation (%s)", systemd.describe(sock), name)
+                    server.listen_socket(sock)
+                    name_or_address = sock.getsockname()
+                    if isinstance(name_or_address, str):  # a unix socket (an abstract one has bytes)
+                        unix_path = unix_path or name_or_address or None
+                    elif isinstance(name_or_address, tuple):
+                        bound = bound or (str(name_or_address[0]), int(name_or_address[1]))
+            else:
+                server.listen_unix(socket_path, mode=socket_mode, gid=socket_gid)
+                if tcp:
+                    where = f"TCP {tcp[0]}:{tcp[1]}"
+                    bound = (tcp[0], server.listen_tcp(*tcp))
             host = MountHost(pool)
             where = f"the control socket of pool {args.pool}"
             control = ControlServer(pool, {"fuse_mount": host.mount})
@@ -504,17 +542,28 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 raise ThinblockError(f"cannot serve metrics on {shown_host}:{mport}: {exc.strerror or exc}") from None
             logging.getLogger("thinblock.metrics").info("metrics on %s", metrics.url)
             print(f"metrics {metrics.url}", flush=True)
-        for uri in export_uris(sorted(pool.volumes), socket_path=socket_path, tcp=bound, tls=tls is not None):
+        for uri in export_uris(sorted(pool.volumes), socket_path=unix_path, tcp=bound, tls=tls is not None):
             print(f"export {uri}", flush=True)
-        print(f"ready: serving {len(pool.volumes)} volume(s) of {args.pool}", flush=True)
-        while signals.next() == signal.SIGHUP:
+        status = f"serving {len(pool.volumes)} volume(s) of {args.pool}"
+        log.info("ready after %.3f s: %s", time.monotonic() - started, status)
+        print(f"ready: {status}", flush=True)
+        systemd.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={status}")
+        while (signum := signals.next()) == signal.SIGHUP:
+            systemd.notify("RELOADING=1", "STATUS=reloading --tls-authz")
             server.reload_authz()
+            systemd.notify("READY=1", f"STATUS={status}")
+        systemd.notify("STOPPING=1", "STATUS=stopping: finishing requests and committing")
         print("stopping: finishing requests and committing", flush=True)
-        control.close()
-        host.close()
-        server.close()
-        if metrics is not None:
-            metrics.close()
+        with timed(log, f"stopping on {signal.Signals(signum).name}") as step:
+            control.close()
+            host.close()
+            step.mark("FUSE mounts and control socket closed")
+            server.close()
+            step.mark("connections drained")
+            if metrics is not None:
+                metrics.close()
+            pool.close()
+            step.mark("final commit done, pool closed")
     print("stopped", flush=True)
 
 
@@ -579,7 +628,7 @@ def cmd_fuse_daemon(args: argparse.Namespace) -> None:
     from thinblock.admin.control import ControlServer
     from thinblock.frontends.fuse.fs import mount
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_from(args)
     with Pool.open(args.pool, purpose="thinblock fuse-daemon (attach)") as pool:
         logging.getLogger("thinblock.fuse").info("serving %s at %s", args.pool, args.mountpoint)
         control = ControlServer(pool)
@@ -604,7 +653,7 @@ def cmd_attach(args: argparse.Namespace) -> None:
         return
     if not args.pool or not args.name:
         raise UsageError("attach needs POOL and NAME (or --list)")
-    print(attach(args.pool, args.name))
+    print(attach(args.pool, args.name, log_args=log_arguments(args)))
 
 
 def cmd_detach(args: argparse.Namespace) -> None:
@@ -804,7 +853,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TO")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = add(sub, "serve", cmd_serve, "serve every volume of the pool over NBD")
+    p = add(sub, "serve", cmd_serve, "serve every volume of the pool over NBD", pool=False)
+    p.add_argument(
+        "pool", metavar="POOL", nargs="?", help="pool directory, or rados:CEPHPOOL/NAME (or pool in --config)"
+    )
+    p.add_argument(
+        "--config", metavar="FILE", help="TOML file of these options (max-connections = 64); the command line wins"
+    )
+    add_log_options(p)
     p.add_argument("--socket", metavar="PATH", help="unix socket path (default POOL/nbd.sock)")
     p.add_argument("--listen", metavar="[HOST:]PORT", help="also listen on TCP (host defaults to 127.0.0.1)")
     p.add_argument("--read-only", action="store_true", help="export every volume read-only")
@@ -866,6 +922,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME", nargs="?", help="volume name")
     p.add_argument("--list", action="store_true", help="show what is attached")
     p.add_argument("--json", action="store_true", help="machine-readable output (with --list)")
+    add_log_options(p)  # for the FUSE daemon it starts
     p = add(sub, "detach", cmd_detach, "detach a loop device (then the FUSE daemon when unused)", pool=False)
     p.add_argument("device", metavar="DEVICE|POOL", help="/dev/loopN printed by attach, or the pool of VOLUME")
     p.add_argument("volume", metavar="VOLUME", nargs="?", help="with POOL: detach the device attach made for it")
@@ -881,6 +938,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(sub, "fuse-daemon", cmd_fuse_daemon, "internal: the FUSE daemon started by attach")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    add_log_options(p)
 
     p = add(
         sub, "quickstart", cmd_quickstart, "create the default pool and volume if missing and show them", pool=False
@@ -919,6 +977,19 @@ def _run(argv: list[str]) -> int:
     except SystemExit as exc:  # --help, --version, usage errors: flushed here, inside main's guard
         sys.stdout.flush()
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
+    if getattr(args, "config", None):
+        # The file's settings become the command's defaults; parsing again lets the
+        # command line win (frontends/cli/config.py).
+        try:
+            parser = build_parser()
+            config.apply(parser, config.subparser(parser, args.command), args.config)
+            args = parser.parse_args(argv)
+        except UsageError as exc:
+            print(f"thinblock: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except SystemExit as exc:
+            sys.stdout.flush()
+            return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
     args.extra = extra
     # librados reads these; the FUSE daemon that attach starts inherits them.
     if args.ceph_conf:

@@ -138,7 +138,7 @@ def _served_by(pool: str) -> str | None:
     return sock if locate(pool).is_owned() else None
 
 
-def _start_daemon(pool: str, pdir: Path) -> None:
+def _start_daemon(pool: str, pdir: Path, log_args: list[str]) -> None:
     mnt = Path(private_runtime_dir(pdir.name, "mnt"))  # only the pool's owner may look inside
     sock = _served_by(pool)
     if sock is not None:
@@ -156,7 +156,7 @@ def _start_daemon(pool: str, pdir: Path) -> None:
     log = os.fdopen(create_private_file(str(pdir / "daemon.log"), exclusive=False), "ab")
     log.seek(0, os.SEEK_END)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "thinblock", "fuse-daemon", locate(pool).key(), str(mnt)],
+        [sys.executable, "-m", "thinblock", "fuse-daemon", locate(pool).key(), str(mnt), *log_args],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=log,
@@ -186,8 +186,10 @@ def require_loop_devices() -> None:
         )
 
 
-def attach(pool: str, volume: str) -> str:
-    """The loop device for pool/volume, attaching it (and starting the daemon) if needed."""
+def attach(pool: str, volume: str, *, log_args: list[str] | None = None) -> str:
+    """The loop device for pool/volume, attaching it (and starting the daemon) if needed;
+    log_args (--log-level, --log-file, --log-format) go to a daemon started here, whose
+    log is otherwise daemon.log in the pool's runtime directory."""
     meta = locate(pool).open_meta(readonly=True)  # clear errors for a missing pool
     try:
         kinds = {row.name: row.kind for row in meta.volumes()}
@@ -202,7 +204,7 @@ def attach(pool: str, volume: str) -> str:
     info = _daemon_info(pdir)
     if info is None or not _alive(int(info["pid"])) or not is_mounted(pdir / "mnt"):  # type: ignore[call-overload]
         _cleanup_dead(pdir)
-        _start_daemon(pool, pdir)
+        _start_daemon(pool, pdir, log_args or [])
     for device, back in _loops():
         if back == backing:
             return device

@@ -449,6 +449,11 @@ class NBDServer:
         self.unix_paths.append((path, os.stat(path).st_ino))
         self._listen(sock)
 
+    def listen_socket(self, sock: socket.socket) -> None:
+        """Serve a socket already listening (socket activation); it is closed at the
+        end but, being the service manager's, its path is never removed."""
+        self._listen(sock)
+
     def listen_tcp(self, host: str, port: int) -> int:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
