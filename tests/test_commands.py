@@ -194,7 +194,7 @@ def test_an_empty_pool_goes_without_yes(pool_dir: str) -> None:
     assert f"file {pool_dir}/metadata.sqlite" in out.stdout and f"directory {os.path.realpath(pool_dir)}" in out.stdout
     assert not os.path.exists(pool_dir)
     gone = tb("pool", "remove", pool_dir, ok=False)
-    assert gone.returncode == 1 and gone.stderr == f"thinblock: error: no pool at {pool_dir}: not a directory\n"
+    assert gone.returncode == 1 and gone.stderr == f"thinblock: error: no pool at {pool_dir}: no such directory\n"
 
 
 def test_a_pool_with_data_needs_yes_and_says_what_goes(pool_dir: str) -> None:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from thinblock.errors import ThinblockError
+
 
 class Step:
     """One long step under way (made by timed())."""
@@ -47,10 +49,11 @@ def timed(log: logging.Logger, what: str, *, level: int = logging.INFO) -> Itera
         yield step
     except BaseException as exc:
         elapsed = step.elapsed_s()
-        # At the step's own level: the caller reports the failure itself (one
-        # sentence), so this line is for the log's timeline, not a second complaint.
+        # The caller reports a failure of ours itself, in one sentence: this line is
+        # the log's timeline, not a second complaint, so it goes at debug for those
+        # (and at the step's own level for anything unexpected).
         log.log(
-            level,
+            logging.DEBUG if isinstance(exc, ThinblockError) else level,
             "%s: failed after %.3f s (%s)",
             what,
             elapsed,
