@@ -205,6 +205,8 @@ class _QuietHandler(WSGIRequestHandler):
 class _BoundedServer(ThreadingWSGIServer):
     """A thread per connection, at most MAX_SCRAPES of them at once."""
 
+    request_queue_size = 64  # socketserver's 5 drops a burst's SYNs: clients wait seconds to retry
+
     def server_activate(self) -> None:
         self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
         super().server_activate()
