@@ -297,3 +297,41 @@ def test_a_picture_that_cannot_be_put_in_place_leaves_nothing(tmp_path: Path) ->
     assert proc.stderr == f"thinblock: error: cannot write the map to {tmp_path}/x.png: Is a directory\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pool", "x.png"]
     assert not any((tmp_path / "x.png").iterdir())
+
+
+class _CountingLock:
+    """The pool's lock, counting how often it is taken from outside (not re-entered)."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock, self.depth, self.taken = lock, 0, 0
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        self.taken += self.depth == 0
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+        self.lock.release()
+
+
+def test_a_map_lets_go_of_the_pool_lock_between_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapping a volume full of data takes seconds; requests on every volume wait for
+    the pool lock, so the walk holds it one mapping page at a time, never throughout."""
+    from thinblock.core.allocation_map import allocation_runs
+    from thinblock.core.mapping import PAGE_ENTRIES
+    from thinblock.core.pool import Pool
+
+    with Pool.create(str(tmp_path / "p"), 4 * PAGE_ENTRIES * BS, block_size=BS) as pool:
+        vol = pool.create_volume("v", 4 * PAGE_ENTRIES * BS)
+        for page_index in range(3):
+            vol.write(page_index * PAGE_ENTRIES * BS, b"x" * BS)
+        counting = _CountingLock(pool.lock)
+        monkeypatch.setattr(pool, "lock", counting)
+        runs = allocation_runs(vol)
+        monkeypatch.undo()
+        assert counting.taken >= 3, "the whole walk ran under one hold of the pool lock"
+        assert [(n, state) for n, state, _ in runs] == [
+            (1, DATA), (PAGE_ENTRIES - 1, UNMAPPED), (1, DATA), (PAGE_ENTRIES - 1, UNMAPPED),
+            (1, DATA), (2 * PAGE_ENTRIES - 1, UNMAPPED),
+        ]  # fmt: skip

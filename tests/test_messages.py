@@ -53,6 +53,17 @@ def test_a_volume_size_beyond_the_largest(pool_dir: str) -> None:
     assert thinblock("volume", "list", pool_dir).stdout.splitlines()[1].split()[3] == "2M"
 
 
+def test_a_size_of_hundreds_of_digits(pool_dir: str) -> None:
+    """Too large to divide as a float: still the one sentence, not a traceback, and
+    not hundreds of digits either."""
+    huge = "9" * 400
+    said = one_error(thinblock("volume", "create", pool_dir, "big", "--size", huge, check=False))
+    assert said == "volume create: volume size over 1024E is beyond the largest thinblock supports (8E less 16M)"
+    said = one_error(thinblock("volume", "resize", pool_dir, "v", "--size", huge + "E", check=False))
+    assert said == "volume resize: volume size over 1024E is beyond the largest thinblock supports (8E less 16M)"
+    assert volumes(pool_dir) == ["v"]
+
+
 def test_an_empty_name(pool_dir: str) -> None:
     said = one_error(thinblock("volume", "create", pool_dir, "", "--size", "1M", check=False))
     assert said == "volume create: the name is empty: a name has 1 to 128 characters"

@@ -123,6 +123,22 @@ def test_a_rename_is_a_row_update(location: Location, meta: MetadataStore) -> No
         again.close()
 
 
+def test_names_swapped_in_one_commit(location: Location, meta: MetadataStore) -> None:
+    """Renames that swap two names (a to t, b to a, t to b) can land in one commit,
+    when a commit in flight or a failing one holds them back: only the names after
+    the commit must be unique, or every later commit fails and the pool is wedged."""
+    meta.commit(_txn())
+    meta.commit(_txn(2, "b"))
+    meta.commit(Transaction(volumes=[_row(1, "b"), _row(2, "a")]))
+    assert sorted((v.id, v.name) for v in meta.volumes()) == [(1, "b"), (2, "a")]
+    assert meta.roots(1) == {0: 10, 5: 11}
+    again = location.open_meta(readonly=True)
+    try:
+        assert sorted((v.id, v.name) for v in again.volumes()) == [(1, "b"), (2, "a")]
+    finally:
+        again.close()
+
+
 def test_a_failed_commit_changes_nothing(meta: MetadataStore) -> None:
     meta.commit(_txn())
     before = _snapshot(meta)

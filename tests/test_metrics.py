@@ -7,9 +7,11 @@ import json
 import mmap
 import os
 import re
+import select
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,7 @@ from tests.conftest import new_rados_locator
 from tests.nbd_server import Server, connect, served_pool, thinblock
 from tests.nbd_tls_client import PKI
 from tests.test_attach import env  # noqa: F401 (the fixture: a private runtime dir, cleaned up after)
-from thinblock.frontends.metrics import parse_address
+from thinblock.frontends.metrics import MAX_SCRAPES, parse_address
 from thinblock.frontends.nbd.limits import Admission, AdmissionLimits, Refusal, Slot
 from thinblock.stats import LATENCY_BUCKETS_S, ExportStats, Histogram
 
@@ -321,3 +323,38 @@ def test_refusals_name_the_limit() -> None:
     assert isinstance(rules.admit("b", Occupant()), Slot)
     total = rules.admit("c", Occupant())
     assert isinstance(total, Refusal) and total.limit == "max-connections"
+
+
+def test_idle_connections_do_not_grow_the_server(served: Server) -> None:
+    """A client opening many connections and sending nothing gets at most MAX_SCRAPES
+    of them served at once (the rest are closed at once), so the server's threads stay
+    bounded; once it lets go, scrapes are answered again."""
+    assert served.metrics_url is not None
+    host, port = served.metrics_url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+    tasks = Path(f"/proc/{served.proc.pid}/task")
+    before = len(list(tasks.iterdir()))
+    idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(MAX_SCRAPES + 24)]
+    try:
+        # The server answers the connections beyond its limit with an at-once close:
+        # wait for that (without the limit, each of them holds a thread and hears nothing).
+        closed: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(closed) < 24 and time.monotonic() < deadline:
+            ready, _, _ = select.select([s for i, s in enumerate(idle) if i not in closed], [], [], 1.0)
+            for s in ready:
+                assert s.recv(1) == b""
+                closed.add(idle.index(s))
+        assert len(closed) >= 24, f"only {len(closed)} of the idle connections beyond the limit were closed"
+        assert len(list(tasks.iterdir())) <= before + MAX_SCRAPES
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 30
+    while True:  # the held connections' threads see their EOF and give their slots back
+        try:
+            samples, _ = scrape(served)
+            break
+        except (urllib.error.URLError, ConnectionError):
+            assert time.monotonic() < deadline, "no scrape was answered after the idle connections closed"
+            time.sleep(0.1)
+    assert value(samples, "thinblock_pool_size_bytes", pool=served.pool) == 64 * MiB

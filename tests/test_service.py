@@ -559,3 +559,29 @@ def test_a_log_line_stays_one_line_whatever_its_message_holds() -> None:
     entry = json.loads(JSONFormatter().format(record))
     assert "\n" not in JSONFormatter().format(record)
     assert entry["message"] == "name a\nb\x1b[2J" and "ValueError: boom" in entry["exception"]
+
+
+def test_stopping_with_stdout_gone_still_closes_everything(tmp_path: Path) -> None:
+    """`serve ... | head -1` style: stdout's reader has gone when SIGTERM comes, so the
+    "stopping" line cannot be printed; the stop still closes the sockets, drains the
+    connections and commits before the pool closes (and ends quietly, 141)."""
+    pool = _pool(tmp_path, "disk")
+    proc = _start([*SERVE, pool])
+    try:
+        _until_ready(proc)
+        assert proc.stdout is not None
+        proc.stdout.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in err, err
+    assert proc.returncode == 141, err
+    assert "final commit done, pool closed" in err, err
+    left = sorted(set(os.listdir(pool)) & {"nbd.sock", "control.sock"})
+    assert not left, f"serve left {left} behind"
+    thinblock("pool", "check", pool)

@@ -22,11 +22,18 @@ def parse_size(text: str) -> int:
     return int(number) * _UNITS[unit.upper()]
 
 
+_BEYOND_E = 1024 * 1024**6  # 1024E: far past any device; a figure above it is shown as "over 1024E"
+
+
 def format_size(n_bytes: int) -> str:
     """The shortest exact form when there is one (`64K`), else one decimal (`1.5G`);
     a negative figure (a difference) keeps its sign and its unit (`-936M`)."""
     if n_bytes < 0:
         return "-" + format_size(-n_bytes)
+    if n_bytes > _BEYOND_E:
+        # A typed size can have hundreds of digits: shown whole it is unreadable, and
+        # divided as a float it overflows (a traceback instead of the sentence).
+        return f"over {_BEYOND_E // _UNITS['E']}E"
     for unit in ("E", "P", "T", "G", "M", "K"):
         scale = _UNITS[unit]
         if n_bytes >= scale:

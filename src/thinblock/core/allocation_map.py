@@ -47,20 +47,27 @@ MAX_CELLS = 1 << 18  # what one map may ask for: 512 x 512 cells
 
 def allocation_runs(vol: Volume) -> list[tuple[int, int, bool]]:
     """(length_blocks, state, shared) runs over the whole volume, equal neighbours
-    merged; UNMAPPED runs are never shared. Consistent: taken under the pool lock."""
+    merged; UNMAPPED runs are never shared. Each mapping page is read under the pool
+    lock, one page at a time: a map of a volume full of data takes seconds, and
+    requests on every volume of the pool must not wait that long for the lock. A page
+    is consistent in itself; writes landing meanwhile show or not, as in a live pool."""
     pool = vol.pool
-    n_blocks = -(-vol.size_bytes // pool.block_size)
+    with pool.lock:
+        n_blocks = -(-vol.size_bytes // pool.block_size)
+        page_indexes = sorted(vol.root)
     runs: Runs[int] = Runs()  # key: state * 2 + shared (0: UNMAPPED)
     add = runs.add
     refcounts = pool.space.refcounts
     pos = 0
-    with pool.lock:
-        for page_index in sorted(vol.root):
-            first = page_index * PAGE_ENTRIES
-            if first >= n_blocks:
-                break  # pages past the end cannot hold mappings; stay safe if one does
-            add(first - pos, 0)
-            page = pool.page(vol.root[page_index])
+    for page_index in page_indexes:
+        first = page_index * PAGE_ENTRIES
+        if first >= n_blocks:
+            break  # pages past the end cannot hold mappings; stay safe if one does
+        with pool.lock:
+            page_id = vol.root.get(page_index)
+            if page_id is None:
+                continue  # released meanwhile (a trim, a removal): its blocks read as unmapped
+            page = pool.page(page_id)
             entries = page.entries[: min(PAGE_ENTRIES, n_blocks - first)]
             # One key per entry in a comprehension, then groupby: this loop is the
             # cost of mapping a volume full of data (about 0.6 s per million blocks).
@@ -68,9 +75,10 @@ def allocation_runs(vol: Volume) -> list[tuple[int, int, bool]]:
                 keys = [(e & STATE_MASK) * 2 + 1 if e else 0 for e in entries]
             else:
                 keys = [(e & STATE_MASK) * 2 + (refcounts[e >> DBLOCK_SHIFT] > 1) if e else 0 for e in entries]
-            for key, group in groupby(keys):
-                add(sum(1 for _ in group), key)
-            pos = first + len(entries)
+        add(first - pos, 0)
+        for key, group in groupby(keys):
+            add(sum(1 for _ in group), key)
+        pos = first + len(entries)
     add(n_blocks - pos, 0)
     return [(n, key >> 1, bool(key & 1)) for n, key in runs.pairs()]
 

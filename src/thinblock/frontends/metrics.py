@@ -16,26 +16,32 @@ export, op, errno, reason, event.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
 from thinblock.stats import LATENCY_BUCKETS_S, LEASE_EVENTS, Histogram
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from thinblock.core.pool import Pool
     from thinblock.frontends.nbd.server import NBDServer
 
 log = logging.getLogger("thinblock.metrics")
 
 DEFAULT_HOST = "127.0.0.1"
+# prometheus_client's own start_http_server gives every connection a thread with no
+# timeout: one client opening connections and sending nothing grows the server's
+# threads without end. Here a few scrapes run at once (more are closed at once), and
+# a scraper silent for SCRAPE_TIMEOUT_S is dropped, so the endpoint stays bounded.
+MAX_SCRAPES = 8
+SCRAPE_TIMEOUT_S = 10.0
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -187,6 +193,45 @@ class ThinblockCollector(Collector):
         yield c
 
 
+class _QuietHandler(WSGIRequestHandler):
+    """One request per connection (wsgiref's way), with a timeout, logging nothing."""
+
+    timeout = SCRAPE_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per connection, at most MAX_SCRAPES of them at once."""
+
+    request_queue_size = 64  # socketserver's 5 drops a burst's SYNs: clients wait seconds to retry
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # busy: the scraper tries again next interval
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _BoundedServer6(_BoundedServer):
+    address_family = socket.AF_INET6
+
+
 class MetricsServer:
     """/metrics over HTTP on its own threads, until close()."""
 
@@ -195,9 +240,10 @@ class MetricsServer:
         pool.stats.enable_exports()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ThinblockCollector(pool, server))
-        self._httpd: WSGIServer
-        self._thread: threading.Thread
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        server_class = _BoundedServer6 if ":" in host else _BoundedServer
+        self._httpd = make_server(host, port, make_wsgi_app(self.registry), server_class, _QuietHandler)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="thinblock-metrics", daemon=True)
+        self._thread.start()
         self.host = host
         self.port = int(self._httpd.server_address[1])
 

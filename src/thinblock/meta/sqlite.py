@@ -308,6 +308,11 @@ def volume_tuple(v: VolumeRow) -> tuple[object, ...]:
     )
 
 
+def _committed_name(c: sqlite3.Connection, vid: int) -> str | None:
+    row = c.execute("SELECT name FROM volumes WHERE id = ?", (vid,)).fetchone()
+    return None if row is None else str(row[0])
+
+
 def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
     if txn.superblock:
         c.executemany(
@@ -317,6 +322,12 @@ def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
     for vid in txn.deleted_volumes:
         c.execute("DELETE FROM volumes WHERE id = ?", (vid,))
         c.execute("DELETE FROM roots WHERE volume_id = ?", (vid,))
+    # Renames first step aside: SQLite checks UNIQUE(name) row by row, so renames that
+    # swap names within this transaction (a to t, b to a, t to b) would fail it, and
+    # every later commit with it. A renamed row takes a name no volume can have ('/'
+    # and its id) until the upsert below; only the names after the commit must differ.
+    renamed = [v.id for v in txn.volumes if v.name != _committed_name(c, v.id)]
+    c.executemany("UPDATE volumes SET name = '/' || id WHERE id = ?", [(vid,) for vid in renamed])
     # An upsert on the id, not INSERT OR REPLACE: a row that would take another's name
     # must fail the commit, not silently delete that other volume.
     updates = ", ".join(f"{col.strip()} = excluded.{col.strip()}" for col in _VOLUME_COLUMNS.split(",")[1:])

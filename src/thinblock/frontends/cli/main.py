@@ -528,42 +528,50 @@ def cmd_serve(args: argparse.Namespace) -> None:
             server.close()
             raise ThinblockError(f"cannot listen on {where}: {exc.strerror or exc}") from None
         metrics = None
-        if args.metrics:
-            from thinblock.frontends.metrics import MetricsServer
+        why = "an error"  # what stops the server, for the log: a signal's name once one came
+        # Everything from here on runs in try/finally: whatever ends it (a signal, a
+        # print to a closed stdout, a failing reload), the sockets close, connections
+        # drain and the final commit runs, in that order, before the pool closes.
+        try:
+            if args.metrics:
+                from thinblock.frontends.metrics import MetricsServer
 
-            try:
-                metrics = MetricsServer(pool, server, *args.metrics)
-            except OSError as exc:
+                try:
+                    metrics = MetricsServer(pool, server, *args.metrics)
+                except OSError as exc:
+                    mhost, mport = args.metrics
+                    shown_host = f"[{mhost}]" if ":" in mhost else mhost
+                    raise ThinblockError(
+                        f"cannot serve metrics on {shown_host}:{mport}: {exc.strerror or exc}"
+                    ) from None
+                logging.getLogger("thinblock.metrics").info("metrics on %s", metrics.url)
+                print(f"metrics {metrics.url}", flush=True)
+            for uri in export_uris(sorted(pool.volumes), socket_path=unix_path, tcp=bound, tls=tls is not None):
+                print(f"export {uri}", flush=True)
+            status = f"serving {len(pool.volumes)} volume(s) of {args.pool}"
+            log.info("ready after %.3f s: %s", time.monotonic() - started, status)
+            print(f"ready: {status}", flush=True)
+            systemd.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={status}")
+            while (signum := signals.next()) == signal.SIGHUP:
+                systemd.notify("RELOADING=1", "STATUS=reloading --tls-authz")
+                server.reload_authz()
+                systemd.notify("READY=1", f"STATUS={status}")
+            why = signal.Signals(signum).name
+            systemd.notify("STOPPING=1", "STATUS=stopping: finishing requests and committing")
+            print("stopping: finishing requests and committing", flush=True)
+        finally:
+            if why == "an error":
+                systemd.notify("STOPPING=1", "STATUS=stopping after an error: finishing requests and committing")
+            with timed(log, f"stopping on {why}") as step:
                 control.close()
                 host.close()
+                step.mark("FUSE mounts and control socket closed")
                 server.close()
-                mhost, mport = args.metrics
-                shown_host = f"[{mhost}]" if ":" in mhost else mhost
-                raise ThinblockError(f"cannot serve metrics on {shown_host}:{mport}: {exc.strerror or exc}") from None
-            logging.getLogger("thinblock.metrics").info("metrics on %s", metrics.url)
-            print(f"metrics {metrics.url}", flush=True)
-        for uri in export_uris(sorted(pool.volumes), socket_path=unix_path, tcp=bound, tls=tls is not None):
-            print(f"export {uri}", flush=True)
-        status = f"serving {len(pool.volumes)} volume(s) of {args.pool}"
-        log.info("ready after %.3f s: %s", time.monotonic() - started, status)
-        print(f"ready: {status}", flush=True)
-        systemd.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={status}")
-        while (signum := signals.next()) == signal.SIGHUP:
-            systemd.notify("RELOADING=1", "STATUS=reloading --tls-authz")
-            server.reload_authz()
-            systemd.notify("READY=1", f"STATUS={status}")
-        systemd.notify("STOPPING=1", "STATUS=stopping: finishing requests and committing")
-        print("stopping: finishing requests and committing", flush=True)
-        with timed(log, f"stopping on {signal.Signals(signum).name}") as step:
-            control.close()
-            host.close()
-            step.mark("FUSE mounts and control socket closed")
-            server.close()
-            step.mark("connections drained")
-            if metrics is not None:
-                metrics.close()
-            pool.close()
-            step.mark("final commit done, pool closed")
+                step.mark("connections drained")
+                if metrics is not None:
+                    metrics.close()
+                pool.close()
+                step.mark("final commit done, pool closed")
     print("stopped", flush=True)
 
 
