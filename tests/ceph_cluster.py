@@ -79,6 +79,12 @@ mon mgr digest period = 1
 osd pool default pg autoscale mode = off
 auth allow insecure global id reclaim = false
 
+[client]
+# Each client process its own admin socket. With the daemons' $name.asok a new
+# client waits about 10 s on the socket of a client that is stopped (a SIGSTOPped
+# server being taken over), which never answers.
+admin socket = {d}/$name.$pid.$cctid.asok
+
 [mon.a]
 mon data = {d}/mon.a
 """

@@ -445,6 +445,7 @@ def test_recovery_after_sigkill_is_timed(tmp_path: Path) -> None:
     deadline = time.monotonic() + 60
     while "#1 unix: export 'v'" not in _read_stderr_so_far(proc) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert "#1 unix: export 'v'" in _read_stderr_so_far(proc), "the writer never connected"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     writer.wait(timeout=60)
@@ -525,6 +526,8 @@ def test_attach_passes_its_log_options_to_the_fuse_daemon(tmp_path: Path) -> Non
     pool = _pool(tmp_path, "v")
     log = tmp_path / "fuse.log"
     device = thinblock("attach", pool, "v", "--log-format", "json", "--log-file", str(log)).stdout.strip()
+    # The runtime folder (and its daemon.log) goes with the last detach: read it before.
+    daemon_log = next((tmp_path / "run").glob("*/daemon.log")).read_text()
     thinblock("detach", device)
     deadline = time.monotonic() + 60
     while "unmounted" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
@@ -532,8 +535,7 @@ def test_attach_passes_its_log_options_to_the_fuse_daemon(tmp_path: Path) -> Non
     entries = _json_lines(log.read_text())
     assert any(e["logger"] == "thinblock.fuse" and e["message"].startswith(f"serving {pool} at") for e in entries)
     assert any(e["message"] == "unmounted; pool committed and closed" for e in entries)
-    daemon_log = next((tmp_path / "run").glob("*/daemon.log"))
-    assert "thinblock.fuse" not in daemon_log.read_text()  # not there: in the log file asked for
+    assert "thinblock.fuse" not in daemon_log  # not there: in the log file asked for
 
 
 def test_a_log_line_stays_one_line_whatever_its_message_holds() -> None:
