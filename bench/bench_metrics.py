@@ -21,25 +21,19 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.bench_nbd import ROOT, _stop, fio, progress
+from bench.bench_nbd import _stop, fio, make_bench_pool, progress
 
 
 def serve_round(scratch: Path, metrics: bool, runtime: int, scrape_to: Path | None) -> dict[str, float]:
     pool = scratch / "pool"
     shutil.rmtree(pool, ignore_errors=True)
-    tb = [sys.executable, "-m", "thinblock"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    subprocess.run([*tb, "pool", "create", str(pool), "--size", "20G"], check=True, env=env, capture_output=True)
-    subprocess.run(
-        [*tb, "volume", "create", str(pool), "disk", "--size", "16G"], check=True, env=env, capture_output=True
-    )
+    tb, env = make_bench_pool(pool)
     sock = str(pool / "nbd.sock")
     extra = ["--metrics", "127.0.0.1:0"] if metrics else []
     proc = subprocess.Popen(

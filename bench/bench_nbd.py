@@ -40,6 +40,17 @@ MiB = 1 << 20
 EXPORT_BYTES = 16 * GiB
 
 
+def make_bench_pool(pool: Path) -> tuple[list[str], dict[str, str]]:
+    """A fresh 20G pool with a 16G volume "disk"; returns the thinblock command and its env."""
+    tb = [sys.executable, "-m", "thinblock"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    subprocess.run([*tb, "pool", "create", str(pool), "--size", "20G"], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [*tb, "volume", "create", str(pool), "disk", "--size", "16G"], check=True, env=env, capture_output=True
+    )
+    return tb, env
+
+
 def progress(msg: str) -> None:
     print(f"... {msg}", file=sys.stderr, flush=True)
 
@@ -101,12 +112,7 @@ class Thinblock(Peer):
     def start(self, transport: str) -> Iterator[tuple[str, Callable[[], int]]]:
         pool = self.scratch / "tb-pool"
         shutil.rmtree(pool, ignore_errors=True)
-        tb = [sys.executable, "-m", "thinblock"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-        subprocess.run([*tb, "pool", "create", str(pool), "--size", "20G"], check=True, env=env, capture_output=True)
-        subprocess.run(
-            [*tb, "volume", "create", str(pool), "disk", "--size", "16G"], check=True, env=env, capture_output=True
-        )
+        tb, env = make_bench_pool(pool)
         sock = str(pool / "nbd.sock")
         port = free_port()
         args = ["--listen", str(port), "--insecure"] if transport == "tcp" else []

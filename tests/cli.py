@@ -28,6 +28,23 @@ def thinblock(*args: str, check: bool = True) -> subprocess.CompletedProcess[str
     return proc
 
 
+def export_bytes(pool: str, name: str) -> bytes:
+    """Every byte of a volume or snapshot, through `thinblock export POOL NAME -`."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "thinblock", "export", pool, name, "-"],
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def volume_names(pool: str) -> list[str]:
+    """The names `volume list` shows, sorted."""
+    return sorted(v["name"] for v in json.loads(thinblock("volume", "list", pool, "--json").stdout))
+
+
 def fuse_daemon_pids(runtime_dir: Path) -> list[int]:
     """Pids of the FUSE daemons attach started under runtime_dir (its daemon.json
     records; a mount hosted by `thinblock serve` has no daemon of its own)."""

@@ -20,25 +20,13 @@ from pathlib import Path
 
 import nbd
 
-from tests.cli import ROOT
+from tests.cli import ROOT, export_bytes, volume_names
 from tests.nbd_server import Server, served_pool, thinblock
 from thinblock.formats import rbd
 
 MiB = 1 << 20
 BS = 64 << 10
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-
-
-def _export_bytes(pool: str, name: str) -> bytes:
-    proc = subprocess.run(
-        [sys.executable, "-m", "thinblock", "export", pool, name, "-"], capture_output=True, env=ENV, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-def _names(pool: str) -> list[str]:
-    return sorted(v["name"] for v in json.loads(thinblock("volume", "list", pool, "--json").stdout))
 
 
 def _nbd_epoch(server: Server, model: bytearray, steps: list[tuple[str, int, bytes | int]]) -> None:
@@ -125,8 +113,8 @@ def _import_and_compare(pool: str, stream: Path, name: str, states: dict[str, by
     snaps = [s for s in states if s]
     assert result["snapshots"] == [f"{name}@{s}" for s in snaps]
     for snap in snaps:
-        assert _export_bytes(pool, f"{name}@{snap}") == states[snap], snap
-    assert _export_bytes(pool, name) == states[""]
+        assert export_bytes(pool, f"{name}@{snap}") == states[snap], snap
+    assert export_bytes(pool, name) == states[""]
 
 
 def test_export_format_rbd_carries_the_snapshots_into_thinblock_import(tmp_path: Path) -> None:
@@ -192,7 +180,7 @@ def test_snapshots_removed_while_the_export_runs_are_still_in_the_stream(tmp_pat
             # The stream is far larger than a pipe holds: the export now waits for this reader.
             for snap in ("v@s1", "v@s2", "v@s3"):
                 thinblock("snapshot", "remove", server.pool, snap)
-            assert _names(server.pool) == ["v"]
+            assert volume_names(server.pool) == ["v"]
             got += proc.stdout.read()
             assert proc.wait(120) == 0, proc.stderr.read()
         finally:
@@ -201,7 +189,7 @@ def test_snapshots_removed_while_the_export_runs_are_still_in_the_stream(tmp_pat
                 proc.wait()
             proc.stdout.close()
             proc.stderr.close()
-        assert _names(server.pool) == ["v"]  # and no hidden copy is left behind (pool check, at the end)
+        assert volume_names(server.pool) == ["v"]  # and no hidden copy is left behind (pool check, at the end)
     stream = tmp_path / "v.rbd"
     stream.write_bytes(got)
     _import_and_compare(other, stream, "c", states)
@@ -228,7 +216,7 @@ def test_snapshots_of_snapshots_are_left_out_and_clashing_names_refused(tmp_path
     proc = thinblock("import", str(bad), pool, "w", check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "a diff starts from snapshot 's9', not at 's1', where the diff before it ended" in proc.stderr
-    assert not [n for n in _names(pool) if n.startswith("w")]
+    assert not [n for n in volume_names(pool) if n.startswith("w")]
     # A clone's own snapshots go with it; it is exported whole, not its origin's snapshot.
     thinblock("volume", "clone", pool, "v@s1", "c")
     thinblock("snapshot", "create", pool, "c@t1")
@@ -237,7 +225,7 @@ def test_snapshots_of_snapshots_are_left_out_and_clashing_names_refused(tmp_path
         "t1"
     ]
     thinblock("import", str(clone), pool, "c2", "--no-progress")
-    assert _export_bytes(pool, "c2@t1") == _export_bytes(pool, "c2") == raw.read_bytes()
+    assert export_bytes(pool, "c2@t1") == export_bytes(pool, "c2") == raw.read_bytes()
     # Two snapshots of v that rbd would call alike: refused before anything is written.
     thinblock("snapshot", "create", pool, "v", "s1")
     proc = thinblock("export", pool, "v", str(tmp_path / "clash.rbd"), "--format", "rbd", check=False)
@@ -288,7 +276,7 @@ def test_rbd_import_recreates_the_snapshots_and_rbd_export_brings_them_back(tmp_
         result = json.loads(thinblock("import", str(back), pool, "r", "--json", "--no-progress").stdout)
         assert result["snapshots"] == ["r@s1", "r@s2", "r@s3", "r@s4"]
         for snap, want in {**states, "s4": states[""]}.items():
-            assert _export_bytes(pool, f"r@{snap}" if snap else "r") == want, snap
+            assert export_bytes(pool, f"r@{snap}" if snap else "r") == want, snap
     finally:
         _rbd("snap", "unprotect", f"{image}@s2", check=False)
         _rbd("snap", "purge", image, check=False)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import ROOT
+from tests.cli import ROOT, export_bytes, volume_names
 from tests.nbd_server import Server, connect, served_pool, thinblock
 
 MiB = 1 << 20
@@ -77,18 +77,6 @@ def _nonzero_blocks(image: bytes) -> int:
     return sum(1 for i in range(0, len(image), BS) if any(image[i : i + BS]))
 
 
-def _export_bytes(pool: str, name: str) -> bytes:
-    proc = subprocess.run(
-        [sys.executable, "-m", "thinblock", "export", pool, name, "-"], capture_output=True, env=ENV, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-def _names(pool: str) -> list[str]:
-    return sorted(v["name"] for v in json.loads(thinblock("volume", "list", pool, "--json").stdout))
-
-
 @contextmanager
 def _qemu_nbd(image: Path, socket: Path, *args: str) -> Iterator[str]:
     """A real qemu-nbd serving image on a unix socket: the peer source or target."""
@@ -124,7 +112,7 @@ def test_import_then_export_keeps_bytes_and_holes(tmp_path: Path) -> None:
     assert out.read_bytes() == image
     assert _holes(src) <= _holes(out)  # holes stay holes (and written zeros became holes)
     assert 8 * MiB // BS in _holes(out)
-    assert _export_bytes(pool, "v") == image
+    assert export_bytes(pool, "v") == image
     # An existing destination is kept unless --force.
     refused = thinblock("export", pool, "v", str(out), check=False)
     assert refused.returncode == 2 and "exists: pass --force" in refused.stderr
@@ -142,10 +130,10 @@ def test_import_from_qcow2_nbd_and_stdin_into_a_served_pool(tmp_path: Path) -> N
     with served_pool(tmp_path, "512M", {}) as served:
         pool = served.pool
         thinblock("import", str(qcow), pool, "q")
-        assert _export_bytes(pool, "q") == image
+        assert export_bytes(pool, "q") == image
         with _qemu_nbd(src, tmp_path / "peer.sock", "--read-only", "--format=raw") as uri:
             thinblock("import", uri, pool, "n")
-        assert _export_bytes(pool, "n") == image
+        assert export_bytes(pool, "n") == image
         with open(src, "rb") as stdin:
             proc = subprocess.run(
                 [sys.executable, "-m", "thinblock", "import", "-", pool, "s", "--size", "32M", "--json"],
@@ -156,7 +144,7 @@ def test_import_from_qcow2_nbd_and_stdin_into_a_served_pool(tmp_path: Path) -> N
             )
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["read_bytes"] == SIZE
-        assert _export_bytes(pool, "s") == image
+        assert export_bytes(pool, "s") == image
         # Into an NBD export served by qemu-nbd, and qemu-img agrees with the bytes.
         target = tmp_path / "target.raw"
         with open(target, "wb") as f:
@@ -182,7 +170,7 @@ def test_import_refusals_change_nothing(tmp_path: Path) -> None:
     dirty = tmp_path / "dirty.raw"
     dirty.write_bytes(b"\xaa" * SIZE)
     thinblock("import", str(dirty), pool, "v", "--force")
-    before = _export_bytes(pool, "v")
+    before = export_bytes(pool, "v")
 
     def refused(*args: str, says: str, status: int = 1) -> None:
         proc = thinblock(*args, check=False)
@@ -199,11 +187,11 @@ def test_import_refusals_change_nothing(tmp_path: Path) -> None:
     refused("import", "-", pool, "new", says="needs its size (--size)")
     thinblock("snapshot", "create", pool, "v@s")
     refused("import", str(src), pool, "v@s", says="is a snapshot: import into a volume")
-    assert _export_bytes(pool, "v") == before
-    assert _names(pool) == ["small", "v", "v@s"]
+    assert export_bytes(pool, "v") == before
+    assert volume_names(pool) == ["small", "v", "v@s"]
     # --force overwrites, and the source's holes become zeros in the volume.
     thinblock("import", str(src), pool, "v", "--force")
-    assert _export_bytes(pool, "v") == image
+    assert export_bytes(pool, "v") == image
     thinblock("pool", "check", pool)
 
 
@@ -300,7 +288,7 @@ def test_export_diff_then_import_diff_rebuilds_every_snapshot(tmp_path: Path, ve
     with served_pool(tmp_path / "b", "256M", {"c": "16M"}) as served:
         other = served.pool
         thinblock("import-diff", str(full), other, "c")
-        assert _export_bytes(other, "c@s1") == states["v@s1"]
+        assert export_bytes(other, "c@s1") == states["v@s1"]
         with open(incr, "rb") as stdin:
             proc = subprocess.run(
                 [sys.executable, "-m", "thinblock", "import-diff", "-", other, "c", "--json"],
@@ -312,10 +300,10 @@ def test_export_diff_then_import_diff_rebuilds_every_snapshot(tmp_path: Path, ve
             )
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["to_snap"] == "c@s2"
-        assert _export_bytes(other, "c@s2") == states["v@s2"]
+        assert export_bytes(other, "c@s2") == states["v@s2"]
         thinblock("import-diff", str(head), other, "c")
-        assert _export_bytes(other, "c") == states["v"]
-        assert _names(other) == ["c", "c@s1", "c@s2"]
+        assert export_bytes(other, "c") == states["v"]
+        assert volume_names(other) == ["c", "c@s1", "c@s2"]
     # delta's zero flag says where the later state reads zeros.
     delta = json.loads(thinblock("delta", pool, "v@s1", "v@s2", "--json").stdout)
     assert any(r["zero"] for r in delta["ranges"]) and any(not r["zero"] for r in delta["ranges"])
@@ -347,7 +335,7 @@ def test_malformed_truncated_and_mismatched_diffs_change_nothing(tmp_path: Path)
     # The target: volume c at v@s1's state with its own c@s1.
     thinblock("volume", "clone", pool, "v@s1", "c")
     thinblock("snapshot", "create", pool, "c@s1")
-    names = _names(pool)
+    names = volume_names(pool)
 
     def refused(stream: bytes, says: str, *extra: str, volume: str = "c") -> None:
         path = tmp_path / "bad.diff"
@@ -356,8 +344,8 @@ def test_malformed_truncated_and_mismatched_diffs_change_nothing(tmp_path: Path)
         assert proc.returncode == 1, (says, proc.stdout, proc.stderr)
         assert says in proc.stderr, (says, proc.stderr)
         assert proc.stderr.count("\n") == 1, proc.stderr
-        assert _export_bytes(pool, "c") == s1
-        assert _names(pool) == names  # no snapshot taken, no staging volume left
+        assert export_bytes(pool, "c") == s1
+        assert volume_names(pool) == names  # no snapshot taken, no staging volume left
 
     # Every cut of the stream short of its end record is refused.
     header = len(b"rbd diff v1\n")
@@ -378,25 +366,25 @@ def test_malformed_truncated_and_mismatched_diffs_change_nothing(tmp_path: Path)
     no_size = diff[:size_record] + diff[size_record + 9 :]
     thinblock("volume", "create", pool, "small", "--size", "64K")
     thinblock("snapshot", "create", pool, "small@s1")
-    names = _names(pool)
+    names = volume_names(pool)
     refused(no_size, "ends past the image size 65536", volume="small")
     # Mismatches: a missing from-snapshot, a to-snapshot that exists, a changed volume.
     thinblock("volume", "create", pool, "bare", "--size", "4M")
-    names = _names(pool)
+    names = volume_names(pool)
     path = tmp_path / "d.diff"
     proc = thinblock("import-diff", str(path), pool, "bare", check=False)
     assert proc.returncode == 1 and "has no snapshot 's1'" in proc.stderr
     thinblock("snapshot", "create", pool, "c@s2")
-    names = _names(pool)
+    names = volume_names(pool)
     refused(diff, "'c@s2' already exists")
     thinblock("snapshot", "remove", pool, "c@s2")
     thinblock("import-diff", str(path), pool, "c")  # now it applies
-    assert _export_bytes(pool, "c@s2") == _export_bytes(pool, "v@s2")
+    assert export_bytes(pool, "c@s2") == export_bytes(pool, "v@s2")
     thinblock("snapshot", "remove", pool, "c@s2")
     thinblock("volume", "rollback", pool, "c", "c@s1")
     path.with_suffix(".nosize").write_bytes(no_size)
     thinblock("import-diff", str(path.with_suffix(".nosize")), pool, "c")  # so does one without a size record
-    assert _export_bytes(pool, "c@s2") == _export_bytes(pool, "v@s2")
+    assert export_bytes(pool, "c@s2") == export_bytes(pool, "v@s2")
     thinblock("volume", "rollback", pool, "c", "c@s1")
     thinblock("snapshot", "remove", pool, "c@s2")
     other = tmp_path / "o.raw"
@@ -433,8 +421,8 @@ def test_a_killed_import_diff_leaves_the_volume_as_it_was(tmp_path: Path) -> Non
     time.sleep(1.5)  # it is applying what it got and waits for the rest
     proc.kill()
     proc.wait()
-    assert _names(pool) == ["c", "v", "v@s1"]  # opening the pool removed the staging volume
-    assert _export_bytes(pool, "c") == bytes(64 * MiB)
+    assert volume_names(pool) == ["c", "v", "v@s1"]  # opening the pool removed the staging volume
+    assert export_bytes(pool, "c") == bytes(64 * MiB)
     thinblock("pool", "check", pool)
 
 
@@ -466,23 +454,23 @@ def test_rbd_interop_both_ways(tmp_path: Path, ceph: str) -> None:
             extra = ("--from-snap", from_snap) if from_snap else ()
             _rbd("export-diff", *extra, to, str(path))
             thinblock("import-diff", str(path), pool, "r")
-        assert _export_bytes(pool, "r@s1") == states["v@s1"]
-        assert _export_bytes(pool, "r@s2") == states["v@s2"]
-        assert _export_bytes(pool, "r") == states["v"]
+        assert export_bytes(pool, "r@s1") == states["v@s1"]
+        assert export_bytes(pool, "r@s2") == states["v@s2"]
+        assert export_bytes(pool, "r") == states["v"]
         # rbd's own image export (every snapshot in it) read by thinblock import.
         image_stream = tmp_path / "img.rbd"
         _rbd("export", "--export-format", "2", image, str(image_stream))
         result = json.loads(thinblock("import", str(image_stream), pool, "i", "--json").stdout)
         assert result["snapshots"] == ["i@s1", "i@s2"]
-        assert _export_bytes(pool, "i@s1") == states["v@s1"]
-        assert _export_bytes(pool, "i@s2") == states["v@s2"]
-        assert _export_bytes(pool, "i") == states["v"]
+        assert export_bytes(pool, "i@s1") == states["v@s1"]
+        assert export_bytes(pool, "i@s2") == states["v@s2"]
+        assert export_bytes(pool, "i") == states["v"]
         # A damaged image stream leaves nothing behind.
         cut = tmp_path / "cut.rbd"
         cut.write_bytes(image_stream.read_bytes()[: image_stream.stat().st_size // 2])
         proc = thinblock("import", str(cut), pool, "j", "--format", "rbd", check=False)
         assert proc.returncode == 1 and "truncated" in proc.stderr, proc.stderr
-        assert not [n for n in _names(pool) if n.startswith("j")]
+        assert not [n for n in volume_names(pool) if n.startswith("j")]
         # rbd's image import of our rbd-format export.
         stream = tmp_path / "v.rbd"
         thinblock("export", pool, "v@s2", str(stream), "--format", "rbd")
@@ -634,7 +622,7 @@ def test_a_job_whose_command_dies_stops_and_the_server_lives(tmp_path: Path) -> 
         deadline = time.monotonic() + 20
         while "went away" not in served.log.read_text() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _names(pool) == []  # nothing of the import shows (its staging volume is gone)
+        assert volume_names(pool) == []  # nothing of the import shows (its staging volume is gone)
         os.close(writer)
         assert served.alive()
         assert "went away" in served.log.read_text()
@@ -667,11 +655,11 @@ def test_a_full_destination_or_a_full_pool_fails_cleanly(tmp_path: Path) -> None
     thinblock("volume", "create", tiny, "c", "--size", "16M")
     proc = thinblock("import-diff", str(diff), tiny, "c", check=False)
     assert proc.returncode == 1 and "out of space" in proc.stderr, proc.stderr
-    assert _names(tiny) == ["c"]
+    assert volume_names(tiny) == ["c"]
     assert json.loads(thinblock("pool", "status", tiny, "--json").stdout)["used_bytes"] == 0
     proc = thinblock("import", str(src), tiny, "d", check=False)
     assert proc.returncode == 1 and "out of space" in proc.stderr, proc.stderr
-    assert _names(tiny) == ["c"]  # the volume the import made is removed again
+    assert volume_names(tiny) == ["c"]  # the volume the import made is removed again
     thinblock("pool", "check", tiny)
 
 
@@ -706,7 +694,7 @@ def test_export_of_a_live_volume_is_one_moment(tmp_path: Path) -> None:
         writer = threading.Thread(target=rewrite)
         writer.start()
         try:
-            images = [_export_bytes(served.pool, "v") for _ in range(4)]
+            images = [export_bytes(served.pool, "v") for _ in range(4)]
         finally:
             stop.set()
             writer.join()
@@ -719,7 +707,7 @@ def test_export_of_a_live_volume_is_one_moment(tmp_path: Path) -> None:
             assert set(gens) <= {low, low + 1}, sorted(set(gens))
             assert newer == set(order[: len(newer)]), "the image mixes two moments"
         h.shutdown()
-        assert _names(served.pool) == ["v"]  # the export's snapshot is gone
+        assert volume_names(served.pool) == ["v"]  # the export's snapshot is gone
 
 
 def test_export_diff_piped_into_import_diff_on_one_pool(tmp_path: Path) -> None:
@@ -742,8 +730,8 @@ def test_export_diff_piped_into_import_diff_on_one_pool(tmp_path: Path) -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert _export_bytes(pool, "w@s1") == src.read_bytes()
-    assert _names(pool) == ["v", "v@s1", "w", "w@s1"]
+    assert export_bytes(pool, "w@s1") == src.read_bytes()
+    assert volume_names(pool) == ["v", "v@s1", "w", "w@s1"]
     thinblock("pool", "check", pool)
 
 
