@@ -110,6 +110,27 @@ def connect(
     return h
 
 
+NbdStep = tuple[str, int, bytes | int]
+
+
+def apply_steps(server: Server, name: str, model: bytearray, steps: list[NbdStep]) -> None:
+    """Writes ("w", offset, data), trims ("t", offset, length) and zeroes ("z", offset,
+    length) on one export through libnbd, then a flush; model keeps what it must read."""
+    h = nbd.NBD()
+    h.connect_uri(server.unix_uri(name))
+    for kind, off, arg in steps:
+        if kind == "w":
+            assert isinstance(arg, bytes)
+            h.pwrite(arg, off)
+            model[off : off + len(arg)] = arg
+        else:
+            assert isinstance(arg, int) and kind in ("t", "z")
+            (h.trim if kind == "t" else h.zero)(arg, off)
+            model[off : off + arg] = bytes(arg)
+    h.flush()
+    h.shutdown()
+
+
 def offered_contexts(server: Server, name: str) -> list[str]:
     """The metadata contexts an export offers to an empty LIST_META_CONTEXT query."""
     listing = nbd.NBD()

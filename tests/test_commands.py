@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import test_attach
-from tests.cli import _running, fuse_daemon_pids, thinblock
+from tests import test_attach, test_cli
+from tests.cli import _running, fuse_daemon_pids
 from tests.nbd_server import Server, connect
 from thinblock import Pool
 from thinblock.core.pool import read_status
@@ -25,10 +25,8 @@ from thinblock.frontends.cli.main import build_parser
 
 DEADLINE_S = 30
 env = test_attach.env  # a private runtime dir; every mount, loop device and daemon cleaned up after
-
-
-def tb(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    return thinblock(*args, check=ok)
+pool_dir = test_cli.pool_dir  # a 64M pool
+tb = test_cli.tb  # the CLI; with ok=False it must fail cleanly, with a message
 
 
 def until(condition: Callable[[], bool], what: str) -> None:
@@ -41,13 +39,6 @@ def until(condition: Callable[[], bool], what: str) -> None:
 
 def listing(pool: str) -> dict[str, dict[str, object]]:
     return {v["name"]: v for v in json.loads(tb("volume", "list", pool, "--json").stdout)}
-
-
-@pytest.fixture
-def pool_dir(tmp_path: Path) -> str:
-    path = str(tmp_path / "pool")
-    tb("pool", "create", path, "--size", "64M")
-    return path
 
 
 # ----- rename ------------------------------------------------------------------------

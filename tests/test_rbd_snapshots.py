@@ -18,32 +18,13 @@ import sys
 import uuid
 from pathlib import Path
 
-import nbd
-
 from tests.cli import ROOT, export_bytes, volume_names
-from tests.nbd_server import Server, served_pool, thinblock
+from tests.nbd_server import Server, apply_steps, served_pool, thinblock
 from thinblock.formats import rbd
 
 MiB = 1 << 20
 BS = 64 << 10
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-
-
-def _nbd_epoch(server: Server, model: bytearray, steps: list[tuple[str, int, bytes | int]]) -> None:
-    """Writes ("w"), trims ("t") and zeroes ("z") on volume v through libnbd, kept in model."""
-    h = nbd.NBD()
-    h.connect_uri(server.unix_uri("v"))
-    for kind, off, arg in steps:
-        if kind == "w":
-            assert isinstance(arg, bytes)
-            h.pwrite(arg, off)
-            model[off : off + len(arg)] = arg
-        else:
-            assert isinstance(arg, int)
-            (h.trim if kind == "t" else h.zero)(arg, off)
-            model[off : off + arg] = bytes(arg)
-    h.flush()
-    h.shutdown()
 
 
 def _history(server: Server, tmp_path: Path) -> dict[str, bytes]:
@@ -61,8 +42,9 @@ def _history(server: Server, tmp_path: Path) -> dict[str, bytes]:
     model = first
     thinblock("snapshot", "create", pool, "v@s1")
     states["s1"] = bytes(model)
-    _nbd_epoch(
+    apply_steps(
         server,
+        "v",
         model,
         [("w", BS, rng.randbytes(BS)), ("t", 2 * MiB, MiB), ("z", 0, 512), ("w", 6 * MiB, rng.randbytes(4096))],
     )
@@ -70,10 +52,10 @@ def _history(server: Server, tmp_path: Path) -> dict[str, bytes]:
     states["s2"] = bytes(model)
     thinblock("volume", "resize", pool, "v", "--size", "12M")
     model += bytes(4 * MiB)
-    _nbd_epoch(server, model, [("w", 10 * MiB, rng.randbytes(2 * BS)), ("t", 0, BS), ("w", 5 * MiB, bytes(BS))])
+    apply_steps(server, "v", model, [("w", 10 * MiB, rng.randbytes(2 * BS)), ("t", 0, BS), ("w", 5 * MiB, bytes(BS))])
     thinblock("snapshot", "create", pool, "v@s3")
     states["s3"] = bytes(model)
-    _nbd_epoch(server, model, [("w", 3 * MiB, rng.randbytes(BS)), ("z", 10 * MiB, BS), ("w", 11 * MiB, b"tail")])
+    apply_steps(server, "v", model, [("w", 3 * MiB, rng.randbytes(BS)), ("z", 10 * MiB, BS), ("w", 11 * MiB, b"tail")])
     states[""] = bytes(model)
     assert len(set(states.values())) == 4  # four different states
     return states

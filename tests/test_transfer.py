@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import ROOT, export_bytes, volume_names
-from tests.nbd_server import Server, connect, served_pool, thinblock
+from tests.nbd_server import Server, apply_steps, connect, served_pool, thinblock
 
 MiB = 1 << 20
 BS = 64 << 10
@@ -227,7 +227,6 @@ def _rbd(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def _history(pool: str, tmp_path: Path) -> dict[str, bytes]:
     """Volume v with snapshots v@s1 and v@s2 and more changes after: data, zero
     writes, trims, a grow. Returns the bytes of each."""
-    import nbd
 
     thinblock("volume", "create", pool, "v", "--size", "16M", "--detect-zeroes", "off")
     states: dict[str, bytes] = {}
@@ -241,23 +240,7 @@ def _history(pool: str, tmp_path: Path) -> dict[str, bytes]:
         sock = tmp_path / "h.sock"
         server = Server(pool, "--socket", str(sock), workdir=tmp_path)
         try:
-            h = nbd.NBD()
-            h.connect_uri(server.unix_uri("v"))
-            for kind, off, arg in step:
-                if kind == "w":
-                    assert isinstance(arg, bytes)
-                    h.pwrite(arg, off)
-                    model[off : off + len(arg)] = arg
-                elif kind == "t":
-                    assert isinstance(arg, int)
-                    h.trim(arg, off)
-                    model[off : off + arg] = bytes(arg)
-                else:
-                    assert isinstance(arg, int)
-                    h.zero(arg, off)
-                    model[off : off + arg] = bytes(arg)
-            h.flush()
-            h.shutdown()
+            apply_steps(server, "v", model, step)
         finally:
             server.stop()
         if i < 2:
