@@ -338,7 +338,8 @@ class Pool(CommitPipeline, SpaceAccounts):
         the recovery after an unclean shutdown goes, when there is one."""
         location = locate(locator)
         try:
-            return cls._open(location, autocommit, purpose, takeover, progress)
+            with timed(log, f"pool {location.name}: opening") as step:
+                return cls._open(location, autocommit, purpose, takeover, progress, step)
         except OSError as exc:
             if isinstance(exc, OpError):  # the pool's own errors are sentences already
                 raise
@@ -352,19 +353,6 @@ class Pool(CommitPipeline, SpaceAccounts):
 
     @classmethod
     def _open(
-        cls,
-        location: Location,
-        autocommit: bool,
-        purpose: str,
-        takeover: bool,
-        progress: ProgressFn | None,
-    ) -> Pool:
-        with timed(log, f"pool {location.name}: opening") as step:
-            pool = cls._open_steps(location, autocommit, purpose, takeover, progress, step)
-        return pool
-
-    @classmethod
-    def _open_steps(
         cls,
         location: Location,
         autocommit: bool,
