@@ -19,7 +19,7 @@ from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.errors import OpError, OutputClosed, PoolBusyError, ThinblockError
 from thinblock.frontends.cli import config, maps, transfer
-from thinblock.frontends.cli.common import UsageError
+from thinblock.frontends.cli.common import UsageError, admin_call
 from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
 from thinblock.frontends.cli.examples import epilog
@@ -44,12 +44,6 @@ class _Parser(argparse.ArgumentParser):
         if "required: COMMAND" in message:
             message = f"a command is required: {self.prog} --help lists them"
         self.exit(EXIT_USAGE, f"thinblock: error: {self.prog}: {message}\n")
-
-
-def _admin(pool: str, verb: str, **args: Any) -> Any:
-    """One administration verb on the pool, directly or through its server (admin.open_admin)."""
-    with progress_bar("recovering free space", sys.stderr.isatty()) as bar, open_admin(pool, progress=bar) as admin:
-        return admin.call(verb, **args)
 
 
 def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
@@ -151,7 +145,7 @@ def cmd_pool_create(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_status(args: argparse.Namespace) -> None:
-    status = _admin(args.pool, "status")
+    status = admin_call(args.pool, "status")
     _emit(args, status, _human_status)
     if not args.json and sys.stdout.isatty():  # a picture for people, not for scripts
         from thinblock.frontends.cli.pictures import colour_wanted, space_bar
@@ -160,13 +154,13 @@ def cmd_pool_status(args: argparse.Namespace) -> None:
 
 
 def cmd_pool_grow(args: argparse.Namespace) -> None:
-    _warn(_admin(args.pool, "pool_grow", size_bytes=args.size)["warnings"])
+    _warn(admin_call(args.pool, "pool_grow", size_bytes=args.size)["warnings"])
     print(f"pool {args.pool} is now {format_size(args.size)}")
 
 
 def cmd_pool_set(args: argparse.Namespace) -> None:
     changes = _given(args, "when_full", "low_water", "on_low_water", "autogrow")
-    settings = _admin(args.pool, "pool_set", **changes)
+    settings = admin_call(args.pool, "pool_set", **changes)
     _emit(args, settings, _human_settings)
 
 
@@ -217,7 +211,7 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
 def cmd_pool_dump(args: argparse.Namespace) -> None:
     from thinblock.tools.dump import format_text
 
-    dump = _admin(args.pool, "pool_dump")
+    dump = admin_call(args.pool, "pool_dump")
     text = json.dumps(dump, indent=1) + "\n" if args.json else format_text(dump)
     if args.output:
         with open(args.output, "w") as f:
@@ -293,12 +287,12 @@ def _human_pool_removal(r: dict[str, Any]) -> str:
 
 
 def cmd_volume_create(args: argparse.Namespace) -> None:
-    _admin(args.pool, "volume_create", name=args.name, size_bytes=args.size, detect_zeroes=args.detect_zeroes)
+    admin_call(args.pool, "volume_create", name=args.name, size_bytes=args.size, detect_zeroes=args.detect_zeroes)
     print(f"created volume {args.name}: {format_size(args.size)}")
 
 
 def cmd_volume_list(args: argparse.Namespace) -> None:
-    _emit(args, _admin(args.pool, "volume_list"), _human_volumes)
+    _emit(args, admin_call(args.pool, "volume_list"), _human_volumes)
 
 
 def _human_removal(r: dict[str, Any]) -> str:
@@ -310,16 +304,16 @@ def _human_removal(r: dict[str, Any]) -> str:
 
 
 def cmd_volume_remove(args: argparse.Namespace) -> None:
-    _emit(args, _admin(args.pool, "volume_remove", name=args.name, kind="volume"), _human_removal)
+    _emit(args, admin_call(args.pool, "volume_remove", name=args.name, kind="volume"), _human_removal)
 
 
 def cmd_volume_resize(args: argparse.Namespace) -> None:
-    _admin(args.pool, "volume_resize", name=args.name, size_bytes=args.size, allow_shrink=args.allow_shrink)
+    admin_call(args.pool, "volume_resize", name=args.name, size_bytes=args.size, allow_shrink=args.allow_shrink)
     print(f"volume {args.name} is now {format_size(args.size)}")
 
 
 def _rename(args: argparse.Namespace, kind: str) -> None:
-    info = _admin(args.pool, "volume_rename", name=args.name, new_name=args.new_name, kind=kind)
+    info = admin_call(args.pool, "volume_rename", name=args.name, new_name=args.new_name, kind=kind)
     _emit(args, info, lambda i: f"renamed {kind} {i['old_name']} to {i['name']}")
 
 
@@ -335,17 +329,17 @@ def cmd_volume_set(args: argparse.Namespace) -> None:
     changes = _given(args, "detect_zeroes", "reserve", "low_water", "on_low_water")
     if not changes:
         raise UsageError("nothing to change: give --detect-zeroes, --reserve, --low-water or --on-low-water")
-    info = _admin(args.pool, "volume_set", name=args.name, **changes)
+    info = admin_call(args.pool, "volume_set", name=args.name, **changes)
     _emit(args, info, lambda i: f"volume {i['name']} updated")
 
 
 def cmd_volume_clone(args: argparse.Namespace) -> None:
-    _admin(args.pool, "volume_clone", snapshot=args.snapshot, name=args.name)
+    admin_call(args.pool, "volume_clone", snapshot=args.snapshot, name=args.name)
     print(f"cloned snapshot {args.snapshot} as volume {args.name}")
 
 
 def cmd_volume_rollback(args: argparse.Namespace) -> None:
-    _admin(args.pool, "volume_rollback", name=args.name, snapshot=args.snapshot)
+    admin_call(args.pool, "volume_rollback", name=args.name, snapshot=args.snapshot)
     print(f"volume {args.name} rolled back to snapshot {args.snapshot}")
 
 
@@ -357,20 +351,20 @@ def cmd_snapshot_create(args: argparse.Namespace) -> None:
         if not at or not source or not snap:
             raise UsageError("snapshot create needs VOLUME SNAPSHOT, or VOLUME@SNAP")
         name = args.volume
-    info = _admin(args.pool, "snapshot_create", volume=source, name=name)
+    info = admin_call(args.pool, "snapshot_create", volume=source, name=name)
     _emit(args, info, lambda i: f"created snapshot {i['name']} of {source}")
 
 
 def cmd_snapshot_list(args: argparse.Namespace) -> None:
-    _emit(args, _admin(args.pool, "volume_list", kind="snapshot"), _human_volumes)
+    _emit(args, admin_call(args.pool, "volume_list", kind="snapshot"), _human_volumes)
 
 
 def cmd_snapshot_remove(args: argparse.Namespace) -> None:
-    _emit(args, _admin(args.pool, "volume_remove", name=args.name, kind="snapshot"), _human_removal)
+    _emit(args, admin_call(args.pool, "volume_remove", name=args.name, kind="snapshot"), _human_removal)
 
 
 def cmd_delta(args: argparse.Namespace) -> None:
-    delta = _admin(args.pool, "delta", source=args.source, target=args.target)
+    delta = admin_call(args.pool, "delta", source=args.source, target=args.target)
 
     def human(d: dict[str, Any]) -> str:
         lines = [f"{r['offset']} {r['length']} {'zero' if r['zero'] else 'data'}" for r in d["ranges"]]

@@ -17,12 +17,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from thinblock.admin.access import open_admin
 from thinblock.core.allocation_map import MAX_CELLS, cell_runs
 from thinblock.errors import ThinblockError
 from thinblock.frontends.cli import pictures
-from thinblock.frontends.cli.common import UsageError, emit
-from thinblock.frontends.cli.progress import progress_bar
+from thinblock.frontends.cli.common import UsageError, admin_call, emit
 from thinblock.sizes import format_size
 
 Add = Callable[..., argparse.ArgumentParser]
@@ -30,11 +28,6 @@ Add = Callable[..., argparse.ArgumentParser]
 PICTURE_COLUMNS, PICTURE_ROWS = 256, 256
 TERMINAL_ROWS = 8  # "a few lines"
 PIPED_COLUMNS = 64
-
-
-def _call(pool: str, verb: str, **args: Any) -> Any:
-    with progress_bar("recovering free space", sys.stderr.isatty()) as bar, open_admin(pool, progress=bar) as admin:
-        return admin.call(verb, **args)
 
 
 # ----- volume info ------------------------------------------------------------------------
@@ -72,7 +65,7 @@ def _human_info(info: dict[str, Any]) -> str:
 
 
 def cmd_volume_info(args: argparse.Namespace) -> None:
-    emit(args, _call(args.pool, "volume_info", name=args.name), _human_info)
+    emit(args, admin_call(args.pool, "volume_info", name=args.name), _human_info)
 
 
 # ----- volume map -------------------------------------------------------------------------
@@ -95,7 +88,7 @@ def cmd_volume_map(args: argparse.Namespace) -> None:
     columns, rows = args.width or columns, args.height or rows
     if columns * rows > MAX_CELLS:
         raise UsageError(f"--width {columns} x --height {rows} is more than the {MAX_CELLS} cells a map may hold")
-    m = _call(args.pool, "volume_map", name=args.name, columns=columns, max_rows=rows)
+    m = admin_call(args.pool, "volume_map", name=args.name, columns=columns, max_rows=rows)
     result: dict[str, Any] = {**{k: v for k, v in m.items() if k != "cells"}, "runs": cell_runs(m["cells"])}
     if kind is not None:
         result["picture"] = {"file": out, **_write_picture(out, kind, args.pool, m)}
