@@ -23,8 +23,8 @@ class Catalog:
     def __init__(self) -> None:
         self.exports = {"a": ExportInfo("a", 1 << 20, False), "ro": ExportInfo("ro", 4096, True)}
 
-    def list_exports(self) -> list[ExportInfo]:
-        return list(self.exports.values())
+    def list_names(self) -> list[tuple[str, str]]:
+        return [(e.name, e.description) for e in self.exports.values()]
 
     def lookup(self, name: str) -> ExportInfo | None:
         return self.exports.get(name)

@@ -88,9 +88,11 @@ class CommitPipeline:
     _kick: threading.Event
     _closed: threading.Event
 
-    if TYPE_CHECKING:  # provided by SpaceAccounts
+    if TYPE_CHECKING:  # provided by SpaceAccounts, and by Pool's registry
 
         def wake_space_waiters(self) -> None: ...
+
+        def volume_by_id(self, volume_id: int | None) -> Volume | None: ...
 
     # ----- pages (used by Volume) ---------------------------------------------------
 
@@ -255,10 +257,12 @@ class CommitPipeline:
             refcount_pages=self.space.take_dirty_pages(),
             page_refcounts={pid: self.pages[pid].refcount for pid in self._dirty_page_refs - self._dirty_pages},
         )
-        roots_by_id = {v.row.id: v.root for v in self.volumes.values()}
         for vid, page_index in self._dirty_roots:
-            if vid in roots_by_id:
-                txn.roots[(vid, page_index)] = roots_by_id[vid].get(page_index)
+            # By id, not a table of every volume's root: that would cost O(volumes) per
+            # commit and load every lazy root table (a dirty root's volume has its loaded).
+            vol = self.volume_by_id(vid)
+            if vol is not None:
+                txn.roots[(vid, page_index)] = vol.root.get(page_index)
         for page_id in self._dirty_pages:
             page = self.pages[page_id]
             txn.pages[page_id] = None if page.refcount == 0 else (page.refcount, page.to_blob())

@@ -146,6 +146,60 @@ def _format_owner(location: Location) -> None:
         store.close()
 
 
+class VolumeRegistry(dict[str, Volume]):
+    """The pool's volumes by name, with an index by id kept by the same operations, so
+    the two cannot disagree: every change of the name map (add, remove, the del-then-set
+    of a rename or a staging publish) goes through __setitem__ or __delitem__, and the
+    id of a registered volume never changes. volume_by_id is then one dict lookup, not
+    a scan (an NBD listing or volume list asks it once per snapshot)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_id: dict[int, Volume] = {}
+        self._changes = 0  # bumped by every change: the dependents index is rebuilt after one
+        self._dependents: tuple[int, dict[int, list[Volume]]] = (-1, {})
+
+    def __setitem__(self, name: str, vol: Volume) -> None:
+        old = self.get(name)
+        if old is not None and old is not vol:
+            self._forget(old)
+        super().__setitem__(name, vol)
+        self.by_id[vol.row.id] = vol
+        self._changes += 1
+
+    def __delitem__(self, name: str) -> None:
+        vol = self[name]
+        super().__delitem__(name)
+        self._forget(vol)
+        self._changes += 1
+
+    def dependents(self, volume_id: int) -> list[Volume]:
+        """The volumes and snapshots whose origin is this id, by name (call under the pool
+        lock). One O(volumes) pass builds the index for all ids after any change, so a
+        listing of every export's snapshots costs O(volumes), not O(volumes) each. It
+        holds because an origin is set or cleared only in the same hold of the pool
+        lock as a change here: a new snapshot or clone is added, its origin removed."""
+        changes, index = self._dependents
+        if changes != self._changes:
+            index = {}
+            for name in sorted(self):
+                vol = dict.__getitem__(self, name)
+                if vol.row.origin_id is not None:
+                    index.setdefault(vol.row.origin_id, []).append(vol)
+            self._dependents = (self._changes, index)
+        return index.get(volume_id, [])
+
+    def _forget(self, vol: Volume) -> None:
+        if self.by_id.get(vol.row.id) is vol:
+            del self.by_id[vol.row.id]
+
+    def _unkept(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("VolumeRegistry changes one name at a time (d[name] = vol, del d[name])")
+
+    # Bulk changes would bypass the id index: refused rather than kept half right.
+    pop = update = setdefault = popitem = clear = __ior__ = _unkept  # type: ignore[assignment]
+
+
 @contextlib.contextmanager
 def owned(locator: str | Location, purpose: str) -> Iterator[Location]:
     """Own a pool without opening it (restore, repair): refused while it is served."""
@@ -192,9 +246,9 @@ class Pool(CommitPipeline, SpaceAccounts):
         self.pages: dict[int, Page] = {}
         self._next_page_id = meta.max_page_id() + 1
         self._next_volume_id = meta.max_volume_id() + 1
-        self.volumes: dict[str, Volume] = {}
+        self.volumes: VolumeRegistry = VolumeRegistry()
         for row in meta.volumes():
-            self.volumes[row.name] = Volume(self, row, meta.roots(row.id))
+            self.volumes[row.name] = Volume(self, row)  # its root table loads on first use
         self.policy = SpacePolicy(self, sb)
         self.owned_stale = False  # some volume may own more blocks alone than it counts
         # dblocks of ZEROED blocks that a failed write may have reached: they may not
@@ -440,7 +494,8 @@ class Pool(CommitPipeline, SpaceAccounts):
             self.remove_volume(name)
 
     def volume_by_id(self, volume_id: int | None) -> Volume | None:
-        return next((v for v in self.volumes.values() if v.row.id == volume_id), None)
+        """The volume or snapshot with this id (None for None or a removed one): O(1)."""
+        return None if volume_id is None else self.volumes.by_id.get(volume_id)
 
     def create_volume(self, name: str, size_bytes: int, *, detect_zeroes: str = "on") -> Volume:
         validate_volume_size(size_bytes)

@@ -97,10 +97,11 @@ class Sparsified(NamedTuple):
 class Volume:
     """One thin volume of a pool. Obtain it from `Pool.volume(name)`."""
 
-    def __init__(self, pool: Pool, row: VolumeRow, root: dict[int, int]) -> None:
+    def __init__(self, pool: Pool, row: VolumeRow, root: dict[int, int] | None = None) -> None:
+        """root: the volume's root table; None loads the committed one on first use."""
         self.pool = pool
         self.row = row
-        self.root = root  # page_index -> page_id
+        self._root = root  # page_index -> page_id; see the root property
         self.removed = False
         self.readonly = row.kind == "snapshot"
         # Blocks this volume owns alone (a lower bound; see Pool.recount_owned). Only
@@ -108,6 +109,24 @@ class Volume:
         self.owned_blocks = 0
         self.users = 0  # open NBD connections and FUSE handles: removal/rollback wait for none
         self.ranges = RangeLock()  # requests in flight hold their blocks here (see _mutate)
+
+    @property
+    def root(self) -> dict[int, int]:
+        """page_index -> page_id, read and changed under the pool lock like every mapping.
+
+        Loaded from the metadata on first use, not when the pool opens: a command over
+        a pool of 100,000 volumes touches a few root tables, not all of them. Until
+        then the committed table is the volume's own (a commit writes only the root
+        entries of volumes that changed, and those were loaded to change them). Loaded
+        under the pool lock, so a load racing a change can never put an older table
+        back over a newer one."""
+        root = self._root
+        if root is None:
+            with self.pool.lock:
+                root = self._root
+                if root is None:
+                    root = self._root = self.pool.meta.roots(self.row.id)
+        return root
 
     @property
     def name(self) -> str:

@@ -186,12 +186,12 @@ class GrantedCatalog:
         why = f"{self.who.problem}" if self.who.problem else "is not in the authorisation list"
         return f"client certificate {self.who.shown} {why}"
 
-    def list_exports(self) -> list[ExportInfo]:
+    def list_names(self) -> list[tuple[str, str]]:
         grant = self.grant
         if grant is None:
             self._refused()
             raise ExportRefused(self._refusal())
-        return [self._view(e, grant) for e in self.catalog.list_exports() if grant.allows(e.name)]
+        return [(name, text) for name, text in self.catalog.list_names() if grant.allows(name)]
 
     def lookup(self, name: str) -> ExportInfo | None:
         """The export, or None (exactly the answer for a name that does not exist) when
@@ -221,8 +221,15 @@ class GrantedCatalog:
         return None
 
     def _view(self, export: ExportInfo, grant: Grant) -> ExportInfo:
-        contexts = tuple(ctx for ctx in export.meta_contexts if self.allows_context(ctx, grant))
-        return dataclasses.replace(export, read_only=export.read_only or grant.read_only, meta_contexts=contexts)
+        def contexts() -> tuple[str, ...]:  # filtered when asked for, as they are built
+            return tuple(ctx for ctx in export.meta_contexts if self.allows_context(ctx, grant))
+
+        def offers(context: str) -> bool:
+            return export.offers_context(context) and self.allows_context(context, grant)
+
+        return dataclasses.replace(
+            export, read_only=export.read_only or grant.read_only, contexts=contexts, offers=offers
+        )
 
     def allows_context(self, context: str, grant: Grant | None = None) -> bool:
         grant = grant or self.grant

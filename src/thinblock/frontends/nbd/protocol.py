@@ -13,6 +13,7 @@ protocol: end that connection) and `LocalProtocolError` (we misused the core).
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -38,9 +39,14 @@ class LocalProtocolError(Exception):
     """The caller used the core wrongly (a bug in thinblock, not the client)."""
 
 
+def _base_only() -> tuple[str, ...]:
+    return (BASE_ALLOCATION,)
+
+
 @dataclass(frozen=True)
 class ExportInfo:
-    """What the core needs to know about one export."""
+    """What the core needs to know about one export (looked up for INFO, GO,
+    EXPORT_NAME and the META_CONTEXT options; a listing needs only names)."""
 
     name: str
     size_bytes: int
@@ -49,15 +55,33 @@ class ExportInfo:
     min_block: int = 1
     preferred_block: int = 4096
     max_payload: int = c.MAX_PAYLOAD_BYTES
-    meta_contexts: tuple[str, ...] = (BASE_ALLOCATION,)
+    # The metadata contexts a LIST_META_CONTEXT enumerates, computed only when one asks
+    # (INFO and GO never need them); `offers` says whether a context named exactly may
+    # be selected, which may go beyond what is enumerated (the spec lets a server list
+    # a namespace's contexts partly).
+    contexts: Callable[[], tuple[str, ...]] = _base_only
+    offers: Callable[[str], bool] | None = None  # None: exactly the enumerated ones
+
+    @property
+    def meta_contexts(self) -> tuple[str, ...]:
+        return self.contexts()
+
+    def offers_context(self, name: str) -> bool:
+        return self.offers(name) if self.offers is not None else name in self.contexts()
+
+
+# One NBD_REP_SERVER reply's header with the name length that starts its payload.
+_LIST_REPLY = struct.Struct(">QIIII")
 
 
 class ExportCatalog(Protocol):
     """The exports a client may see. lookup answers None both for a name that does not
     exist and for one the client may not see (authz.py), and raises ExportRefused
-    when the client may use nothing at all (the server's authorisation)."""
+    when the client may use nothing at all (the server's authorisation). list_names
+    gives (name, description) of each, in the order they are listed: all a listing
+    sends, so it never builds a whole ExportInfo per export."""
 
-    def list_exports(self) -> list[ExportInfo]: ...
+    def list_names(self) -> list[tuple[str, str]]: ...
 
     def lookup(self, name: str) -> ExportInfo | None: ...
 
@@ -330,13 +354,18 @@ class ServerConnection:
             self._error(option, c.REP_ERR_INVALID, "LIST takes no data")
             return None
         try:
-            exports = self.catalog.list_exports()
+            exports = self.catalog.list_names()
         except ExportRefused as exc:
             self._error(option, c.REP_ERR_POLICY, str(exc))
             return None
-        for export in exports:
-            name = export.name.encode()
-            self._reply(option, c.REP_SERVER, struct.pack(">I", len(name)) + name + export.description.encode())
+        # Every reply into one buffer, joined once: the shell sends it in one go (a
+        # few sends of the socket's size), however many exports there are.
+        parts: list[bytes] = []
+        pack = _LIST_REPLY.pack
+        for name, description in exports:
+            raw, text = name.encode(), description.encode()
+            parts += (pack(c.OPTION_REPLY_MAGIC, option, c.REP_SERVER, 4 + len(raw) + len(text), len(raw)), raw, text)
+        self._outbuf += b"".join(parts)
         self._reply(option, c.REP_ACK)
         return None
 
@@ -471,7 +500,7 @@ class ServerConnection:
         export = self._lookup(option, name)
         if export is None:
             return None
-        matched = [ctx for ctx in export.meta_contexts if _matches(ctx, queries, listing=not setting)]
+        matched = _selected(export, queries, listing=not setting)
         for ctx in matched:
             ctx_id = 0
             if setting:
@@ -622,9 +651,16 @@ class ServerConnection:
         return bytes(out)
 
 
-def _matches(context: str, queries: list[str], *, listing: bool) -> bool:
-    """Whether a context is selected by the queries (no queries lists everything)."""
+def _selected(export: ExportInfo, queries: list[str], *, listing: bool) -> list[str]:
+    """The contexts the queries select, each once, in the order asked. No queries lists
+    everything enumerated (and sets nothing); a namespace query ("thinblock:") lists
+    that namespace's enumerated contexts; any other query is a context's exact name."""
     if not queries:
-        return listing
-    namespace = context.split(":", 1)[0] + ":"
-    return any(q == context or (listing and q == namespace) for q in queries)
+        return list(export.meta_contexts) if listing else []
+    selected: dict[str, None] = {}
+    for query in queries:
+        if listing and query.endswith(":") and query.count(":") == 1:
+            selected.update((ctx, None) for ctx in export.meta_contexts if ctx.startswith(query))
+        elif export.offers_context(query):
+            selected[query] = None
+    return list(selected)

@@ -27,9 +27,10 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import itemgetter
 
 from thinblock.core.delta import changed_ranges
-from thinblock.core.pool import Pool
+from thinblock.core.pool import STAGING_PREFIX, Pool
 from thinblock.core.volume import Volume
 from thinblock.errors import OpError, ThinblockError
 from thinblock.frontends.export import Export, errno_of
@@ -131,7 +132,13 @@ def nbd_error(exc: BaseException) -> int:
 
 
 class PoolCatalog:
-    """Every volume of the pool is an export, looked up live (new volumes appear at once)."""
+    """Every volume of the pool is an export, looked up live (new volumes appear at once).
+
+    Nothing here costs more than O(1) per export it answers for: a listing copies the
+    registry under the pool lock (a C-speed copy, so I/O is held up for a moment even
+    at 100,000 exports) and builds names and descriptions after it; the metadata
+    contexts, which name every snapshot of the pool, are built only for the
+    META_CONTEXT option that asks for them."""
 
     def __init__(self, pool: Pool, *, read_only: bool) -> None:
         self.pool = pool
@@ -146,16 +153,42 @@ class PoolCatalog:
             min_block=1,
             preferred_block=min(self.pool.block_size, 1 << 16),
             max_payload=c.MAX_PAYLOAD_BYTES,
-            meta_contexts=(
-                BASE_ALLOCATION,
-                GUARANTEED,
-                *(CHANGED_PREFIX + name for name, v in sorted(self.pool.visible().items()) if v.row.kind == "snapshot"),
-            ),
+            contexts=lambda: self.meta_contexts(vol),
+            offers=self.offers,
         )
 
-    def list_exports(self) -> list[ExportInfo]:
+    def meta_contexts(self, vol: Volume) -> tuple[str, ...]:
+        """What an export lists: base:allocation, thinblock:guaranteed, and
+        thinblock:changed: against each snapshot taken of it. Not every snapshot of the
+        pool: nbdinfo --list lists each export's contexts, which would make it
+        quadratic. Any snapshot can still be selected by name (offers)."""
         with self.pool.lock:
-            return [self.info(v) for _, v in sorted(self.pool.visible().items())]
+            snapshots = [
+                v.name
+                for v in self.pool.volumes.dependents(vol.row.id)
+                if v.row.kind == "snapshot" and not v.name.startswith(STAGING_PREFIX)
+            ]
+        return (BASE_ALLOCATION, GUARANTEED, *(CHANGED_PREFIX + name for name in snapshots))
+
+    def offers(self, context: str) -> bool:
+        """Whether any export may select this context: the two of its own, or
+        thinblock:changed: against any snapshot of the pool."""
+        if context in (BASE_ALLOCATION, GUARANTEED):
+            return True
+        if not context.startswith(CHANGED_PREFIX):
+            return False
+        with self.pool.lock:
+            snapshot = self.pool.visible_volume(context.removeprefix(CHANGED_PREFIX))
+            return snapshot is not None and snapshot.row.kind == "snapshot"
+
+    def list_names(self) -> list[tuple[str, str]]:
+        """(name, description) of every export, sorted by name."""
+        with self.pool.lock:
+            entries = list(self.pool.volumes.items())
+        # Built outside the lock: a description read after a concurrent rename of a
+        # snapshot's origin names its new name, which is as true as the old.
+        entries.sort(key=itemgetter(0))
+        return [(name, describe(self.pool, v)) for name, v in entries if not name.startswith(STAGING_PREFIX)]
 
     def lookup(self, name: str) -> ExportInfo | None:
         vol = self.volume(name)
@@ -183,7 +216,8 @@ class PoolCatalog:
 
 
 def describe(pool: Pool, vol: Volume) -> str:
-    """An export's description: a snapshot says of which volume and when it was taken."""
+    """An export's description: a snapshot says of which volume and when it was taken
+    (its origin found by id, O(1)); no description names any other export."""
     if vol.row.kind != "snapshot":
         return f"thinblock volume {vol.name}"
     origin = pool.volume_by_id(vol.row.origin_id)
@@ -368,7 +402,7 @@ class _Refusing:
     def __init__(self, message: str) -> None:
         self.message = message
 
-    def list_exports(self) -> list[ExportInfo]:
+    def list_names(self) -> list[tuple[str, str]]:
         raise ExportRefused(self.message)
 
     def lookup(self, name: str) -> ExportInfo | None:
