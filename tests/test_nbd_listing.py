@@ -119,7 +119,7 @@ def check_registry(pool: Pool) -> None:
     for vol in volumes.values():
         assert pool.volume_by_id(vol.row.id) is vol
         scan = sorted((v for v in volumes.values() if v.row.origin_id == vol.row.id), key=lambda v: v.name)
-        assert volumes.dependents(vol.row.id) == scan, vol.name
+        assert volumes.dependents(vol.row.id, pool.lock) == scan, vol.name
     assert pool.volume_by_id(None) is None
 
 
@@ -226,6 +226,7 @@ class RegistryMachine(RuleBasedStateMachine):
         self.p.close()
         assert self.dir is not None
         self.pool = Pool.open(str(self.dir / "pool"))
+        self.removed = []  # a reopened pool may give a removed volume's id to the next one
 
     @invariant()
     def indexes_hold(self) -> None:

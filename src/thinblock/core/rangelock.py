@@ -42,9 +42,11 @@ class RangeLock:
     """Locks on inclusive ranges [lo, hi] of block numbers."""
 
     def __init__(self) -> None:
-        # The fast path takes the plain lock (C); the condition is used only to wait.
+        # The fast path takes the plain lock (C); the condition is used only to wait, and
+        # made by the first wait: a pool opens with one RangeLock per volume, and a
+        # Condition costs as much to make as the rest of a Volume.
         self._mutex = threading.Lock()
-        self._cond = threading.Condition(self._mutex)
+        self._cond: threading.Condition | None = None
         self._tickets: list[_Ticket] = []  # held and waiting, in arrival order
         self._waiting = 0
 
@@ -65,6 +67,8 @@ class RangeLock:
             self._tickets.append(ticket)
             if not self._may_go(ticket):
                 self._waiting += 1
+                if self._cond is None:
+                    self._cond = threading.Condition(self._mutex)
                 while not self._may_go(ticket):
                     self._cond.wait()
                 self._waiting -= 1
@@ -73,6 +77,7 @@ class RangeLock:
         with self._mutex:
             self._tickets.remove(ticket)
             if self._waiting:
+                assert self._cond is not None  # made by the waiter, under the same mutex
                 self._cond.notify_all()
 
     def hold_all(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:

@@ -162,12 +162,11 @@ class PoolCatalog:
         thinblock:changed: against each snapshot taken of it. Not every snapshot of the
         pool: nbdinfo --list lists each export's contexts, which would make it
         quadratic. Any snapshot can still be selected by name (offers)."""
-        with self.pool.lock:
-            snapshots = [
-                v.name
-                for v in self.pool.volumes.dependents(vol.row.id)
-                if v.row.kind == "snapshot" and not v.name.startswith(STAGING_PREFIX)
-            ]
+        snapshots = [
+            v.name
+            for v in self.pool.volumes.dependents(vol.row.id, self.pool.lock)
+            if v.row.kind == "snapshot" and not v.name.startswith(STAGING_PREFIX)
+        ]
         return (BASE_ALLOCATION, GUARANTEED, *(CHANGED_PREFIX + name for name in snapshots))
 
     def offers(self, context: str) -> bool:
