@@ -141,6 +141,24 @@ def _invalid(values: array[int]) -> bool:
     return b"\x01" in values.tobytes()[_LOW::8].translate(_BAD_STATE)
 
 
+def _runs_by_slot(entries: array[int], slots: list[int]) -> tuple[list[int], list[int]]:
+    """(first slots, counts) of the runs among these mapped slots, one slot at a time."""
+    firsts: list[int] = []
+    counts: list[int] = []
+    for slot in slots:
+        if firsts and slot == firsts[-1] + counts[-1] and entries[slot] == entries[slot - 1] + _STEP:
+            counts[-1] += 1
+        else:
+            firsts.append(slot)
+            counts.append(1)
+    return firsts, counts
+
+
+def _runs_blob(entries: array[int], firsts: list[int], counts: list[int]) -> bytes:
+    r = len(firsts)
+    return RUNS_TAG + struct.pack(f"={r}H{r}H{r}Q", *firsts, *counts, *map(entries.__getitem__, firsts))
+
+
 def encode_entries(entries: array[int]) -> bytes:
     """The smallest encoding of a page's PAGE_ENTRIES entries (the module's docstring);
     on a tie, sparse before runs before dense. A page holding an entry thinblock never
@@ -155,20 +173,24 @@ def encode_entries(entries: array[int]) -> bytes:
         return raw
     mapped_flags = _flags(mapped)
     n = mapped_flags.count(1)
-    runs, begins, begin_flags = PAGE_ENTRIES, 0, b""
-    if n > 1 and _MAX_DBLOCK_BYTES not in raw:  # else a step of 8 could carry into the next word
+    smaller = min(1 + 10 * n, PAGE_BYTES)  # what runs must beat
+    if n > 1 and _MAX_DBLOCK_BYTES not in raw:
         # Word i of x ^ (x moved up a word, plus 8) is 0 exactly when entry i is entry
         # i-1 + 8: the next dblock, the same state and pin, so slot i continues a run
-        # (entry i-1 is not 0: that would make entry i 8, an invalid entry, refused above).
+        # (entry i-1 is not 0: that would make entry i 8, an invalid entry, refused
+        # above). No step carries: no entry is on the largest dblock.
         begins = _nonzero((((x << 64) + _NEXT) & _WORDS) ^ x) & mapped
         begin_flags = _flags(begins)
         runs = begin_flags.count(1)
-    if 1 + 12 * runs < min(1 + 10 * n, PAGE_BYTES):
-        continues = mapped ^ begins
-        ends = mapped & ~(continues >> 64)  # mapped slots the next slot does not continue
-        firsts = list(compress(_SLOT_AT, begin_flags))
-        counts = map(operator.sub, compress(_SLOT_AFTER, _flags(ends)), firsts)
-        return RUNS_TAG + struct.pack(f"={runs}H{runs}H{runs}Q", *firsts, *counts, *map(entries.__getitem__, firsts))
+        if 1 + 12 * runs < smaller:
+            ends = mapped & ~((mapped ^ begins) >> 64)  # mapped slots the next slot does not continue
+            firsts = list(compress(_SLOT_AT, begin_flags))
+            counts = list(map(operator.sub, compress(_SLOT_AFTER, _flags(ends)), firsts))
+            return _runs_blob(entries, firsts, counts)
+    elif n > 1:  # rare: near the largest dblock, found slot by slot
+        firsts, counts = _runs_by_slot(entries, list(compress(_SLOT_AT, mapped_flags)))
+        if 1 + 12 * len(firsts) < smaller:
+            return _runs_blob(entries, firsts, counts)
     if 1 + 10 * n < PAGE_BYTES:
         slots = list(compress(_SLOT_AT, mapped_flags))
         return SPARSE_TAG + struct.pack(f"={n}H{n}Q", *slots, *map(entries.__getitem__, slots))
