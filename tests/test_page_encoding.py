@@ -91,6 +91,15 @@ def test_old_dense_pages_still_read() -> None:
     assert Page.from_blob(1, 2, blob).entries == entries
 
 
+def test_a_page_with_an_entry_never_stored_stays_dense() -> None:
+    """Read from a damaged dense page, it is written back dense: check and repair then
+    judge the bad slot alone, instead of the whole page becoming unreadable."""
+    for bad in (make_entry(4, DATA) | 3, 4 << DBLOCK_SHIFT):
+        entries = _page({0: make_entry(1, DATA), 1: make_entry(2, DATA), 9: bad})
+        assert encode_entries(entries) == entries.tobytes()
+        assert decode_entries(entries.tobytes()) == entries
+
+
 def test_the_largest_dblock_round_trips() -> None:
     top = _page({510: make_entry(MAX_DBLOCK - 1, DATA, pinned=True), 511: make_entry(MAX_DBLOCK, DATA, pinned=True)})
     assert decode_entries(encode_entries(top)) == top
