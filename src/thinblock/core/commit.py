@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from thinblock.core.mapping import BlockState, Page, entry_dblock, entry_state
+from thinblock.core.mapping import BlockState, Page, entry_dblock, entry_state, mapped_pairs
 from thinblock.core.spacemap import SpaceMap, to_runs
 from thinblock.errors import CommitError, ThinblockError, is_no_space
 from thinblock.meta.base import MetadataStore, Transaction
@@ -335,7 +335,7 @@ class CommitPipeline:
                 {
                     entry_dblock(entry)
                     for _pid, _ref, blob in self.meta.all_pages()
-                    for entry in Page.from_blob(0, 0, blob).entries
+                    for entry in mapped_pairs(blob)[1]
                     if entry_state(entry) == BlockState.ZEROED
                 }
             )

@@ -5,7 +5,7 @@ Keys (numbers zero-padded, so that key order is number order):
     s.<name>               superblock values, JSON
     v.<id>                 a volume or snapshot, JSON
     r.<volume>.<index>     a root table entry: the page id
-    p.<id> / q.<id>        a mapping page's entries blob / its refcount
+    p.<id> / q.<id>        a mapping page (core/mapping.py encodes it) / its refcount
     c.<index>              a refcount page
     x.epoch                the holder's epoch (20 digits); every commit compares it
     x.owner                who holds the pool (backends/rados.py writes it)

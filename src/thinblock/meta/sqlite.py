@@ -9,7 +9,7 @@ Tables
   superblock(key, value)                 format, block size, size, counters
   volumes(id, name, kind, origin_id, ...) one row per volume or snapshot
   roots(volume_id, page_index, page_id)  each volume's root table, sparse
-  pages(id, refcount, entries)           mapping pages (PAGE_ENTRIES uint64)
+  pages(id, refcount, entries)           mapping pages, as core/mapping.py encodes them
   refcount_pages(idx, counts)            dblock refcounts, 1024 uint32 a page
 """
 

@@ -33,7 +33,17 @@ from typing import Any
 from thinblock.admin.schema import DUMP_POOL, DUMP_VOLUME, check_fields
 from thinblock.backends import Location
 from thinblock.backends.base import KEEP_BEFORE_RESTORE
-from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock, entry_pinned, entry_state, make_entry
+from thinblock.core.mapping import (
+    PAGE_ENTRIES,
+    BlockState,
+    Page,
+    encode_entries,
+    entry_dblock,
+    entry_pinned,
+    entry_state,
+    make_entry,
+    mapped_pairs,
+)
 from thinblock.core.pool import STAGING_PREFIX, validate_name
 from thinblock.core.space_policy import check_autogrow
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
@@ -271,7 +281,7 @@ def plan_restore(
     blobs: dict[int, bytes] = {}
     for row in rows:
         for page_index, entries in sorted(roots[row.id].items()):
-            blob = entries.tobytes()
+            blob = encode_entries(entries)  # deterministic: equal pages still share one blob
             page_id = page_ids.setdefault((page_index, blob), len(page_ids) + 1)
             blobs[page_id] = blob
             page_refs[page_id] += 1
@@ -280,7 +290,7 @@ def plan_restore(
     refcounts: dict[int, array[int]] = {}
     used_blocks = 0
     for blob in blobs.values():
-        for entry in Page.from_blob(0, 0, blob).entries:
+        for entry in mapped_pairs(blob)[1]:
             if entry:
                 index, slot = divmod(entry_dblock(entry), REFCOUNT_PAGE_ENTRIES)
                 chunk = refcounts.setdefault(index, array("I", bytes(4 * REFCOUNT_PAGE_ENTRIES)))
