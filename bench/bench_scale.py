@@ -737,7 +737,7 @@ def main() -> None:
     parser.add_argument("--dense", type=counts, default=counts("10K,100K,1M"), help="dense mapped blocks")
     parser.add_argument("--stream", type=counts, default=counts("10K,100K,1M"), help="blocks read and filled")
     parser.add_argument("--depths", type=counts, default=counts("10,100,1K"), help="snapshot-chain depths")
-    parser.add_argument("--timeout", type=float, default=60, help="seconds a listing client waits (default 60)")
+    parser.add_argument("--timeout", type=float, default=35, help="seconds a listing client waits (default 35)")
     parser.add_argument("--quick", action="store_true", help="small scales (a smoke run of every section)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
