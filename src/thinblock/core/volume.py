@@ -24,13 +24,16 @@ Two rules keep stale bytes out of reads:
 from __future__ import annotations
 
 import contextlib
+import sys
 from array import array
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple, ParamSpec
 
 from thinblock.core.change import Change
 from thinblock.core.mapping import (
+    DBLOCK_SHIFT,
     PAGE_ENTRIES,
+    STATE_MASK,
     BlockState,
     Page,
     entry_dblock,
@@ -57,6 +60,9 @@ if TYPE_CHECKING:
 
 _UNMAPPED, _ZEROED, _DATA = int(BlockState.UNMAPPED), int(BlockState.ZEROED), int(BlockState.DATA)
 _P = ParamSpec("_P")
+# Where an entry's state bits sit in its native bytes, and each low byte's state (_uniform_run).
+_LOW_BYTE = 0 if sys.byteorder == "little" else 7
+_STATE_OF_BYTE = bytes(b & STATE_MASK for b in range(256))
 
 
 def _add_piece(pieces: list[list[int]], offset: int, length: int, store_off: int) -> None:
@@ -320,17 +326,47 @@ class Volume:
             entry = self._entry(vblock)
             return [[offset, length, entry_dblock(entry) * bs + within if entry_state(entry) == _DATA else -1]]
         pieces: list[list[int]] = []
-        pos = offset
-        for vblock, start, end, entry, _whole in self._segments(offset, length, skip_holes=True):
-            seg_off = vblock * bs + start
-            if seg_off > pos:
-                _add_piece(pieces, pos, seg_off - pos, -1)
-            store_off = entry_dblock(entry) * bs + start if entry_state(entry) == _DATA else -1
-            _add_piece(pieces, seg_off, end - start, store_off)
-            pos = seg_off + end - start
-        if pos < offset + length:
-            _add_piece(pieces, pos, offset + length - pos, -1)
+        pos, stop = offset, offset + length
+        first, last = offset // bs, (stop - 1) // bs
+        for page_index in range(first // PAGE_ENTRIES, last // PAGE_ENTRIES + 1):
+            lo = max(first, page_index * PAGE_ENTRIES)
+            hi = min(last, page_index * PAGE_ENTRIES + PAGE_ENTRIES - 1)
+            span_off, span_end = max(offset, lo * bs), min(stop, (hi + 1) * bs)
+            run = self._uniform_run(page_index, lo, hi)
+            if run is not None:  # the page's part is one piece: no walk block by block
+                _add_piece(pieces, span_off, span_end - span_off, run * bs + span_off - lo * bs if run >= 0 else -1)
+                pos = span_end
+                continue
+            for vblock, start, end, entry, _whole in self._segments(span_off, span_end - span_off, skip_holes=True):
+                seg_off = vblock * bs + start
+                if seg_off > pos:
+                    _add_piece(pieces, pos, seg_off - pos, -1)
+                store_off = entry_dblock(entry) * bs + start if entry_state(entry) == _DATA else -1
+                _add_piece(pieces, seg_off, end - start, store_off)
+                pos = seg_off + end - start
+        if pos < stop:
+            _add_piece(pieces, pos, stop - pos, -1)
         return pieces
+
+    def _uniform_run(self, page_index: int, lo: int, hi: int) -> int | None:
+        """For vblocks lo..hi of one page: -1 when all read zeros with no I/O (no page, or
+        all UNMAPPED), the first dblock when all are DATA on consecutive dblocks (one
+        extent below), None otherwise. Compared as whole arrays in C: a sequential read
+        of small blocks is otherwise a Python loop over every block (docs/benchmarks.md,
+        scale)."""
+        page_id = self.root.get(page_index)
+        if page_id is None:
+            return -1
+        base = page_index * PAGE_ENTRIES
+        part = self.pool.page(page_id).entries[lo - base : hi - base + 1]
+        head = part[0]
+        if entry_state(head) == _DATA:
+            # DATA on consecutive dblocks with the same pin: head, head + 8, head + 16, ...
+            step = 1 << DBLOCK_SHIFT
+            return entry_dblock(head) if part == array("Q", range(head, head + len(part) * step, step)) else None
+        # The state bits are in each entry's lowest byte: no DATA among them reads zeros.
+        states = part.tobytes()[_LOW_BYTE::8].translate(_STATE_OF_BYTE)
+        return -1 if _DATA not in states else None
 
     # ----- the mutating verbs: planners ------------------------------------------------
 
