@@ -54,7 +54,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.scale_pools import make_many_exports
 from thinblock import Pool
 from thinblock.core.snapshot import create_snapshot
 
@@ -94,28 +96,6 @@ def growth(scales: list[int], values: list[float]) -> list[float | None]:
 
 
 # ----- pool makers --------------------------------------------------------------
-
-
-def make_many_exports(pool_dir: str, n: int, *, snapshots_per_volume: int = 9) -> None:
-    """A pool with n objects: n / 10 volumes with nine snapshots each, in one commit.
-
-    Built under the pool lock with add_volume (sharing=, as a snapshot does) and
-    committed once with autocommit off: creating them one command each would take
-    longer than what is measured. bench/scale_pools.py (another branch) replaces this."""
-    Pool.create(pool_dir, GiB).close()
-    pool = Pool.open(pool_dir, autocommit=False)
-    try:
-        group = snapshots_per_volume + 1
-        with pool.lock:
-            for i in range(max(1, n // group)):
-                vol = pool.add_volume(f"v{i}", GiB, "on")
-                for j in range(snapshots_per_volume):
-                    snap = pool.add_volume(f"v{i}-s{j}", GiB, "on", sharing=vol, kind="snapshot")
-                    snap.row.origin_id, snap.readonly = vol.row.id, True
-                vol.owned_blocks = 0
-        pool.commit()
-    finally:
-        pool.close()
 
 
 def make_dense(pool_dir: str, n: int, *, spare: float = 0.03) -> None:
