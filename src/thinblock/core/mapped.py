@@ -60,9 +60,9 @@ def mapped_entries(pages: Iterable[array[int]]) -> Mapped:
 
     def flush() -> None:
         nonlocal done
-        matrix = np.frombuffer(b"".join(batch), dtype=np.uint64).reshape(len(batch), PAGE_ENTRIES)
-        rows, slots = np.nonzero(matrix)
-        parts.append(Mapped((rows + done).astype(np.intp), slots.astype(np.intp), matrix[rows, slots]))
+        flat = np.frombuffer(b"".join(batch), dtype=np.uint64)
+        at = np.flatnonzero(flat)
+        parts.append(Mapped(at // PAGE_ENTRIES + done, at % PAGE_ENTRIES, flat[at]))
         done += len(batch)
         batch.clear()
 
