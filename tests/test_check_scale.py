@@ -146,12 +146,15 @@ def test_dump_restore_round_trip_of_spread_blocks(tmp_path: Path) -> None:
     v = [[i * SPREAD + i % 5, i, 1, "zeroed" if i % 3 == 0 else "data", i % 4 == 0] for i in range(MAPPED)]
     # s maps 1 in 10 of those vblocks elsewhere: those pages differ, the others are shared.
     s = [run if i % 10 else [run[0], MAPPED + i // 10, 1, run[3], run[4]] for i, run in enumerate(v)]
-    vol_blocks, pool_blocks = MAPPED * SPREAD, MAPPED + MAPPED // 10 + 64
+    # w: dense runs of 3, each differing from its neighbours in state or pin (never merged).
+    base = MAPPED + MAPPED // 10
+    w = [[3 * k, base + 3 * k, 3, "data" if k % 2 else "zeroed", k % 4 == 0] for k in range(1000)]
+    vol_blocks, pool_blocks = MAPPED * SPREAD, base + 3000 + 64
     first = tmp_path / "first"
-    restored_pool(first, {"v": v, "s": s}, vol_blocks, pool_blocks)
+    restored_pool(first, {"v": v, "s": s, "w": w}, vol_blocks, pool_blocks)
     text = thinblock("pool", "dump", str(first)).stdout
     dumped = json.loads(thinblock("pool", "dump", "--json", str(first)).stdout)
-    assert [vol["mappings"] for vol in dumped["volumes"]] == [v, s]  # by id
+    assert [vol["mappings"] for vol in dumped["volumes"]] == [v, s, w]  # by id
     assert check(first) == []
     (tmp_path / "dump.txt").write_text(text)
     thinblock("pool", "restore", "--no-progress", str(first), str(tmp_path / "dump.txt"))  # every table rebuilt
@@ -187,10 +190,11 @@ def test_delta_after_scattered_changes_equals_the_model(tmp_path: Path) -> None:
         create_snapshot(p, "v", "s")
         snap = list(tokens)
         for step, b in enumerate(range(5, n_blocks, 37)):  # scattered, over most pages
-            if step % 3 == 0:
+            # (step // 3) % 3: each change lands on blocks written before and on empty ones.
+            if step // 3 % 3 == 0:
                 vol.write(b * BS, b"b" * BS)  # a new dblock, even where it held data
                 tokens[b] = f"b{b}"
-            elif step % 3 == 1:
+            elif step // 3 % 3 == 1:
                 vol.trim(b * BS, BS)
                 tokens[b] = None
             else:
