@@ -3,18 +3,29 @@
 It recomputes what the pool maintains incrementally (page and dblock
 refcounts, per-volume counters, used blocks) and compares. Problems are
 sentences for a person; an empty list means the pool is consistent.
+
+The tables are read once (one walk of all_pages and of all_roots) and the
+recomputation is numpy over the concatenated mapped entries (core/mapped.py):
+bincount for refcounts and counters, masks for states, pins and dblocks, so
+the cost is O(mapped) with no Python object per entry. Each part that finds
+something wrong then walks its rows one by one, only then, to name each problem.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from array import array
-from collections import Counter
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
 
 from thinblock.backends import Location, locate
-from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock, entry_pinned, entry_state, entry_valid
+from thinblock.core.mapped import Mapped, mapped_entries, positions
+from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock, entry_state, entry_valid
 from thinblock.core.pool import check_data_size
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
@@ -105,15 +116,155 @@ def check_generation(locator: str | Location, meta: MetadataStore) -> tuple[dict
     return figures, [] if why is None else [why.replace(" cannot be opened:", ":", 1)]
 
 
+class _Tables(NamedTuple):
+    """The committed tables, read once, as arrays (the pages' in all_pages order)."""
+
+    volumes: dict[int, VolumeRow]
+    page_ids: NDArray[np.int64]
+    page_refcounts: NDArray[np.int64]
+    mapped: Mapped  # the pages' nonzero entries
+    roots: NDArray[np.int64]  # (volume id, page index, page id) rows
+    root_volume: NDArray[np.intp]  # each root row's position in vol_ids
+    root_page: NDArray[np.intp]  # each root row's position in page_ids
+    root_ok: NDArray[np.bool_]  # the row's volume and page exist
+    vol_ids: NDArray[np.int64]  # sorted
+
+
+def _read_tables(meta: MetadataStore, problems: list[str]) -> _Tables:
+    """One walk of volumes, pages and roots; a page that cannot be decoded is a problem
+    and is left out (as if missing)."""
+    volumes = {row.id: row for row in meta.volumes()}
+    ids: list[int] = []
+    refcounts: list[int] = []
+
+    def decoded() -> Iterator[array[int]]:
+        for page_id, refcount, blob in meta.all_pages():
+            try:
+                entries = Page.from_blob(page_id, refcount, blob).entries
+            except CorruptionError as exc:
+                problems.append(str(exc))
+                continue
+            ids.append(page_id)
+            refcounts.append(refcount)
+            yield entries
+
+    mapped = mapped_entries(decoded())
+    page_ids = np.array(ids, dtype=np.int64)
+    if len(np.unique(page_ids)) != len(page_ids):
+        raise CorruptionError("the pages table holds a page id twice")
+    roots = np.fromiter(itertools.chain.from_iterable(meta.all_roots()), dtype=np.int64).reshape(-1, 3)
+    vol_ids = np.array(sorted(volumes), dtype=np.int64)
+    root_volume, volume_ok = positions(vol_ids, roots[:, 0])
+    order = np.argsort(page_ids, kind="stable")
+    where, page_ok = positions(page_ids[order], roots[:, 2])
+    root_page = order[where].astype(np.intp) if len(order) else where
+    return _Tables(
+        volumes,
+        page_ids,
+        np.array(refcounts, dtype=np.int64),
+        mapped,
+        roots,
+        root_volume,
+        root_page,
+        volume_ok & page_ok,
+        vol_ids,
+    )
+
+
+def _check_roots(t: _Tables, block_size: int) -> list[str]:
+    """Root rows of missing volumes, beyond their volume, or at missing pages."""
+    limits = np.array(
+        [-(-t.volumes[int(vid)].size_bytes // (PAGE_ENTRIES * block_size)) for vid in t.vol_ids], dtype=np.int64
+    )
+    ok_volume = np.isin(t.roots[:, 0], t.vol_ids)
+    beyond = ok_volume & (t.roots[:, 1] >= (limits[t.root_volume] if len(limits) else 0))
+    if bool(ok_volume.all()) and not beyond.any() and bool(t.root_ok.all()):
+        return []
+    problems = []  # something is wrong: the detailed walk names it, row by row
+    present = set(t.page_ids.tolist())
+    for volume_id, page_index, page_id in t.roots.tolist():
+        if volume_id not in t.volumes:
+            problems.append(f"root table entry for missing volume id {volume_id}")
+            continue
+        row = t.volumes[volume_id]
+        if page_index * PAGE_ENTRIES * block_size >= row.size_bytes:
+            problems.append(f"volume {row.name}: mapping page at index {page_index} lies beyond its size")
+        if page_id not in present:
+            problems.append(f"volume {row.name}: page index {page_index} points at missing mapping page {page_id}")
+    return problems
+
+
+def _check_pages(t: _Tables, n_blocks: int) -> tuple[list[str], NDArray[np.int64]]:
+    """Page refcounts against the root tables, entries' states and dblocks; and the
+    dblock refcounts the valid entries make (one per entry)."""
+    n_pages = len(t.page_ids)
+    page_refs = np.bincount(t.root_page[t.root_ok], minlength=n_pages)
+    m = t.mapped
+    invalid = ~m.valid()
+    beyond = ~invalid & (m.dblock >= n_blocks)
+    good = ~invalid & ~beyond
+    dblock_refs = np.bincount(m.dblock[good], minlength=n_blocks)
+    bad_pages = page_refs != t.page_refcounts
+    bad_pages[m.page[~good]] = True
+    problems: list[str] = []
+    if not bad_pages.any():
+        return problems, dblock_refs
+    # The detailed walk, over the pages that are wrong only, in the pages' order.
+    wrong = m.take(~good)
+    for pos in np.flatnonzero(bad_pages).tolist():
+        page_id = int(t.page_ids[pos])
+        stored, used = int(t.page_refcounts[pos]), int(page_refs[pos])
+        if stored != used:
+            problems.append(f"mapping page {page_id}: refcount {stored} stored, {used} root tables use it")
+        here = wrong.page == pos
+        for slot, entry in zip(wrong.slot[here].tolist(), wrong.entry[here].tolist(), strict=True):
+            if not entry_valid(entry):
+                problems.append(f"mapping page {page_id} slot {slot}: invalid entry state {entry_state(entry)}")
+            else:
+                problems.append(
+                    f"mapping page {page_id} slot {slot}: dblock {entry_dblock(entry)} is beyond the data store"
+                    f" ({n_blocks} blocks)"
+                )
+    return problems, dblock_refs
+
+
+def _check_counters(t: _Tables) -> list[str]:
+    """Per-volume counters: entries in each volume's pages (a shared page counts for each)."""
+    m, n_pages = t.mapped, len(t.page_ids)
+    state = m.state
+
+    def per_volume(which: NDArray[np.bool_]) -> list[int]:
+        per_page = np.bincount(m.page[which], minlength=n_pages)
+        rows = t.root_ok
+        counts: list[int] = (
+            np.bincount(t.root_volume[rows], weights=per_page[t.root_page[rows]], minlength=len(t.vol_ids))
+            .astype(np.int64)
+            .tolist()
+        )
+        return counts
+
+    data = per_volume(state == BlockState.DATA)
+    zeroed = per_volume(state == BlockState.ZEROED)
+    pinned = per_volume(m.pinned)
+    index = {int(vid): i for i, vid in enumerate(t.vol_ids)}
+    problems = []
+    for vid, row in t.volumes.items():
+        i = index[vid]
+        for label, stored, actual in (
+            ("data blocks", row.data_blocks, data[i]),
+            ("zeroed blocks", row.zeroed_blocks, zeroed[i]),
+            ("provisioned blocks", row.pinned_blocks, pinned[i]),
+        ):
+            if stored != actual:
+                problems.append(f"volume {row.name}: {stored} {label} recorded, {actual} mapped")
+    return problems
+
+
 def _check_lineage_and_reservations(
-    meta: MetadataStore,
-    volumes: dict[int, VolumeRow],
-    pages: dict[int, Page],
-    dblock_refs: array[int],
-    block_size: int,
-    n_blocks: int,
+    t: _Tables, dblock_refs: NDArray[np.int64], block_size: int, n_blocks: int
 ) -> list[str]:
     """Snapshots are read-only volumes with a valid origin; reservations fit in the pool."""
+    volumes = t.volumes
     problems: list[str] = []
     for row in volumes.values():
         if row.kind not in ("volume", "snapshot"):
@@ -124,116 +275,49 @@ def _check_lineage_and_reservations(
             problems.append(f"snapshot {row.name} has a reservation (only volumes may)")
         if row.reserve_bytes < RESERVE_FULL:
             problems.append(f"volume {row.name}: invalid reservation {row.reserve_bytes}")
-    # What reservations set aside: R - blocks the volume owns alone, summed.
+    free = n_blocks - int(np.count_nonzero(dblock_refs))
+    reserving = [row for row in volumes.values() if row.reserve_bytes]
+    if not reserving:
+        return problems
+    # What reservations set aside: R - blocks the volume owns alone (in a page it holds
+    # alone, a dblock nothing else maps), summed.
+    m, n_pages = t.mapped, len(t.page_ids)
+    dblock = m.dblock
+    inside = dblock < n_blocks
+    alone = np.zeros(len(dblock), np.bool_)
+    alone[inside] = dblock_refs[dblock[inside]] == 1
+    owned_per_page = np.bincount(m.page[alone], minlength=n_pages)
+    rows = t.root_ok & (t.page_refcounts[t.root_page] <= 1) if n_pages else t.root_ok
+    owned = np.bincount(
+        t.root_volume[rows], weights=owned_per_page[t.root_page[rows]], minlength=len(t.vol_ids)
+    ).astype(np.int64)
+    index = {int(vid): i for i, vid in enumerate(t.vol_ids)}
     reserved = 0
-    for vid, row in volumes.items():
-        if not row.reserve_bytes:
-            continue
-        owned = 0
-        for _pi, page_id in meta.roots(vid).items():
-            page = pages.get(page_id)
-            if page is None or page.refcount > 1:
-                continue
-            owned += sum(
-                1 for e in page.entries if e and entry_dblock(e) < n_blocks and dblock_refs[entry_dblock(e)] == 1
-            )
-        reserved += max(0, reserve_blocks(row.reserve_bytes, row.size_bytes, block_size) - owned)
-    free = n_blocks - sum(1 for count in dblock_refs if count)
+    for row in reserving:
+        reserved += max(0, reserve_blocks(row.reserve_bytes, row.size_bytes, block_size) - int(owned[index[row.id]]))
     if reserved > free:
         problems.append(f"reservations set aside {reserved} blocks but only {free} are free")
     return problems
 
 
-def _check(meta: MetadataStore) -> list[str]:
+def _check_refcounts(meta: MetadataStore, dblock_refs: NDArray[np.int64], n_blocks: int) -> list[str]:
+    """The stored dblock refcounts against the ones the mappings make."""
     problems: list[str] = []
-    integrity = meta.integrity_problems()
-    if integrity:
-        return integrity
-    sb = meta.superblock()
-    block_size = int(sb["block_size"])
-    size_bytes = int(sb["size_bytes"])
-    n_blocks = size_bytes // block_size
-    if block_size <= 0 or block_size & (block_size - 1):
-        problems.append(f"superblock block size {block_size} is not a power of two")
-    if sb.get("page_entries") != PAGE_ENTRIES:
-        problems.append(f"superblock says {sb.get('page_entries')} entries per page, expected {PAGE_ENTRIES}")
-
-    volumes = {row.id: row for row in meta.volumes()}
-    pages: dict[int, Page] = {}
-    for page_id, refcount, blob in meta.all_pages():
-        try:
-            pages[page_id] = Page.from_blob(page_id, refcount, blob)
-        except CorruptionError as exc:
-            problems.append(str(exc))
-
-    page_refs: Counter[int] = Counter()
-    for volume_id, page_index, page_id in meta.all_roots():
-        if volume_id not in volumes:
-            problems.append(f"root table entry for missing volume id {volume_id}")
-            continue
-        row = volumes[volume_id]
-        if page_index * PAGE_ENTRIES * block_size >= row.size_bytes:
-            problems.append(f"volume {row.name}: mapping page at index {page_index} lies beyond its size")
-        if page_id not in pages:
-            problems.append(f"volume {row.name}: page index {page_index} points at missing mapping page {page_id}")
-            continue
-        page_refs[page_id] += 1
-
-    dblock_refs = array("I", bytes(4 * n_blocks))
-    counters: dict[int, Counter[str]] = {vid: Counter() for vid in volumes}
-    for page_id, page in pages.items():
-        if page.refcount != page_refs[page_id]:
-            problems.append(
-                f"mapping page {page_id}: refcount {page.refcount} stored, {page_refs[page_id]} root tables use it"
-            )
-        for slot, entry in enumerate(page.entries):
-            if not entry:
-                continue
-            if not entry_valid(entry):
-                problems.append(f"mapping page {page_id} slot {slot}: invalid entry state {entry_state(entry)}")
-                continue
-            dblock = entry_dblock(entry)
-            if dblock >= n_blocks:
-                problems.append(
-                    f"mapping page {page_id} slot {slot}: dblock {dblock} is beyond the data store ({n_blocks} blocks)"
-                )
-                continue
-            dblock_refs[dblock] += 1
-    # Per-volume counters count entries in each volume's pages (a shared page counts for each).
-    for volume_id, _page_index, page_id in meta.all_roots():
-        if volume_id in counters and page_id in pages:
-            c = counters[volume_id]
-            for entry in pages[page_id].entries:
-                if entry:
-                    c[BlockState(entry_state(entry)).name] += 1
-                    c["PINNED"] += entry_pinned(entry)
-    for vid, row in volumes.items():
-        c = counters[vid]
-        for label, stored, actual in (
-            ("data blocks", row.data_blocks, c["DATA"]),
-            ("zeroed blocks", row.zeroed_blocks, c["ZEROED"]),
-            ("provisioned blocks", row.pinned_blocks, c["PINNED"]),
-        ):
-            if stored != actual:
-                problems.append(f"volume {row.name}: {stored} {label} recorded, {actual} mapped")
-
-    problems.extend(_check_lineage_and_reservations(meta, volumes, pages, dblock_refs, block_size, n_blocks))
-
-    stored_refs = array("I", bytes(4 * n_blocks))
+    stored_refs = np.zeros(n_blocks, np.uint32)
     for index, blob in meta.refcount_pages().items():
         chunk = array("I")
-        chunk.frombytes(blob)
+        chunk.frombytes(blob)  # a blob of a wrong length: "metadata cannot be read"
+        counts = np.frombuffer(chunk, dtype=np.uint32)
         start = index * REFCOUNT_PAGE_ENTRIES
-        for i, count in enumerate(chunk):
-            if not count:
-                continue
-            if start + i >= n_blocks:
-                problems.append(f"dblock {start + i}: refcount {count} recorded beyond the data store")
-            else:
-                stored_refs[start + i] = count
-    bad = [d for d in range(n_blocks) if stored_refs[d] != dblock_refs[d]] if stored_refs != dblock_refs else []
-    for dblock in bad[:50]:
-        stored, actual = stored_refs[dblock], dblock_refs[dblock]
+        inside = max(0, min(len(counts), n_blocks - start))
+        stored_refs[start : start + inside] = counts[:inside]
+        for i in np.flatnonzero(counts[inside:]).tolist():
+            problems.append(
+                f"dblock {start + inside + i}: refcount {counts[inside + i]} recorded beyond the data store"
+            )
+    bad = np.flatnonzero(stored_refs != dblock_refs)
+    for dblock in bad[:50].tolist():
+        stored, actual = int(stored_refs[dblock]), int(dblock_refs[dblock])
         if stored == 0:
             problems.append(f"dblock {dblock}: mapped {actual} times but recorded as free")
         elif actual == 0:
@@ -242,7 +326,37 @@ def _check(meta: MetadataStore) -> list[str]:
             problems.append(f"dblock {dblock}: refcount {stored} recorded, {actual} references found")
     if len(bad) > 50:
         problems.append(f"... and {len(bad) - 50} more dblocks with wrong refcounts")
-    used = sum(1 for count in dblock_refs if count)
+    return problems
+
+
+def _check(meta: MetadataStore) -> list[str]:
+    """Every table recomputed from the mappings, vectorised over the mapped entries;
+    each part names its problems by a detailed walk only when it found one."""
+    problems: list[str] = []
+    integrity = meta.integrity_problems()
+    if integrity:
+        return integrity
+    sb = meta.superblock()
+    block_size = int(sb["block_size"])
+    size_bytes = int(sb["size_bytes"])
+    if block_size <= 0 or block_size & (block_size - 1):
+        problems.append(f"superblock block size {block_size} is not a power of two")
+        if block_size <= 0:
+            return problems  # nothing below can be measured in such blocks
+    n_blocks = size_bytes // block_size
+    if sb.get("page_entries") != PAGE_ENTRIES:
+        problems.append(f"superblock says {sb.get('page_entries')} entries per page, expected {PAGE_ENTRIES}")
+    if n_blocks < 0:
+        raise ValueError(f"the pool size {size_bytes} is negative")
+
+    tables = _read_tables(meta, problems)
+    problems.extend(_check_roots(tables, block_size))
+    page_problems, dblock_refs = _check_pages(tables, n_blocks)
+    problems.extend(page_problems)
+    problems.extend(_check_counters(tables))
+    problems.extend(_check_lineage_and_reservations(tables, dblock_refs, block_size, n_blocks))
+    problems.extend(_check_refcounts(meta, dblock_refs, n_blocks))
+    used = int(np.count_nonzero(dblock_refs))
     if sb.get("used_blocks") != used:
         problems.append(f"superblock records {sb.get('used_blocks')} used blocks, {used} are referenced")
     return problems

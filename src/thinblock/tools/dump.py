@@ -28,21 +28,24 @@ import json
 import re
 from array import array
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
 
 from thinblock.admin.schema import DUMP_POOL, DUMP_VOLUME, check_fields
 from thinblock.backends import Location
 from thinblock.backends.base import KEEP_BEFORE_RESTORE
+from thinblock.core.mapped import Mapped, mapped_entries
 from thinblock.core.mapping import (
+    DBLOCK_SHIFT,
     PAGE_ENTRIES,
+    PINNED,
+    STATE_MASK,
     BlockState,
     Page,
-    encode_entries,
     entry_dblock,
-    entry_pinned,
-    entry_state,
-    make_entry,
-    mapped_pairs,
 )
 from thinblock.core.pool import STAGING_PREFIX, validate_name
 from thinblock.core.space_policy import check_autogrow
@@ -78,23 +81,23 @@ _PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 # ----- dump ------------------------------------------------------------------------
 
 
-def mapping_runs(entries: list[tuple[int, int]]) -> list[list[Any]]:
-    """Sorted (vblock, entry) pairs as [vblock, dblock, count, state, pinned] runs."""
-    runs: list[list[Any]] = []
-    for vblock, entry in entries:
-        dblock, state, pinned = entry_dblock(entry), BlockState(entry_state(entry)).name.lower(), entry_pinned(entry)
-        last = runs[-1] if runs else None
-        if (
-            last is not None
-            and last[0] + last[2] == vblock
-            and last[1] + last[2] == dblock
-            and last[3] == state
-            and last[4] == pinned
-        ):
-            last[2] += 1
-        else:
-            runs.append([vblock, dblock, 1, state, pinned])
-    return runs
+def mapping_runs(vblocks: NDArray[np.int64], entries: NDArray[np.uint64]) -> list[list[Any]]:
+    """Sorted vblocks and their entries as [vblock, dblock, count, state, pinned] runs:
+    a run continues while vblock and dblock both step by one under the same state and pin."""
+    if not len(vblocks):
+        return []
+    dblocks = (entries >> np.uint64(DBLOCK_SHIFT)).astype(np.int64)
+    flags = entries & np.uint64(STATE_MASK | PINNED)
+    breaks = np.flatnonzero((np.diff(vblocks) != 1) | (np.diff(dblocks) != 1) | (np.diff(flags) != 0)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [len(vblocks)])))
+    names = {int(s): BlockState(s).name.lower() for s in (BlockState.DATA, BlockState.ZEROED)}
+    return [
+        [v, d, n, names[f & STATE_MASK], bool(f & PINNED)]
+        for v, d, n, f in zip(
+            vblocks[starts].tolist(), dblocks[starts].tolist(), counts.tolist(), flags[starts].tolist(), strict=True
+        )
+    ]
 
 
 def dump_metadata(meta: MetadataStore) -> dict[str, Any]:
@@ -106,10 +109,6 @@ def dump_metadata(meta: MetadataStore) -> dict[str, Any]:
             f" {lost[0]}"
         )
     return dump
-
-
-def _volume_dict(row: VolumeRow, entries: list[tuple[int, int]]) -> dict[str, Any]:
-    return {**{k: getattr(row, k) for k in _VOLUME_KEYS}, "mappings": mapping_runs(entries)}
 
 
 def format_text(dump: dict[str, Any]) -> str:
@@ -274,31 +273,40 @@ def plan_restore(
     if autogrow is not None:
         check_autogrow(int(autogrow[0]), block_size)
     n_blocks = size_bytes // block_size
-    rows, roots = _validated_volumes(dump["volumes"], block_size, n_blocks)
+    rows, mapped = _validated_volumes(dump["volumes"], block_size, n_blocks)
     txn = Transaction()
     page_ids: dict[tuple[int, bytes], int] = {}
     page_refs: Counter[int] = Counter()
     blobs: dict[int, bytes] = {}
+    page_dblocks: list[NDArray[np.int64]] = []  # of each distinct page, in id order
     for row in rows:
-        for page_index, entries in sorted(roots[row.id].items()):
-            blob = encode_entries(entries)  # deterministic: equal pages still share one blob
+        vblocks, entries = mapped[row.id]
+        indexes = vblocks // PAGE_ENTRIES
+        cuts = np.flatnonzero(np.diff(indexes)) + 1
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(vblocks)], strict=True):
+            if lo == hi:
+                continue
+            page = np.zeros(PAGE_ENTRIES, np.uint64)
+            page[vblocks[lo:hi] % PAGE_ENTRIES] = entries[lo:hi]
+            page_entries = array("Q")
+            page_entries.frombytes(page.tobytes())
+            blob = Page(0, 0, page_entries).to_blob()
+            page_index = int(indexes[lo])
             page_id = page_ids.setdefault((page_index, blob), len(page_ids) + 1)
-            blobs[page_id] = blob
+            if page_id not in blobs:
+                blobs[page_id] = blob
+                page_dblocks.append((entries[lo:hi] >> np.uint64(DBLOCK_SHIFT)).astype(np.int64))
             page_refs[page_id] += 1
             txn.roots[(row.id, page_index)] = page_id
     # Refcounts are derived, never read from the dump: one per page that maps the block.
-    refcounts: dict[int, array[int]] = {}
-    used_blocks = 0
-    for blob in blobs.values():
-        for entry in mapped_pairs(blob)[1]:
-            if entry:
-                index, slot = divmod(entry_dblock(entry), REFCOUNT_PAGE_ENTRIES)
-                chunk = refcounts.setdefault(index, array("I", bytes(4 * REFCOUNT_PAGE_ENTRIES)))
-                used_blocks += chunk[slot] == 0
-                chunk[slot] += 1
+    dblocks = np.concatenate(page_dblocks) if page_dblocks else np.zeros(0, np.int64)
+    counts = np.bincount(dblocks, minlength=n_blocks).astype(np.uint32)
+    used_blocks = int(np.count_nonzero(counts))
     txn.pages = {pid: (page_refs[pid], blob) for pid, blob in blobs.items()}
-    for index, chunk in refcounts.items():  # the last page stops at the pool's end
-        txn.refcount_pages[index] = chunk[: n_blocks - index * REFCOUNT_PAGE_ENTRIES].tobytes()
+    for index in np.unique(dblocks // REFCOUNT_PAGE_ENTRIES).tolist():  # the last page stops at the pool's end
+        txn.refcount_pages[index] = counts[
+            index * REFCOUNT_PAGE_ENTRIES : (index + 1) * REFCOUNT_PAGE_ENTRIES
+        ].tobytes()
     txn.volumes = rows
     kept = dict(current or {})
     superblock = {**kept, **{k: pool.get(k) for k in DUMP_SETS}}
@@ -313,9 +321,11 @@ def plan_restore(
 
 def _validated_volumes(
     volumes: list[Any], block_size: int, n_blocks: int
-) -> tuple[list[VolumeRow], dict[int, dict[int, array[int]]]]:
+) -> tuple[list[VolumeRow], dict[int, tuple[NDArray[np.int64], NDArray[np.uint64]]]]:
+    """The volume rows of the dump, counters counted, and each volume's mapped vblocks
+    (sorted) and entries; or one sentence on the first thing wrong."""
     rows: list[VolumeRow] = []
-    roots: dict[int, dict[int, array[int]]] = {}
+    ids: set[int] = set()
     names: set[str] = set()
     for number, v in enumerate(volumes, 1):
         check_fields(f"dump, volume {number}", DUMP_VOLUME, v)
@@ -336,10 +346,10 @@ def _validated_volumes(
             validate_name(row.name, row.kind)
         except ThinblockError as exc:
             raise ThinblockError(f"dump, volume {number}: {exc}") from None
-        if row.id in roots or row.name in names:
+        if row.id in ids or row.name in names:
             raise ThinblockError(f"{where}: id or name appears twice in the dump")
         names.add(row.name)
-        roots[row.id] = {}
+        ids.add(row.id)
         rows.append(row)
     by_id = {row.id: row for row in rows}
     for row in rows:
@@ -356,48 +366,75 @@ def _validated_volumes(
             origin = by_id[origin].origin_id
     # Which vblock holds each dblock: a block has two owners only at one vblock of
     # several volumes (a shared page, or a copy of one: snapshots and clones).
-    owners = array("q", b"\xff" * 8 * n_blocks)
+    owners = np.full(n_blocks, -1, np.int64)
+    mapped: dict[int, tuple[NDArray[np.int64], NDArray[np.uint64]]] = {}
     for row, v in zip(rows, volumes, strict=True):
-        where = f"dump, volume {row.name!r}"
-        pages = roots[row.id]
-        n_vblocks = -(-row.size_bytes // block_size)
-        for run in v["mappings"]:
-            if (
-                len(run) != 5
-                or not all(type(x) is int for x in run[:3])
-                or run[3] not in _STATES
-                or type(run[4]) is not bool
-            ):
-                raise ThinblockError(
-                    f"{where}: a mapping must be [VBLOCK, DBLOCK, COUNT, 'data'|'zeroed', PINNED], not {str(run)[:80]}"
-                )
-            vblock, dblock, count, state, pinned = run
-            if count <= 0 or vblock < 0 or dblock < 0:
-                raise ThinblockError(f"{where}: invalid mapping {vblock} {dblock} {count} {state}")
-            if vblock + count > n_vblocks or dblock + count > n_blocks:
-                raise ThinblockError(
-                    f"{where}: mapping {vblock}+{count} -> {dblock} lies beyond the volume or the pool"
-                )
-            for i in range(count):
-                page_index, slot = divmod(vblock + i, PAGE_ENTRIES)
-                entries = pages.setdefault(page_index, array("Q", bytes(8 * PAGE_ENTRIES)))
-                if entries[slot]:
-                    raise ThinblockError(f"{where}: vblock {vblock + i} is mapped twice")
-                owner = owners[dblock + i]
-                if owner < 0:
-                    owners[dblock + i] = vblock + i
-                elif owner != vblock + i:
-                    raise ThinblockError(
-                        f"{where}: dblock {dblock + i} is mapped at vblock {vblock + i} and at vblock {owner};"
-                        " only snapshots and clones share a block, at one vblock"
-                    )
-                entries[slot] = make_entry(dblock + i, _STATES[state], pinned)
-                if state == "data":
-                    row.data_blocks += 1
-                else:
-                    row.zeroed_blocks += 1
-                row.pinned_blocks += bool(pinned)
-    return rows, roots
+        mapped[row.id] = _volume_blocks(row, v["mappings"], owners, block_size, n_blocks)
+    return rows, mapped
+
+
+def _volume_blocks(
+    row: VolumeRow, runs: list[Any], owners: NDArray[np.int64], block_size: int, n_blocks: int
+) -> tuple[NDArray[np.int64], NDArray[np.uint64]]:
+    """One volume's runs checked and expanded to (sorted vblocks, entries), its counters
+    counted and owners updated. The runs are judged one by one (each is a Python
+    object), their blocks all at once; the sentence is the one for the first thing
+    wrong in the dump's order, as a block-by-block walk would find it."""
+    where = f"dump, volume {row.name!r}"
+    n_vblocks = -(-row.size_bytes // block_size)
+    good: list[tuple[int, int, int, int]] = []
+    bad_run: str | None = None
+    for run in runs:
+        if (
+            len(run) != 5
+            or not all(type(x) is int for x in run[:3])
+            or run[3] not in _STATES
+            or type(run[4]) is not bool
+        ):
+            bad_run = (
+                f"{where}: a mapping must be [VBLOCK, DBLOCK, COUNT, 'data'|'zeroed', PINNED], not {str(run)[:80]}"
+            )
+            break
+        vblock, dblock, count, state, pinned = run
+        if count <= 0 or vblock < 0 or dblock < 0:
+            bad_run = f"{where}: invalid mapping {vblock} {dblock} {count} {state}"
+            break
+        if vblock + count > n_vblocks or dblock + count > n_blocks:
+            bad_run = f"{where}: mapping {vblock}+{count} -> {dblock} lies beyond the volume or the pool"
+            break
+        good.append((vblock, dblock, count, _STATES[state] | (PINNED if pinned else 0)))
+    table = np.array(good, dtype=np.int64).reshape(-1, 4)
+    counts = table[:, 2]
+    offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    vblocks = np.repeat(table[:, 0], counts) + offsets
+    dblocks = np.repeat(table[:, 1], counts) + offsets
+    flags = np.repeat(table[:, 3], counts)
+    # A vblock mapped twice: any but its first appearance. A dblock at another vblock
+    # than its owner's: the owner is an earlier volume's, else this one's first.
+    twice = np.ones(len(vblocks), np.bool_)
+    twice[np.unique(vblocks, return_index=True)[1]] = False
+    uniq, first, inverse = np.unique(dblocks, return_index=True, return_inverse=True)
+    owner_of = np.where(owners[uniq] >= 0, owners[uniq], vblocks[first])
+    owner = owner_of[inverse]
+    fail = twice | (owner != vblocks)
+    if fail.any():
+        at = int(np.argmax(fail))
+        if twice[at]:
+            raise ThinblockError(f"{where}: vblock {vblocks[at]} is mapped twice")
+        raise ThinblockError(
+            f"{where}: dblock {dblocks[at]} is mapped at vblock {vblocks[at]} and at vblock {owner[at]};"
+            " only snapshots and clones share a block, at one vblock"
+        )
+    if bad_run is not None:
+        raise ThinblockError(bad_run)
+    owners[uniq] = owner_of
+    states = flags & STATE_MASK
+    row.data_blocks += int(np.count_nonzero(states == BlockState.DATA))
+    row.zeroed_blocks += int(np.count_nonzero(states == BlockState.ZEROED))
+    row.pinned_blocks += int(np.count_nonzero(flags & PINNED))
+    order = np.argsort(vblocks, kind="stable")
+    entries = ((dblocks << DBLOCK_SHIFT) | flags).astype(np.uint64)
+    return vblocks[order], entries[order]
 
 
 def current_state(location: Location) -> tuple[dict[str, Any] | None, int]:
@@ -486,9 +523,25 @@ def salvage(
             staging.add(volume_row.id)
         else:
             rows[volume_row.id] = volume_row
-    by_volume: dict[int, list[tuple[int, int]]] = {vid: [] for vid in rows}
-    pages: dict[int, Page | None] = {}
     all_roots = sorted(meta.all_roots())
+    where, mapped = _salvage_pages(meta, {page_id for _v, _i, page_id in all_roots})
+    # Every mapped entry of the rows salvage keeps, judged all at once; a row with an
+    # entry that cannot be kept is walked entry by entry below, to name each.
+    keep_rows = np.array(
+        [r for r, (v, _i, p) in enumerate(all_roots) if v in rows and where.get(p) is not None], dtype=np.intp
+    )
+    pos = np.array([where[all_roots[r][2]] for r in keep_rows.tolist()], dtype=np.intp)
+    item, index = _gather(mapped, pos)
+    row_of = keep_rows[item]
+    volume_of = np.array([v for v, _i, _p in all_roots], dtype=np.int64)[row_of]
+    entries = mapped.entry[index]
+    state, dblock = entries & np.uint64(STATE_MASK), (entries >> np.uint64(DBLOCK_SHIFT)).astype(np.int64)
+    vblock = np.array([i for _v, i, _p in all_roots], dtype=np.int64)[row_of] * PAGE_ENTRIES + mapped.slot[index]
+    size_of = {vid: -(-row.size_bytes // block_size) for vid, row in rows.items()}
+    n_vblocks = np.array([size_of.get(v, 0) for v, _i, _p in all_roots], dtype=np.int64)[row_of]
+    valid = ((state == BlockState.DATA) | (state == BlockState.ZEROED)) & (dblock < n_blocks) & (vblock < n_vblocks)
+    kept = valid & ~((dblock >= present) & (state == BlockState.DATA))
+    bad_rows = set(row_of[~kept].tolist())
     tell = progress or no_progress
     for done, (volume_id, page_index, page_id) in enumerate(all_roots):
         if done % 64 == 0:
@@ -499,35 +552,29 @@ def salvage(
         if row is None:
             lost.append(f"root table rows of missing volume id {volume_id} dropped")
             continue
-        if page_id not in pages:
-            try:
-                found = meta.page(page_id)
-                pages[page_id] = None if found is None else Page.from_blob(page_id, *found)
-            except CorruptionError:
-                pages[page_id] = None
-        page = pages[page_id]
         first = page_index * PAGE_ENTRIES
-        if page is None:
+        if where.get(page_id) is None:
             lost.append(
                 f"volume {row.name}: blocks {first}-{first + PAGE_ENTRIES - 1} lost"
                 f" (mapping page {page_id} unreadable); they now read zeros"
             )
             continue
-        n_vblocks = -(-row.size_bytes // block_size)
-        for slot, entry in enumerate(page.entries):
-            if not entry:
-                continue
-            vblock, state, dblock = first + slot, entry_state(entry), entry_dblock(entry)
-            if state not in (BlockState.DATA, BlockState.ZEROED) or dblock >= n_blocks or vblock >= n_vblocks:
-                lost.append(f"volume {row.name}: block {vblock} had an invalid mapping {entry:#x}; it now reads zeros")
-                continue
-            if dblock >= present and state == BlockState.DATA:
-                lost.append(
-                    f"volume {row.name}: block {vblock} was in the lost tail of the data store (dblock {dblock});"
-                    " it now reads zeros"
-                )
-                continue
-            by_volume[volume_id].append((vblock, entry))
+        if done in bad_rows:
+            lo, hi = np.searchsorted(row_of, [done, done + 1])  # row_of is sorted
+            here = np.flatnonzero(~kept[lo:hi]) + lo
+            for at, entry, ok in zip(vblock[here].tolist(), entries[here].tolist(), valid[here].tolist(), strict=True):
+                if not ok:
+                    lost.append(f"volume {row.name}: block {at} had an invalid mapping {entry:#x}; it now reads zeros")
+                else:
+                    lost.append(
+                        f"volume {row.name}: block {at} was in the lost tail of the data store"
+                        f" (dblock {entry_dblock(entry)}); it now reads zeros"
+                    )
+    volume_of, vblock, entries = volume_of[kept], vblock[kept], entries[kept]
+    by_volume = {}
+    for vid in rows:  # volume_of is sorted: each volume's entries are one slice
+        lo, hi = np.searchsorted(volume_of, [vid, vid + 1])
+        by_volume[vid] = (vblock[lo:hi], entries[lo:hi])
     for row in rows.values():
         if row.origin_id is not None and row.origin_id not in rows:
             row.origin_id = None
@@ -538,9 +585,64 @@ def salvage(
         # The generation and the pool's uuid: restore checks them (tools/rollback.py
         # guard_restore), never sets them.
         "pool": {**{k: sb.get(k) for k in _POOL_KEYS}, **{k: sb.get(k) for k in _IDENTITY_KEYS if k in sb}},
-        "volumes": [_volume_dict(rows[vid], sorted(entries)) for vid, entries in sorted(by_volume.items())],
+        "volumes": [
+            {**{k: getattr(rows[vid], k) for k in _VOLUME_KEYS}, "mappings": mapping_runs(*by_volume[vid])}
+            for vid in sorted(rows)
+        ],
     }
     return dump, lost
+
+
+def _salvage_pages(meta: MetadataStore, wanted: set[int]) -> tuple[dict[int, int | None], Mapped]:
+    """The mapped entries of the wanted pages, and each page's position among them
+    (None: missing or unreadable). One walk of all_pages; when the store cannot walk
+    them (damaged), the pages are read one by one, so each damaged one is lost alone."""
+    where: dict[int, int | None] = dict.fromkeys(wanted)
+
+    def walk() -> Iterator[array[int]]:
+        for page_id, refcount, blob in meta.all_pages():
+            if page_id in where and where[page_id] is None:
+                try:
+                    entries = Page.from_blob(page_id, refcount, blob).entries
+                except CorruptionError:
+                    continue
+                where[page_id] = len(positions)
+                positions.append(page_id)
+                yield entries
+
+    def one_by_one() -> Iterator[array[int]]:
+        for page_id in sorted(wanted):
+            try:
+                found = meta.page(page_id)
+                if found is None:
+                    continue
+                entries = Page.from_blob(page_id, *found).entries
+            except CorruptionError:
+                continue
+            where[page_id] = len(positions)
+            positions.append(page_id)
+            yield entries
+
+    positions: list[int] = []
+    try:
+        return where, mapped_entries(walk())
+    except CorruptionError:
+        where = dict.fromkeys(wanted)
+        positions.clear()
+        return where, mapped_entries(one_by_one())
+
+
+def _gather(mapped: Mapped, pages: NDArray[np.intp]) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
+    """For a sequence of page positions (a page may come twice): for every mapped entry
+    of each in turn, which item of the sequence it belongs to and its index in mapped."""
+    bounds = np.searchsorted(mapped.page, np.arange(int(pages.max(initial=-1)) + 2))
+    lo, counts = bounds[pages], bounds[pages + 1] - bounds[pages]
+    row_of = np.repeat(np.arange(len(pages), dtype=np.intp), counts)
+    starts = np.cumsum(counts) - counts
+    index = (np.arange(int(counts.sum()), dtype=np.intp) - np.repeat(starts, counts) + np.repeat(lo, counts)).astype(
+        np.intp
+    )
+    return row_of, index
 
 
 def repair(locator: str, progress: ProgressFn | None = None, *, accept_rollback: bool = False) -> dict[str, Any]:
