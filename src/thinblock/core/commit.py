@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 from thinblock.core.mapping import BlockState, Page, entry_dblock, entry_state
@@ -69,6 +69,7 @@ class CommitPipeline:
     transaction_id: int
     space: SpaceMap
     pages: dict[int, Page]
+    page_refs: dict[int, int]
     volumes: dict[str, Volume]
     policy: SpacePolicy
     host: HostSpace
@@ -102,9 +103,45 @@ class CommitPipeline:
             found = self.meta.page(page_id)
             if found is None:
                 raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
-            page = Page.from_blob(page_id, *found)
+            # A count changed (or read) while the page was not loaded is the authority:
+            # from now on the Page holds it.
+            page = Page.from_blob(page_id, self.page_refs.pop(page_id, found[0]), found[1])
             self.pages[page_id] = page
         return page
+
+    # Page refcounts are known without a page's entries: a loaded Page holds its own
+    # count; page_refs holds the counts of pages not loaded that were read in a batch
+    # (load_refcounts) or changed since. A page in neither is committed and unchanged.
+
+    def load_refcounts(self, page_ids: Iterable[int]) -> None:
+        """Know the refcount of every page of page_ids, in one batch read of the store for
+        those not known yet; a page that does not exist raises, with nothing changed."""
+        missing = [pid for pid in page_ids if pid not in self.pages and pid not in self.page_refs]
+        if not missing:
+            return
+        found = self.meta.page_refcounts(missing)
+        if len(found) != len(missing):
+            page_id = next(pid for pid in missing if pid not in found)
+            raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
+        self.page_refs.update(found)
+
+    def page_refcount(self, page_id: int) -> int:
+        page = self.pages.get(page_id)
+        if page is not None:
+            return page.refcount
+        if page_id not in self.page_refs:
+            self.load_refcounts([page_id])
+        return self.page_refs[page_id]
+
+    def share_page(self, page_id: int) -> None:
+        """One more root-table reference to a page, without loading it."""
+        page = self.pages.get(page_id)
+        if page is not None:
+            page.refcount += 1
+        else:
+            self.page_refs[page_id] = self.page_refcount(page_id) + 1
+        self._dirty_page_refs.add(page_id)
+        self.dirty = True
 
     def new_page(self, entries: array[int] | None = None) -> Page:
         page = Page(self._next_page_id, 1, entries)
@@ -115,7 +152,14 @@ class CommitPipeline:
         return page
 
     def release_page(self, page_id: int) -> None:
-        """Drop one root-table reference to a page; the last one frees its dblocks."""
+        """Drop one root-table reference to a page; the last one frees its dblocks. Only
+        then, or when one sharer is left, are its entries needed (and the page loaded)."""
+        count = self.page_refcount(page_id)
+        if count > 2 and page_id not in self.pages:
+            self.page_refs[page_id] = count - 1
+            self._dirty_page_refs.add(page_id)
+            self.dirty = True
+            return
         page = self.page(page_id)
         page.refcount -= 1
         if page.refcount == 0:
@@ -125,7 +169,7 @@ class CommitPipeline:
             self._dirty_pages.add(page_id)
         else:
             if page.refcount == 1:  # its last sharer may write its blocks in place once committed
-                self.space.became_exclusive([entry >> 3 for entry in page.entries if entry])
+                self.space.became_exclusive(page.entries)
             self._dirty_page_refs.add(page_id)
         self.dirty = True
 
@@ -253,7 +297,7 @@ class CommitPipeline:
             volumes=[dataclasses.replace(v.row) for v in self._dirty_volumes],
             deleted_volumes=list(self._deleted_volumes),
             refcount_pages=self.space.take_dirty_pages(),
-            page_refcounts={pid: self.pages[pid].refcount for pid in self._dirty_page_refs - self._dirty_pages},
+            page_refcounts={pid: self.page_refcount(pid) for pid in self._dirty_page_refs - self._dirty_pages},
         )
         roots_by_id = {v.row.id: v.root for v in self.volumes.values()}
         for vid, page_index in self._dirty_roots:
@@ -292,6 +336,7 @@ class CommitPipeline:
         for page_id, blob in built.txn.pages.items():
             if blob is None and page_id not in self._dirty_pages:
                 self.pages.pop(page_id, None)
+                self.page_refs.pop(page_id, None)
 
     def _write_metadata(self, txn: Transaction) -> None:
         """One atomic metadata commit; when the host is full, the metadata slack is

@@ -29,9 +29,13 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
+from thinblock.core.mapping import DBLOCK_SHIFT
 from thinblock.errors import CorruptionError
 
 REFCOUNT_PAGE_ENTRIES = 1024
+_FEW_MAPPED = 32  # became_exclusive: below this many mapped entries a Python walk is faster
 
 
 class SpaceMap:
@@ -167,13 +171,23 @@ class SpaceMap:
         """Whether a write must copy the dblock: shared now, or in committed state."""
         return self.refcounts[dblock] > 1 or dblock in self.newly_exclusive
 
-    def became_exclusive(self, dblocks: list[int]) -> None:
+    def became_exclusive(self, entries: array[int]) -> None:
         """A page's last sharer went (its dblocks keep one reference, through it): the
-        same rule as decref's, for the dblocks the page alone references."""
-        for dblock in dblocks:
-            if self.refcounts[dblock] == 1:
-                self.births.append((dblock, 1))
-                self.newly_exclusive.add(dblock)
+        same rule as decref's, for the dblocks the page alone references. entries are
+        the page's mapping entries (0 is unmapped), taken whole: a snapshot's removal
+        runs this for every page, so the walk is numpy's, not one Python step an entry."""
+        slots = np.flatnonzero(np.frombuffer(entries, dtype=np.uint64))
+        refcounts = self.refcounts
+        if len(slots) <= _FEW_MAPPED:  # a sparse page: numpy's per-call cost would dominate
+            alone = [d for d in (entries[i] >> DBLOCK_SHIFT for i in slots.tolist()) if refcounts[d] == 1]
+        else:
+            dblocks = np.frombuffer(entries, dtype=np.uint64)[slots] >> np.uint64(DBLOCK_SHIFT)
+            # A view of the counts for this call only: a live export would stop grow() resizing them.
+            counts = np.frombuffer(refcounts, dtype=np.uint32)
+            alone = dblocks[counts[dblocks] == 1].tolist()
+            del counts
+        self.births.extend((dblock, 1) for dblock in alone)
+        self.newly_exclusive.update(alone)
 
     def take_dirty_pages(self) -> dict[int, bytes]:
         """Refcount pages changed since the last call, as blobs to persist; unpublished
