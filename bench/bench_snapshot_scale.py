@@ -10,7 +10,9 @@ a volume (N blocks, N mapping pages). Then, by the command line:
   to each: copy-on-write of the page), not served and served;
 - the same two commands on a volume with as many blocks mapped densely (N/512
   pages): these must stay flat.
-Times are wall-clock medians of --runs, with Python's start-up (`python -c
+The library calls under the commands are timed apart too (pool open, the
+snapshot itself, the figures the command prints, the removal). Times are
+wall-clock medians of --runs, with Python's start-up (`python -c
 pass`) shown apart and subtracted ("own"); the growth factor between scales is
 printed. --src runs another tree's code (say /work/main/src) for a before/after
 comparison on the same machine. No asserts: the machine may be loaded.
@@ -61,6 +63,28 @@ with Pool.open(path) as pool:
         vol.write(i * step * bs, payload)
 """
 
+# The library calls the commands make, timed apart: opening the pool, the snapshot
+# itself (share and commit), the figures the command prints (volume_info), the removal.
+_LIB = """
+import json, sys, time
+from thinblock import Pool
+from thinblock.core.snapshot import create_snapshot
+path, step = sys.argv[1], sys.argv[2]
+t0 = time.perf_counter()
+pool = Pool.open(path)
+t1 = time.perf_counter()
+if step == "create":
+    snap = create_snapshot(pool, "v", "lib")
+    t2 = time.perf_counter()
+    pool.volume_info(snap)
+else:
+    pool.remove_volume("lib")
+    t2 = time.perf_counter()
+t3 = time.perf_counter()
+pool.close()
+print(json.dumps({"open_s": t1 - t0, step + "_s": t2 - t1, "info_s": t3 - t2}))
+"""
+
 
 def progress(msg: str) -> None:
     print(f"... {msg}", file=sys.stderr, flush=True)
@@ -109,6 +133,19 @@ def measure(src: Path, scratch: Path, n: int, layout: str, runs: int, startup: f
         progress(f"{layout} {n}: writing the pool")
         run(src, "-c", _MAKE, str(base), str(n), layout)
     out: dict[str, Any] = {}
+    pool = scratch / f"{layout}-{n}.lib"
+    shutil.rmtree(pool, ignore_errors=True)
+    subprocess.run(["cp", "-a", "--sparse=always", str(base), str(pool)], check=True)
+    tb(src, "pool", "status", str(pool))  # a format upgrade, if any, is not timed
+    for step in ("create", "remove"):
+        got = subprocess.run(
+            [sys.executable, "-c", _LIB, str(pool), step], check=True, env=env(src), capture_output=True, text=True
+        )
+        out |= {f"lib_{step}_{k}": v for k, v in json.loads(got.stdout).items()}
+        if step == "create":
+            run(src, "-c", _CHANGE, str(pool), str(n), layout)
+    shutil.rmtree(pool)
+    progress(f"{layout} {n} library: " + ", ".join(f"{k} {v:.2f}s" for k, v in out.items()))
     for served in (False, True):
         creates, removes, starts = [], [], []
         for r in range(runs):
@@ -151,7 +188,14 @@ def main() -> None:
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="tb-snapscale-"))
     scratch.mkdir(parents=True, exist_ok=True)
     startup = statistics.median(run(args.src, "-c", "pass") for _ in range(5))
-    results: dict[str, Any] = {"src": str(args.src), "python_startup_s": startup, "spread": {}, "dense": {}}
+    cli_help = statistics.median(tb(args.src, "--help") for _ in range(3))  # importing the command line
+    results: dict[str, Any] = {
+        "src": str(args.src),
+        "python_startup_s": startup,
+        "cli_help_s": cli_help,
+        "spread": {},
+        "dense": {},
+    }
     try:
         for n in scales:
             results["spread"][n] = measure(args.src, scratch, n, "spread", args.runs, startup)
@@ -162,7 +206,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"tree {args.src}; python start-up {startup * 1000:.0f} ms (subtracted in 'own')")
+    print(
+        f"tree {args.src}; python start-up {startup * 1000:.0f} ms (subtracted in 'own');"
+        f" 'thinblock --help' {cli_help * 1000:.0f} ms"
+    )
     for layout in ("spread", "dense"):
         prev: dict[str, Any] | None = None
         for n, r in results[layout].items():
@@ -174,6 +221,11 @@ def main() -> None:
             if prev is not None:
                 line += f"; growth create x{r['create_direct_own_s'] / max(prev['create_direct_own_s'], 1e-3):.1f}"
             print(line)
+            print(
+                f"{'':6} {'':>7}         library: open {r['lib_create_open_s']:.2f}s, create_snapshot"
+                f" {r['lib_create_create_s']:.2f}s, volume_info {r['lib_create_info_s']:.2f}s, remove after 1%"
+                f" {r['lib_remove_remove_s']:.2f}s"
+            )
             prev = r
 
 

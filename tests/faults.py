@@ -2,7 +2,7 @@
 
 `FaultyStore` is a filter over any DataStore (nbdkit's error filter, in
 spirit); `FaultyMeta` wraps the pool's metadata store and fails commits or
-batch reads of page refcounts. A
+the batch reads of pages and page refcounts. A
 fault is armed for one call index among the chosen verbs and fires once:
 
 - "eio": the call raises EIO and does nothing;
@@ -134,6 +134,14 @@ class FaultyMeta(_Armed):
         if fault is not None:
             raise _error(fault.kind, "page refcount read")
         result: dict[int, int] = self.inner.page_refcounts(page_ids)
+        return result
+
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        """The batch read of pages (a snapshot's removal) fails on command too."""
+        fault = self._hit("pages")
+        if fault is not None:
+            raise _error(fault.kind, "page read")
+        result: dict[int, tuple[int, bytes]] = self.inner.pages(page_ids)
         return result
 
     def __getattr__(self, name: str) -> Any:

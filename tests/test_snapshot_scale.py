@@ -114,8 +114,15 @@ def test_a_failing_count_read_changes_nothing(locator: str) -> None:
             with pytest.raises(OSError, match="injected"):
                 fail()
             assert meta.fired and "s" in pool.volumes and not pool.dirty and pool.page_refs == {}
-            assert len(pool.volume("v").root) == PAGES
-    assert _counts(locator, "v") == [3] * PAGES and _problems(locator) == []
+            assert len(pool.volume("v").root) == PAGES and len(pool.volume("s").root) == PAGES
+        pool.remove_volume("t")
+        # Now removing s leaves v alone on every page: the removal needs their entries.
+        meta.arm(Fault(("pages",), 0, "eio"))
+        with pytest.raises(OSError, match="injected"):
+            pool.remove_volume("s")
+        assert meta.fired and "s" in pool.volumes and not pool.dirty and pool.pages == {}
+        assert set(pool.page_refs.values()) == {2} and len(pool.volume("s").root) == PAGES
+    assert _counts(locator, "v") == [2] * PAGES and _problems(locator) == []
 
 
 def test_a_failing_commit_of_a_share_is_retried_whole(locator: str) -> None:

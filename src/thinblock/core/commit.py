@@ -125,6 +125,21 @@ class CommitPipeline:
             raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
         self.page_refs.update(found)
 
+    def load_pages(self, page_ids: Iterable[int]) -> None:
+        """page() for every page of page_ids, those not loaded read in one batch; a page
+        that does not exist raises, with nothing loaded."""
+        missing = [pid for pid in page_ids if pid not in self.pages]
+        if not missing:
+            return
+        found = self.meta.pages(missing)
+        if len(found) != len(missing):
+            page_id = next(pid for pid in missing if pid not in found)
+            raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
+        pages = [Page.from_blob(pid, self.page_refs.get(pid, count), blob) for pid, (count, blob) in found.items()]
+        for page in pages:  # all decoded first: a damaged one leaves the cache as it was
+            self.page_refs.pop(page.page_id, None)
+            self.pages[page.page_id] = page
+
     def page_refcount(self, page_id: int) -> int:
         page = self.pages.get(page_id)
         if page is not None:

@@ -574,9 +574,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         first (the counts in one batch, then the pages whose entries the release needs),
         so a failing read changes nothing."""
         self.load_refcounts(vol.root.values())
-        for page_id in vol.root.values():
-            if self.page_refcount(page_id) <= 2:
-                self.page(page_id)
+        self.load_pages([pid for pid in vol.root.values() if self.page_refcount(pid) <= 2])
         vid = vol.row.id
         for page_index in list(vol.root):
             self.release_page(vol.root.pop(page_index))

@@ -176,7 +176,7 @@ class SpaceMap:
         same rule as decref's, for the dblocks the page alone references. entries are
         the page's mapping entries (0 is unmapped), taken whole: a snapshot's removal
         runs this for every page, so the walk is numpy's, not one Python step an entry."""
-        slots = np.flatnonzero(np.frombuffer(entries, dtype=np.uint64))
+        slots = np.frombuffer(entries, dtype=np.uint64).nonzero()[0]
         refcounts = self.refcounts
         if len(slots) <= _FEW_MAPPED:  # a sparse page: numpy's per-call cost would dominate
             alone = [d for d in (entries[i] >> DBLOCK_SHIFT for i in slots.tolist()) if refcounts[d] == 1]

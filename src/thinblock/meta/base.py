@@ -96,6 +96,11 @@ class MetadataStore(ABC):
         their entries (a snapshot shares every page of a volume by their counts alone)."""
 
     @abstractmethod
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        """Page id -> (refcount, entries blob) of those of page_ids that exist: page() in
+        batches (a snapshot's removal needs the entries of every page it leaves alone)."""
+
+    @abstractmethod
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
         """(page id, refcount, entries blob) of every mapping page."""
 

@@ -64,6 +64,11 @@ class MemoryMetadata(MetadataStore):
             pages = self.state.pages
             return {pid: pages[pid][0] for pid in page_ids if pid in pages}
 
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        with self._lock:
+            pages = self.state.pages
+            return {pid: pages[pid] for pid in page_ids if pid in pages}
+
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
         with self._lock:
             rows = [(pid, ref, blob) for pid, (ref, blob) in self.state.pages.items()]

@@ -252,6 +252,11 @@ class RadosMetadata(MetadataStore):
         got = self._get_many([_qkey(pid) for pid in page_ids])
         return {int(k[2:]): int(v) for k, v in got.items()}
 
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        ids = list(page_ids)
+        got = self._get_many([key for pid in ids for key in (_pkey(pid), _qkey(pid))])
+        return {pid: (int(got.get(_qkey(pid), b"0")), got[_pkey(pid)]) for pid in ids if _pkey(pid) in got}
+
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
         counts = {int(k[2:]): int(v) for k, v in self.items("q.")}
         for k, blob in self.items("p."):

@@ -66,6 +66,10 @@ CREATE TABLE refcount_pages (idx INTEGER PRIMARY KEY, counts BLOB NOT NULL);
 """
 _PAGE_REFS_TABLE = "CREATE TABLE page_refs (id INTEGER PRIMARY KEY, refcount INTEGER NOT NULL)"
 _SCHEMA += _PAGE_REFS_TABLE + ";"
+_PAGES_IN = (
+    "SELECT p.id, COALESCE(r.refcount, 0), p.entries FROM pages p LEFT JOIN page_refs r ON r.id = p.id"
+    " WHERE p.id IN ({})"
+)
 # Largest IN (...) list of one batch read (SQLite's variable limit is 32766 since 3.32).
 _BATCH_IDS = 900
 
@@ -244,16 +248,24 @@ class SqliteMetadata(MetadataStore):
 
     @_reads
     def page_refcounts(self, page_ids: Iterable[int]) -> dict[int, int]:
+        return dict(self._batch(page_ids, "SELECT id, refcount FROM page_refs WHERE id IN ({})"))
+
+    @_reads
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        return {pid: (count, blob) for pid, count, blob in self._batch(page_ids, _PAGES_IN)}
+
+    def _batch(self, page_ids: Iterable[int], query: str) -> list[Any]:
+        """Rows of query (one IN list) for page_ids, read by the page reader in batches:
+        committed state, like page(), never waiting for a commit."""
         ids = list(page_ids)
-        out: dict[int, int] = {}
-        with self._reader_lock:  # committed counts, like page(): never waits for a commit
+        rows: list[Any] = []
+        with self._reader_lock:
             if self._reader is None:
                 self._reader = self.conn if self._readonly else _connect(self.path, True)
             for at in range(0, len(ids), _BATCH_IDS):
                 chunk = ids[at : at + _BATCH_IDS]
-                marks = ",".join("?" * len(chunk))
-                out.update(self._reader.execute(f"SELECT id, refcount FROM page_refs WHERE id IN ({marks})", chunk))
-        return out
+                rows += self._reader.execute(query.format(",".join("?" * len(chunk))), chunk).fetchall()
+        return rows
 
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
         # A page without a count reads 0: pool check then reports its refcount as wrong.
