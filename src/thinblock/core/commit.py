@@ -166,9 +166,11 @@ class CommitPipeline:
         self.dirty = True
         return page
 
-    def release_page(self, page_id: int) -> None:
+    def release_page(self, page_id: int, left_alone: list[array[int]] | None = None) -> None:
         """Drop one root-table reference to a page; the last one frees its dblocks. Only
-        then, or when one sharer is left, are its entries needed (and the page loaded)."""
+        then, or when one sharer is left, are its entries needed (and the page loaded).
+        With left_alone, the entries of a page left to one sharer go there, for the
+        caller to hand to SpaceMap.became_exclusive with the others, in one call."""
         count = self.page_refcount(page_id)
         if count > 2 and page_id not in self.pages:
             self.page_refs[page_id] = count - 1
@@ -184,7 +186,10 @@ class CommitPipeline:
             self._dirty_pages.add(page_id)
         else:
             if page.refcount == 1:  # its last sharer may write its blocks in place once committed
-                self.space.became_exclusive(page.entries)
+                if left_alone is None:
+                    self.space.became_exclusive([page.entries])
+                else:
+                    left_alone.append(page.entries)
             self._dirty_page_refs.add(page_id)
         self.dirty = True
 

@@ -18,6 +18,7 @@ import re
 import threading
 import time
 import uuid
+from array import array
 from collections.abc import Iterator
 from typing import Any
 
@@ -576,9 +577,13 @@ class Pool(CommitPipeline, SpaceAccounts):
         self.load_refcounts(vol.root.values())
         self.load_pages([pid for pid in vol.root.values() if self.page_refcount(pid) <= 2])
         vid = vol.row.id
+        left_alone: list[array[int]] = []
         for page_index in list(vol.root):
-            self.release_page(vol.root.pop(page_index))
+            self.release_page(vol.root.pop(page_index), left_alone)
             self._dirty_roots.add((vid, page_index))
+        # After the loop: a dblock a freed page also held is alone by then too (decref
+        # made it newly exclusive already; the set keeps it once).
+        self.space.became_exclusive(left_alone)
         self.dirty = True
 
     def resize_volume(self, name: str, size_bytes: int, *, allow_shrink: bool = False) -> None:
