@@ -501,8 +501,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         every mapping page by its refcount alone: O(pages), no page is loaded, no block
         copied. The counts are read first, in one batch, so a failing read changes nothing."""
         self.load_refcounts(source.root.values())
-        for page_id in source.root.values():
-            self.share_page(page_id)
+        self.share_pages(source.root.values())
         vol.root.update(source.root)
         vid = vol.row.id
         self._dirty_roots.update((vid, page_index) for page_index in vol.root)

@@ -248,7 +248,21 @@ class SqliteMetadata(MetadataStore):
 
     @_reads
     def page_refcounts(self, page_ids: Iterable[int]) -> dict[int, int]:
-        return dict(self._batch(page_ids, "SELECT id, refcount FROM page_refs WHERE id IN ({})"))
+        ids = list(page_ids)
+        if len(ids) > _BATCH_IDS:
+            low, high = min(ids), max(ids)
+            if high - low < 4 * len(ids):
+                # A volume's pages mostly have neighbouring ids (made in order): one range
+                # scan of their span reads far faster than lists of ids, even with others'.
+                wanted = set(ids)
+                with self._reader_lock:
+                    if self._reader is None:
+                        self._reader = self.conn if self._readonly else _connect(self.path, True)
+                    rows = self._reader.execute(
+                        "SELECT id, refcount FROM page_refs WHERE id BETWEEN ? AND ?", (low, high)
+                    ).fetchall()
+                return {pid: count for pid, count in rows if pid in wanted}
+        return dict(self._batch(ids, "SELECT id, refcount FROM page_refs WHERE id IN ({})"))
 
     @_reads
     def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
