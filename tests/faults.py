@@ -1,7 +1,8 @@
 """Fault injection: a data store and a metadata store that fail at the Nth call.
 
 `FaultyStore` is a filter over any DataStore (nbdkit's error filter, in
-spirit); `FaultyMeta` wraps the pool's metadata store and fails commits. A
+spirit); `FaultyMeta` wraps the pool's metadata store and fails commits or
+the batch reads of pages and page refcounts. A
 fault is armed for one call index among the chosen verbs and fires once:
 
 - "eio": the call raises EIO and does nothing;
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +127,22 @@ class FaultyMeta(_Armed):
         if fault is not None:
             raise _error(fault.kind, "metadata commit")
         self.inner.commit(txn)
+
+    def page_refcounts(self, page_ids: Iterable[int]) -> dict[int, int]:
+        """The batch read of page counts (snapshots and removals) fails on command too."""
+        fault = self._hit("page_refcounts")
+        if fault is not None:
+            raise _error(fault.kind, "page refcount read")
+        result: dict[int, int] = self.inner.page_refcounts(page_ids)
+        return result
+
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        """The batch read of pages (a snapshot's removal) fails on command too."""
+        fault = self._hit("pages")
+        if fault is not None:
+            raise _error(fault.kind, "page read")
+        result: dict[int, tuple[int, bytes]] = self.inner.pages(page_ids)
+        return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -116,7 +116,7 @@ def test_repair_recovers_damaged_refcounts(tmp_path: Path) -> None:
     db = sqlite3.connect(Path(pool) / "metadata.sqlite")
     with db:
         db.execute("UPDATE refcount_pages SET counts = zeroblob(length(counts))")  # every block 'free'
-        db.execute("UPDATE pages SET refcount = refcount + 3")
+        db.execute("UPDATE page_refs SET refcount = refcount + 3")
         db.execute("UPDATE superblock SET value = '0' WHERE key = 'used_blocks'")
     db.close()
     check = thinblock("pool", "check", pool, "--json", check=False)

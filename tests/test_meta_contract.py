@@ -104,6 +104,23 @@ def test_deletes_and_refcount_only_changes(meta: MetadataStore) -> None:
     assert meta.max_page_id() >= 21  # ids are never handed out twice
 
 
+def test_pages_and_refcounts_are_read_in_batches(meta: MetadataStore) -> None:
+    """Counts of existing pages, without their entries, and whole pages; missing ids are
+    left out, and a count-only change is what the batches read next (past one SQL batch
+    and one omap read)."""
+    assert meta.page_refcounts([10, 11]) == {}
+    meta.commit(_txn())
+    assert meta.page_refcounts([11, 10, 12]) == {10: 1, 11: 2} and meta.page_refcounts([]) == {}
+    many = {1000 + i: (1 + i % 3, PAGE[:8]) for i in range(2500)}
+    meta.commit(Transaction(pages=dict(many)))
+    assert meta.page_refcounts(many) == {pid: page[0] for pid, page in many.items()}
+    meta.commit(Transaction(page_refcounts={pid: 9 for pid in many} | {10: 5, 4242424: 1}))
+    assert meta.page_refcounts([*many, 10, 4242424]) == {pid: 9 for pid in many} | {10: 5}
+    assert meta.page(10) == (5, PAGE) and meta.integrity_problems() == []
+    assert meta.pages([10, 11, 12]) == {10: (5, PAGE), 11: (2, PAGE[::-1])} and meta.pages([]) == {}
+    assert meta.pages(many) == {pid: (9, page[1]) for pid, page in many.items()}
+
+
 def test_a_rename_is_a_row_update(location: Location, meta: MetadataStore) -> None:
     """volume rename commits the same row (same id) with a new name: the old name is
     free afterwards, roots and pages stay, and it lasts past reopening; renaming

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 from thinblock.core.mapping import BlockState, Page, entry_dblock, entry_state, mapped_pairs
@@ -69,6 +69,7 @@ class CommitPipeline:
     transaction_id: int
     space: SpaceMap
     pages: dict[int, Page]
+    page_refs: dict[int, int]
     volumes: dict[str, Volume]
     policy: SpacePolicy
     host: HostSpace
@@ -104,9 +105,64 @@ class CommitPipeline:
             found = self.meta.page(page_id)
             if found is None:
                 raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
-            page = Page.from_blob(page_id, *found)
+            # A count changed (or read) while the page was not loaded is the authority:
+            # from now on the Page holds it.
+            page = Page.from_blob(page_id, self.page_refs.pop(page_id, found[0]), found[1])
             self.pages[page_id] = page
         return page
+
+    # Page refcounts are known without a page's entries: a loaded Page holds its own
+    # count; page_refs holds the counts of pages not loaded that were read in a batch
+    # (load_refcounts) or changed since. A page in neither is committed and unchanged.
+
+    def load_refcounts(self, page_ids: Iterable[int]) -> None:
+        """Know the refcount of every page of page_ids, in one batch read of the store for
+        those not known yet; a page that does not exist raises, with nothing changed."""
+        missing = [pid for pid in page_ids if pid not in self.pages and pid not in self.page_refs]
+        if not missing:
+            return
+        found = self.meta.page_refcounts(missing)
+        if len(found) != len(missing):
+            page_id = next(pid for pid in missing if pid not in found)
+            raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
+        self.page_refs.update(found)
+
+    def load_pages(self, page_ids: Iterable[int]) -> None:
+        """page() for every page of page_ids, those not loaded read in one batch; a page
+        that does not exist raises, with nothing loaded."""
+        missing = [pid for pid in page_ids if pid not in self.pages]
+        if not missing:
+            return
+        found = self.meta.pages(missing)
+        if len(found) != len(missing):
+            page_id = next(pid for pid in missing if pid not in found)
+            raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
+        pages = [Page.from_blob(pid, self.page_refs.get(pid, count), blob) for pid, (count, blob) in found.items()]
+        for page in pages:  # all decoded first: a damaged one leaves the cache as it was
+            self.page_refs.pop(page.page_id, None)
+            self.pages[page.page_id] = page
+
+    def page_refcount(self, page_id: int) -> int:
+        page = self.pages.get(page_id)
+        if page is not None:
+            return page.refcount
+        if page_id not in self.page_refs:
+            self.load_refcounts([page_id])
+        return self.page_refs[page_id]
+
+    def share_pages(self, page_ids: Iterable[int]) -> None:
+        """One more root-table reference to each page, without loading any (call
+        load_refcounts first: a snapshot shares 10^5 pages here, so this is one loop)."""
+        ids = list(page_ids)
+        pages, refs = self.pages, self.page_refs
+        for page_id in ids:
+            page = pages.get(page_id)
+            if page is not None:
+                page.refcount += 1
+            else:
+                refs[page_id] += 1
+        self._dirty_page_refs.update(ids)
+        self.dirty = True
 
     def new_page(self, entries: array[int] | None = None) -> Page:
         page = Page(self._next_page_id, 1, entries)
@@ -116,8 +172,17 @@ class CommitPipeline:
         self.dirty = True
         return page
 
-    def release_page(self, page_id: int) -> None:
-        """Drop one root-table reference to a page; the last one frees its dblocks."""
+    def release_page(self, page_id: int, left_alone: list[array[int]] | None = None) -> None:
+        """Drop one root-table reference to a page; the last one frees its dblocks. Only
+        then, or when one sharer is left, are its entries needed (and the page loaded).
+        With left_alone, the entries of a page left to one sharer go there, for the
+        caller to hand to SpaceMap.became_exclusive with the others, in one call."""
+        count = self.page_refcount(page_id)
+        if count > 2 and page_id not in self.pages:
+            self.page_refs[page_id] = count - 1
+            self._dirty_page_refs.add(page_id)
+            self.dirty = True
+            return
         page = self.page(page_id)
         page.refcount -= 1
         if page.refcount == 0:
@@ -127,7 +192,10 @@ class CommitPipeline:
             self._dirty_pages.add(page_id)
         else:
             if page.refcount == 1:  # its last sharer may write its blocks in place once committed
-                self.space.became_exclusive([entry >> 3 for entry in page.entries if entry])
+                if left_alone is None:
+                    self.space.became_exclusive([page.entries])
+                else:
+                    left_alone.append(page.entries)
             self._dirty_page_refs.add(page_id)
         self.dirty = True
 
@@ -255,7 +323,7 @@ class CommitPipeline:
             volumes=[dataclasses.replace(v.row) for v in self._dirty_volumes],
             deleted_volumes=list(self._deleted_volumes),
             refcount_pages=self.space.take_dirty_pages(),
-            page_refcounts={pid: self.pages[pid].refcount for pid in self._dirty_page_refs - self._dirty_pages},
+            page_refcounts={pid: self.page_refcount(pid) for pid in self._dirty_page_refs - self._dirty_pages},
         )
         for vid, page_index in self._dirty_roots:
             # By id, not a table of every volume's root: that would cost O(volumes) per
@@ -296,6 +364,7 @@ class CommitPipeline:
         for page_id, blob in built.txn.pages.items():
             if blob is None and page_id not in self._dirty_pages:
                 self.pages.pop(page_id, None)
+                self.page_refs.pop(page_id, None)
 
     def _write_metadata(self, txn: Transaction) -> None:
         """One atomic metadata commit; when the host is full, the metadata slack is

@@ -18,6 +18,7 @@ import re
 import threading
 import time
 import uuid
+from array import array
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -259,6 +260,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         self.transaction_id = int(sb["transaction_id"])
         self.space = SpaceMap(self.size_bytes // self.block_size, meta.refcount_pages())
         self.pages: dict[int, Page] = {}
+        self.page_refs: dict[int, int] = {}  # counts of pages not loaded (commit.py's load_refcounts)
         self._next_page_id = meta.max_page_id() + 1
         self._next_volume_id = meta.max_volume_id() + 1
         # Root tables load on first use (Volume.root), not all of them here.
@@ -546,6 +548,8 @@ class Pool(CommitPipeline, SpaceAccounts):
             self.check_new_name(name, kind)
         elif name in self.volumes:
             raise ThinblockError(f"staging volume {name} exists already")
+        if sharing is not None:  # the one store read of a share: a failure leaves nothing behind
+            self.load_refcounts(sharing.root.values())
         row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time(), kind=kind)
         self._next_volume_id += 1
         vol = Volume(self, row, {})
@@ -563,13 +567,14 @@ class Pool(CommitPipeline, SpaceAccounts):
 
     def share_contents(self, vol: Volume, source: Volume) -> None:
         """vol (with an empty root table) takes source's size and contents by sharing
-        every mapping page: O(pages), no block is copied."""
-        for page_id in source.root.values():
-            self.page(page_id).refcount += 1
-            self._dirty_page_refs.add(page_id)
+        every mapping page by its refcount alone: O(pages), no page is loaded, no block
+        copied. The counts are read first, in one batch, so a failing read changes nothing."""
+        self.load_refcounts(source.root.values())
+        self.share_pages(source.root.values())
         vol.root.update(source.root)
-        for page_index in vol.root:
-            self.mark_root_dirty(vol, page_index)
+        vid = vol.row.id
+        self._dirty_roots.update((vid, page_index) for page_index in vol.root)
+        self.dirty = True
         row, src = vol.row, source.row
         row.size_bytes = src.size_bytes
         row.data_blocks, row.zeroed_blocks, row.pinned_blocks = src.data_blocks, src.zeroed_blocks, src.pinned_blocks
@@ -634,10 +639,20 @@ class Pool(CommitPipeline, SpaceAccounts):
             )
 
     def release_root(self, vol: Volume) -> None:
-        """Drop every page of vol's root table (the table ends empty)."""
+        """Drop every page of vol's root table (the table ends empty). The store reads come
+        first (the counts in one batch, then the pages whose entries the release needs),
+        so a failing read changes nothing."""
+        self.load_refcounts(vol.root.values())
+        self.load_pages([pid for pid in vol.root.values() if self.page_refcount(pid) <= 2])
+        vid = vol.row.id
+        left_alone: list[array[int]] = []
         for page_index in list(vol.root):
-            self.release_page(vol.root.pop(page_index))
-            self.mark_root_dirty(vol, page_index)
+            self.release_page(vol.root.pop(page_index), left_alone)
+            self._dirty_roots.add((vid, page_index))
+        # After the loop: a dblock a freed page also held is alone by then too (decref
+        # made it newly exclusive already; the set keeps it once).
+        self.space.became_exclusive(left_alone)
+        self.dirty = True
 
     def resize_volume(self, name: str, size_bytes: int, *, allow_shrink: bool = False) -> None:
         """Grow a volume, or shrink it (discarding the cut-off part) when allow_shrink

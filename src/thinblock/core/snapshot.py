@@ -158,6 +158,8 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
             target = reserve_blocks(vol.row.reserve_bytes, snap.size_bytes, pool.block_size)
             pool.check_reservable(vol, target, "roll back", freed=exclusive)
         # Releasing first is safe: the snapshot holds its own reference to every page it uses.
+        # Both tables' counts are read before anything changes (a failing read changes nothing).
+        pool.load_refcounts([*vol.root.values(), *snap.root.values()])
         pool.release_root(vol)
         pool.share_contents(vol, snap)
         pool.recount_owned()
@@ -175,6 +177,7 @@ def adopt(pool: Pool, volume: str, staging: Volume, snapshot: str | None) -> Vol
         if snapshot is not None:
             pool.check_new_name(snapshot, "snapshot")
             _weigh(pool, vol, "snapshot")
+        pool.load_refcounts([*vol.root.values(), *staging.root.values()])  # before anything changes
         pool.release_root(vol)
         pool.share_contents(vol, staging)
         pool.drop_volume(staging)

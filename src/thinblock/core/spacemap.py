@@ -28,10 +28,15 @@ time, hit on nearly every kill.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
+import numpy as np
+
+from thinblock.core.mapping import DBLOCK_SHIFT
 from thinblock.errors import CorruptionError
 
 REFCOUNT_PAGE_ENTRIES = 1024
+_PAGES_AT_ONCE = 1024  # became_exclusive: mapping pages walked in one numpy array (4 MiB)
 
 
 class SpaceMap:
@@ -167,13 +172,24 @@ class SpaceMap:
         """Whether a write must copy the dblock: shared now, or in committed state."""
         return self.refcounts[dblock] > 1 or dblock in self.newly_exclusive
 
-    def became_exclusive(self, dblocks: list[int]) -> None:
-        """A page's last sharer went (its dblocks keep one reference, through it): the
-        same rule as decref's, for the dblocks the page alone references."""
-        for dblock in dblocks:
-            if self.refcounts[dblock] == 1:
-                self.births.append((dblock, 1))
-                self.newly_exclusive.add(dblock)
+    def became_exclusive(self, pages: Sequence[array[int]]) -> None:
+        """Pages whose last sharer went (their dblocks keep one reference, through them):
+        the same rule as decref's, for the dblocks a page alone references. pages are
+        the pages' mapping entries (0 is unmapped). A snapshot's removal hands every
+        page it leaves alone in one call: numpy walks them a thousand pages at a time,
+        not one Python step an entry (a dblock already newly exclusive may come again:
+        the set keeps it once, a repeated birth records the same generation)."""
+        for at in range(0, len(pages), _PAGES_AT_ONCE):
+            entries = np.frombuffer(b"".join(pages[at : at + _PAGES_AT_ONCE]), dtype=np.uint64)
+            dblocks = entries[entries != 0] >> np.uint64(DBLOCK_SHIFT)
+            if not len(dblocks):
+                continue
+            # A view of the counts for this call only: a live export would stop grow() resizing them.
+            counts = np.frombuffer(self.refcounts, dtype=np.uint32)
+            alone = dblocks[counts[dblocks] == 1].tolist()
+            del counts
+            self.births.extend((dblock, 1) for dblock in alone)
+            self.newly_exclusive.update(alone)
 
     def take_dirty_pages(self) -> dict[int, bytes]:
         """Refcount pages changed since the last call, as blobs to persist; unpublished

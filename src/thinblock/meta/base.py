@@ -14,7 +14,7 @@ tests). tests/test_meta_contract.py runs the same suite against each.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,16 @@ class MetadataStore(ABC):
     @abstractmethod
     def page(self, page_id: int) -> tuple[int, bytes] | None:
         """(refcount, entries blob) of a mapping page, or None if it does not exist."""
+
+    @abstractmethod
+    def page_refcounts(self, page_ids: Iterable[int]) -> dict[int, int]:
+        """Page id -> refcount of those of page_ids that exist, read in batches without
+        their entries (a snapshot shares every page of a volume by their counts alone)."""
+
+    @abstractmethod
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        """Page id -> (refcount, entries blob) of those of page_ids that exist: page() in
+        batches (a snapshot's removal needs the entries of every page it leaves alone)."""
 
     @abstractmethod
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:

@@ -10,7 +10,7 @@ import copy
 import dataclasses
 import errno
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from thinblock.meta.base import MetadataStore, Transaction, VolumeRow, initial_superblock
@@ -58,6 +58,16 @@ class MemoryMetadata(MetadataStore):
     def page(self, page_id: int) -> tuple[int, bytes] | None:
         with self._lock:
             return self.state.pages.get(page_id)
+
+    def page_refcounts(self, page_ids: Iterable[int]) -> dict[int, int]:
+        with self._lock:
+            pages = self.state.pages
+            return {pid: pages[pid][0] for pid in page_ids if pid in pages}
+
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        with self._lock:
+            pages = self.state.pages
+            return {pid: pages[pid] for pid in page_ids if pid in pages}
 
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
         with self._lock:

@@ -28,7 +28,7 @@ import dataclasses
 import errno
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from thinblock.bindings import RADOS_POOLS, require
@@ -209,6 +209,13 @@ class RadosMetadata(MetadataStore):
             yield from items
             after = items[-1][0]
 
+    def _get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """_get in operations of at most PAGE_LIMIT keys (a snapshot asks for every page's)."""
+        out: dict[str, bytes] = {}
+        for at in range(0, len(keys), PAGE_LIMIT):
+            out.update(self._get(keys[at : at + PAGE_LIMIT]))
+        return out
+
     def _get(self, keys: list[str]) -> dict[str, bytes]:
         if not keys:
             return {}
@@ -240,6 +247,15 @@ class RadosMetadata(MetadataStore):
         got = self._get([_pkey(page_id), _qkey(page_id)])
         blob = got.get(_pkey(page_id))
         return None if blob is None else (int(got.get(_qkey(page_id), b"0")), blob)
+
+    def page_refcounts(self, page_ids: Iterable[int]) -> dict[int, int]:
+        got = self._get_many([_qkey(pid) for pid in page_ids])
+        return {int(k[2:]): int(v) for k, v in got.items()}
+
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        ids = list(page_ids)
+        got = self._get_many([key for pid in ids for key in (_pkey(pid), _qkey(pid))])
+        return {pid: (int(got.get(_qkey(pid), b"0")), got[_pkey(pid)]) for pid in ids if _pkey(pid) in got}
 
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
         counts = {int(k[2:]): int(v) for k, v in self.items("q.")}
@@ -296,9 +312,11 @@ class RadosMetadata(MetadataStore):
                 ops.sets[_pkey(pid)] = bytes(page[1])
                 ops.sets[_qkey(pid)] = str(page[0]).encode()
         elsewhere = [pid for pid in txn.page_refcounts if pid not in txn.pages]
-        existing = set(self._get([_pkey(pid) for pid in elsewhere])) if elsewhere and not fresh else set()
+        # A page's count key exists exactly while its entries do: asking for the small
+        # count keys, not the entries, keeps a snapshot's commit from reading every page.
+        existing = set(self._get_many([_qkey(pid) for pid in elsewhere])) if elsewhere and not fresh else set()
         for pid, count in txn.page_refcounts.items():
-            if (txn.pages.get(pid) is not None) or _pkey(pid) in existing:
+            if (txn.pages.get(pid) is not None) or _qkey(pid) in existing:
                 ops.sets[_qkey(pid)] = str(count).encode()
         for index, blob in txn.refcount_pages.items():
             ops.sets[_ckey(index)] = bytes(blob)

@@ -9,7 +9,13 @@ Tables
   superblock(key, value)                 format, block size, size, counters
   volumes(id, name, kind, origin_id, ...) one row per volume or snapshot
   roots(volume_id, page_index, page_id)  each volume's root table, sparse
-  pages(id, refcount, entries)           mapping pages, as core/mapping.py encodes them
+  pages(id, refcount, entries)           mapping pages, as core/mapping.py encodes them; the
+                                         refcount column is the count when the entries were written
+  page_refs(id, refcount)                every page's refcount: the authority. Apart from
+                                         the entries, so that a snapshot's commit changing
+                                         10^5 counts rewrites 10^5 small rows, not every
+                                         page's entries (SQLite rewrites a whole row, blob
+                                         included, when an integer in it changes size)
   refcount_pages(idx, counts)            dblock refcounts, 1024 uint32 a page
 """
 
@@ -22,7 +28,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 from thinblock.errors import CorruptionError, ThinblockError
@@ -58,6 +64,14 @@ CREATE TABLE roots (
 CREATE TABLE pages (id INTEGER PRIMARY KEY, refcount INTEGER NOT NULL, entries BLOB NOT NULL);
 CREATE TABLE refcount_pages (idx INTEGER PRIMARY KEY, counts BLOB NOT NULL);
 """
+_PAGE_REFS_TABLE = "CREATE TABLE page_refs (id INTEGER PRIMARY KEY, refcount INTEGER NOT NULL)"
+_SCHEMA += _PAGE_REFS_TABLE + ";"
+_PAGES_IN = (
+    "SELECT p.id, COALESCE(r.refcount, 0), p.entries FROM pages p LEFT JOIN page_refs r ON r.id = p.id"
+    " WHERE p.id IN ({})"
+)
+# Largest IN (...) list of one batch read (SQLite's variable limit is 32766 since 3.32).
+_BATCH_IDS = 900
 
 
 _VOLUME_COLUMNS = (
@@ -112,6 +126,10 @@ def _connect(path: str, readonly: bool, *, immutable: bool = False) -> sqlite3.C
     return conn
 
 
+def _has_page_refs(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'page_refs'").fetchone() is not None
+
+
 class SqliteMetadata(MetadataStore):
     """One SQLite database; every write goes through `commit`."""
 
@@ -159,6 +177,8 @@ class SqliteMetadata(MetadataStore):
             if version == 1 and not readonly:
                 store._migrate_from_1()
                 version = FORMAT_VERSION
+            if version == FORMAT_VERSION and not _has_page_refs(conn):
+                store._add_page_refs()
         except sqlite3.DatabaseError as exc:
             raise _damaged(f"metadata database {path}", exc) from None
         if version == 1:
@@ -176,6 +196,22 @@ class SqliteMetadata(MetadataStore):
             for statement in _MIGRATE_1_TO_2:
                 c.execute(statement)
             c.execute("UPDATE superblock SET value = ? WHERE key = 'format_version'", (json.dumps(FORMAT_VERSION),))
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        c.execute("COMMIT")
+
+    def _add_page_refs(self) -> None:
+        """A pool made before page_refs: writable, it gets the table from the pages' own
+        counts (one transaction); read-only, a view of those counts stands in for it."""
+        c = self.conn
+        if self._readonly:
+            c.execute("CREATE TEMP VIEW page_refs AS SELECT id, refcount FROM pages")
+            return
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            c.execute(_PAGE_REFS_TABLE)
+            c.execute("INSERT INTO page_refs SELECT id, refcount FROM pages")
         except BaseException:
             c.execute("ROLLBACK")
             raise
@@ -203,11 +239,53 @@ class SqliteMetadata(MetadataStore):
         with self._reader_lock:
             if self._reader is None:
                 self._reader = self.conn if self._readonly else _connect(self.path, True)
-            row = self._reader.execute("SELECT refcount, entries FROM pages WHERE id = ?", (page_id,)).fetchone()
+            row = self._reader.execute(
+                "SELECT COALESCE(r.refcount, 0), p.entries FROM pages p LEFT JOIN page_refs r ON r.id = p.id"
+                " WHERE p.id = ?",
+                (page_id,),
+            ).fetchone()
         return None if row is None else (row[0], row[1])
 
+    @_reads
+    def page_refcounts(self, page_ids: Iterable[int]) -> dict[int, int]:
+        ids = list(page_ids)
+        if len(ids) > _BATCH_IDS:
+            low, high = min(ids), max(ids)
+            if high - low < 4 * len(ids):
+                # A volume's pages mostly have neighbouring ids (made in order): one range
+                # scan of their span reads far faster than lists of ids, even with others'.
+                wanted = set(ids)
+                with self._reader_lock:
+                    if self._reader is None:
+                        self._reader = self.conn if self._readonly else _connect(self.path, True)
+                    rows = self._reader.execute(
+                        "SELECT id, refcount FROM page_refs WHERE id BETWEEN ? AND ?", (low, high)
+                    ).fetchall()
+                return {pid: count for pid, count in rows if pid in wanted}
+        return dict(self._batch(ids, "SELECT id, refcount FROM page_refs WHERE id IN ({})"))
+
+    @_reads
+    def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
+        return {pid: (count, blob) for pid, count, blob in self._batch(page_ids, _PAGES_IN)}
+
+    def _batch(self, page_ids: Iterable[int], query: str) -> list[Any]:
+        """Rows of query (one IN list) for page_ids, read by the page reader in batches:
+        committed state, like page(), never waiting for a commit."""
+        ids = list(page_ids)
+        rows: list[Any] = []
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = self.conn if self._readonly else _connect(self.path, True)
+            for at in range(0, len(ids), _BATCH_IDS):
+                chunk = ids[at : at + _BATCH_IDS]
+                rows += self._reader.execute(query.format(",".join("?" * len(chunk))), chunk).fetchall()
+        return rows
+
     def all_pages(self) -> Iterator[tuple[int, int, bytes]]:
-        yield from self._walk("SELECT id, refcount, entries FROM pages")
+        # A page without a count reads 0: pool check then reports its refcount as wrong.
+        yield from self._walk(
+            "SELECT p.id, COALESCE(r.refcount, 0), p.entries FROM pages p LEFT JOIN page_refs r ON r.id = p.id"
+        )
 
     def _walk(self, query: str) -> Iterator[Any]:
         try:
@@ -250,7 +328,16 @@ class SqliteMetadata(MetadataStore):
 
     def integrity_problems(self) -> list[str]:
         rows = self.conn.execute("PRAGMA integrity_check").fetchall()
-        return [] if rows == [("ok",)] else [f"sqlite integrity: {row[0]}" for row in rows[:20]]
+        problems = [] if rows == [("ok",)] else [f"sqlite integrity: {row[0]}" for row in rows[:20]]
+        for query, what in (
+            ("SELECT id FROM pages WHERE id NOT IN (SELECT id FROM page_refs)", "mapping page {} has no refcount"),
+            (
+                "SELECT id FROM page_refs WHERE id NOT IN (SELECT id FROM pages)",
+                "refcount of a missing mapping page {}",
+            ),
+        ):
+            problems += [what.format(pid) for (pid,) in self.conn.execute(query + " ORDER BY id LIMIT 20")]
+        return problems
 
     @staticmethod
     def copy_database(path: str, dest: str) -> None:
@@ -344,10 +431,17 @@ def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
         "INSERT OR REPLACE INTO roots VALUES (?, ?, ?)",
         [(*key, page_id) for key, page_id in txn.roots.items() if page_id is not None],
     )
-    c.executemany("DELETE FROM pages WHERE id = ?", [(pid,) for pid, page in txn.pages.items() if page is None])
+    deleted = [(pid,) for pid, page in txn.pages.items() if page is None]
+    c.executemany("DELETE FROM pages WHERE id = ?", deleted)
+    c.executemany("DELETE FROM page_refs WHERE id = ?", deleted)
     c.executemany(
         "INSERT OR REPLACE INTO pages VALUES (?, ?, ?)",
         [(pid, *page) for pid, page in txn.pages.items() if page is not None],
     )
-    c.executemany("UPDATE pages SET refcount = ? WHERE id = ?", [(n, pid) for pid, n in txn.page_refcounts.items()])
+    c.executemany(
+        "INSERT OR REPLACE INTO page_refs VALUES (?, ?)",
+        [(pid, page[0]) for pid, page in txn.pages.items() if page is not None],
+    )
+    # Count-only changes (a snapshot's shares) touch page_refs alone, never the entries' rows.
+    c.executemany("UPDATE page_refs SET refcount = ? WHERE id = ?", [(n, pid) for pid, n in txn.page_refcounts.items()])
     c.executemany("INSERT OR REPLACE INTO refcount_pages VALUES (?, ?)", txn.refcount_pages.items())
