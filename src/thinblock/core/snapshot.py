@@ -39,8 +39,15 @@ def _share(pool: Pool, vol: Volume, name: str, kind: str, *, staging: bool = Fal
     if kind == "snapshot":
         new.row.origin_id = vol.row.id
         new.readonly = True
-    vol.owned_blocks = 0
+    _share_counted(pool, vol, new)
     return new
+
+
+def _share_counted(pool: Pool, *volumes: Volume) -> None:
+    """Volumes that now hold the same pages (share_contents) own nothing alone: their
+    exclusive counts are exactly 0 (core/exclusive.py)."""
+    for vol in volumes:
+        pool.set_exclusive(vol, 0)
 
 
 def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
@@ -101,9 +108,10 @@ def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
             raise ThinblockError("two staging volumes cannot take one name")
         hidden = [(staged, staged.name) for staged, _ in renames]
         for staged, name in renames:
-            del pool.volumes[staged.name]
-            staged.row.name = name
-            pool.volumes[name] = staged
+            with pool.tallied(staged):  # visible now: into the pool's totals
+                del pool.volumes[staged.name]
+                staged.row.name = name
+                pool.volumes[name] = staged
             pool.mark_volume_dirty(staged)
     try:
         pool.commit()
@@ -114,9 +122,10 @@ def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
         with pool.lock:
             for staged, old in hidden:
                 if pool.volumes.get(staged.name) is staged:
-                    del pool.volumes[staged.name]
-                    staged.row.name = old
-                    pool.volumes[old] = staged
+                    with pool.tallied(staged):
+                        del pool.volumes[staged.name]
+                        staged.row.name = old
+                        pool.volumes[old] = staged
                     pool.mark_volume_dirty(staged)
         raise
 
@@ -127,6 +136,7 @@ def clone(pool: Pool, snapshot: str, name: str) -> Volume:
         snap = pool.volume(snapshot, kind="snapshot")
         vol = pool.add_volume(name, snap.size_bytes, snap.row.detect_zeroes, sharing=snap)
         vol.row.origin_id = snap.row.id
+        _share_counted(pool, snap, vol)
     pool.commit()
     return vol
 
@@ -152,15 +162,14 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
             )
         pool.refuse_if_busy(vol, "roll back")
         if vol.row.reserve_bytes:
-            exclusive = vol.usage()[0]
-            vol.owned_blocks = exclusive
+            exclusive = vol.fresh_exclusive()
             # After rollback the volume owns nothing alone, at the snapshot's size.
             target = reserve_blocks(vol.row.reserve_bytes, snap.size_bytes, pool.block_size)
             pool.check_reservable(vol, target, "roll back", freed=exclusive)
         # Releasing first is safe: the snapshot holds its own reference to every page it uses.
         pool.release_root(vol)
         pool.share_contents(vol, snap)
-        pool.recount_owned()
+        _share_counted(pool, vol, snap)
     pool.commit()
 
 
@@ -178,7 +187,9 @@ def adopt(pool: Pool, volume: str, staging: Volume, snapshot: str | None) -> Vol
         pool.release_root(vol)
         pool.share_contents(vol, staging)
         pool.drop_volume(staging)
+        # vol holds staging's pages alone now, as staging did: counted once, O(its pages)
+        # like the share itself.
+        pool.set_exclusive(vol, vol.recount_exclusive())
         snap = _share(pool, vol, snapshot, "snapshot") if snapshot is not None else None
-        pool.recount_owned()
     pool.commit()
     return snap
