@@ -192,7 +192,15 @@ def test_format_1_pool_is_upgraded_on_first_write_open(pool_dir: str) -> None:
     tb("volume", "create", pool_dir, "old", "--size", "1G")
     db = sqlite3.connect(Path(pool_dir) / "metadata.sqlite")
     with db:  # make it look like a pool written before snapshots existed
-        for column in ("kind", "origin_id", "reserve_bytes", "low_water", "on_low_water"):
+        for column in (
+            "kind",
+            "origin_id",
+            "reserve_bytes",
+            "low_water",
+            "on_low_water",
+            "exclusive_blocks",
+            "exclusive_epoch",
+        ):
             db.execute(f"ALTER TABLE volumes DROP COLUMN {column}")
         db.execute("UPDATE superblock SET value = '1' WHERE key = 'format_version'")
     db.close()
