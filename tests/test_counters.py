@@ -63,7 +63,7 @@ def test_check_catches_a_drifted_counter_in_memory() -> None:
         assert isinstance(location, MemoryLocation)
         meta = location.open_meta(readonly=True)
         assert check_metadata(meta) == []
-        (row,) = [row for row in meta.state.volumes.values() if row.name == "v"]  # type: ignore[attr-defined]
+        (row,) = [row for row in meta.state.volumes.values() if row.name == "v"]
         row.exclusive_blocks = 2
         assert check_metadata(meta) == ["volume v: 2 exclusive blocks recorded as exact, 1 found"]
     finally:
@@ -125,7 +125,7 @@ def test_a_newer_format_is_refused_on_the_memory_backend() -> None:
     try:
         Pool.create(locator, 64 * BS).close()
         assert isinstance(location, MemoryLocation)
-        state = location.open_meta(readonly=True).state  # type: ignore[attr-defined]
+        state = location.open_meta(readonly=True).state
         state.superblock["format_version"] = FORMAT_VERSION + 1
         with pytest.raises(ThinblockError, match="has metadata format 4, newer than this thinblock's 3"):
             Pool.open(locator)
