@@ -168,7 +168,7 @@ def run(scratch: Path, args: argparse.Namespace, r: dict[str, Any]) -> None:
     r["plain_fallocate_8GiB_s"] = timed(plain_fallocate)
     os.close(zfd)
 
-    mapped = pool.status()["volumes"][0]["mapped_bytes"]
+    mapped = pool.volume_info(pool.volume("bench"))["mapped_bytes"]
     pool.close()  # the last connection checkpoints the WAL into the database file
     db_bytes = sum(
         os.path.getsize(os.path.join(pool.path, n))

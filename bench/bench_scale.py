@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.scale_pools import make_many_exports
 from thinblock import Pool
-from thinblock.core.snapshot import create_snapshot
+from thinblock.core.snapshot import create_snapshot, share_into
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -136,9 +136,7 @@ def make_snapshots_of_one(pool_dir: str, n: int, mapped: int = 4096) -> None:
             vol.write(off, chunk)
         with pool.lock:
             for j in range(n):
-                snap = pool.add_volume(f"s{j}", vol.size_bytes, "on", sharing=vol, kind="snapshot")
-                snap.row.origin_id, snap.readonly = vol.row.id, True
-            vol.owned_blocks = 0
+                share_into(pool, vol, f"s{j}", "snapshot")  # as snapshot create does, without a commit each
         pool.commit()
     finally:
         pool.close()

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from thinblock.core.pool import Pool  # noqa: E402
+from thinblock.core.snapshot import share_into  # noqa: E402
 from thinblock.sizes import parse_size  # noqa: E402
 
 VOLUME_BYTES = 1 << 30
@@ -59,10 +60,7 @@ def make_many_exports(pool_dir: str | Path, n: int, *, pool_size: str | int = 1 
         with pool.lock:
             made = {name: pool.add_volume(name, VOLUME_BYTES, "on") for name in volumes}
             for snap in snapshots:
-                origin = made[snap.removesuffix("@s")]
-                new = pool.add_volume(snap, VOLUME_BYTES, "on", sharing=origin, kind="snapshot")
-                new.row.origin_id = origin.row.id
-                new.readonly = True
+                share_into(pool, made[snap.removesuffix("@s")], snap, "snapshot")  # as snapshot create does
         pool.commit()
     finally:
         pool.close()

@@ -63,8 +63,7 @@ def make_pool(root: Path, *volumes: tuple[str, str], size: str = "8G") -> str:
 
 
 def volume(pool: str, name: str) -> dict[str, Any]:
-    status = json.loads(thinblock("pool", "status", pool, "--json").stdout)
-    return next(v for v in status["volumes"] if v["name"] == name)
+    return json.loads(thinblock("volume", "info", pool, name, "--json").stdout)
 
 
 def sync_volume(env_root: Path, name: str) -> None:

@@ -24,8 +24,10 @@ from thinblock.backends import locate
 from thinblock.backends.memory import MemoryLocation
 from thinblock.core.delta import changed_ranges
 from thinblock.core.snapshot import clone, create_snapshot, rollback
+from thinblock.core.totals import Totals
 from thinblock.errors import CommitError
 from thinblock.tools.check import check_metadata
+from thinblock.tools.check_counters import check_counters
 
 BS = 4096
 POOL_BLOCKS = 12
@@ -449,14 +451,39 @@ class PoolMachine(RuleBasedStateMachine):
             got = [(n, int(s)) for n, s in vol.block_status(0, mv.size)]
             assert got == self.model.block_status(name, 0, mv.size), f"{name}: block states differ"
 
+    def kept_counters_match(self) -> None:
+        """The kept counters against a full recount, before anything asks for figures
+        (which would recount the stale ones): an exclusive count claiming to be exact is
+        exact, every other is a lower bound; totals and set-asides are the sums they
+        stand for; and the committed counters check clean."""
+        pool = self.pool
+        with pool.lock:
+            for vol in pool.volumes.values():
+                kept, actual = vol.row.exclusive_blocks, vol.recount_exclusive()
+                if vol.exclusive_fresh():
+                    assert kept == actual, f"{vol.name}: exclusive {kept} kept as exact, {actual} counted"
+                else:
+                    assert kept <= actual, f"{vol.name}: exclusive {kept} kept as a lower bound, {actual} counted"
+            assert pool.totals == Totals.of(v.row for v in pool.visible().values())
+            assert pool.reserved_total == sum(pool.set_aside(v) for v in pool.volumes.values())
+            assert pool.reserved_volumes == {v for v in pool.volumes.values() if v.row.reserve_bytes}
+            assert all(v.set_aside_counted == pool.set_aside(v) for v in pool.volumes.values())
+        assert pool.between_commits(check_counters) == []
+
     @invariant()
     def accounting_matches(self) -> None:
+        self.kept_counters_match()  # first: the figures below recount stale counts
         status = self.pool.status()
         assert status["size_bytes"] == self.model.pool_blocks * BS
         assert status["used_bytes"] == self.model.used() * BS
         assert status["free_bytes"] == self.model.free() * BS
         assert status["reserved_bytes"] == self.model.reserved() * BS
-        by_name = {v["name"]: v for v in status["volumes"]}
+        kinds = [mv.kind for mv in self.model.volumes.values()]
+        assert (status["volume_count"], status["snapshot_count"]) == (kinds.count("volume"), kinds.count("snapshot"))
+        assert status["virtual_bytes"] == sum(mv.size for mv in self.model.volumes.values() if mv.kind == "volume")
+        assert status["mapped_bytes"] == sum(mv.mapped() for mv in self.model.volumes.values()) * BS
+        assert status["data_bytes"] == sum(mv.states.count(2) for mv in self.model.volumes.values()) * BS
+        by_name = {v["name"]: v for v in self.pool.volume_list()}
         assert set(by_name) == set(self.model.volumes)
         for name, mv in self.model.volumes.items():
             v = by_name[name]

@@ -31,7 +31,7 @@ def status(pool: str) -> dict[str, Any]:
 
 
 def volume_status(pool: str, name: str) -> dict[str, Any]:
-    return next(v for v in status(pool)["volumes"] if v["name"] == name)
+    return dict(json.loads(thinblock("volume", "info", pool, name, "--json").stdout))
 
 
 @pytest.fixture(params=["directory", "rados"])

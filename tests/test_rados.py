@@ -79,7 +79,7 @@ def test_cli_on_a_rados_pool(request: pytest.FixtureRequest, tmp_path: Path) -> 
     out = thinblock("pool", "create", locator, "--size", "1G", "--object-size", "1M").stdout
     assert locator in out
     sb = _rados_location(locator).open_meta(readonly=True).superblock()
-    assert sb["object_size"] == MiB and sb["format_version"] == 2
+    assert sb["object_size"] == MiB and sb["format_version"] == 3
     thinblock("volume", "create", locator, "v", "--size", "256M")
     status = json.loads(thinblock("pool", "status", locator, "--json").stdout)
     assert status["ceph_pool"] == os.environ["THINBLOCK_TEST_CEPH_POOL"]

@@ -46,10 +46,6 @@ def _volume_set(pool: Pool, name: str, **changes: Any) -> dict[str, Any]:
     return pool.volume_info(vol)
 
 
-def _listing(pool: Pool, kind: str | None) -> list[dict[str, Any]]:
-    return [v for v in pool.status()["volumes"] if kind is None or v["kind"] == kind]
-
-
 def _visible(pool: Pool, name: str) -> Volume:
     """A volume or snapshot a user may name (staging volumes are the pool's own)."""
     vol = pool.visible_volume(name)
@@ -82,7 +78,7 @@ VERBS: dict[str, Callable[..., Any]] = {
     "pool_grow": lambda pool, size_bytes: {"warnings": pool.grow(size_bytes)},
     "pool_set": lambda pool, **changes: (pool.set_policy(changes), pool.policy.settings())[1],
     "pool_dump": _dump,
-    "volume_list": lambda pool, kind=None: _listing(pool, kind),
+    "volume_list": lambda pool, kind=None: pool.volume_list(kind),
     "volume_info": _volume_info,
     "volume_map": lambda pool, name, columns, max_rows: allocation_map(_visible(pool, name), columns, max_rows),
     "volume_create": lambda pool, name, size_bytes, detect_zeroes="on": pool.volume_info(

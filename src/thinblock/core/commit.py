@@ -318,6 +318,7 @@ class CommitPipeline:
                 "transaction_id": self.transaction_id,
                 "used_blocks": self.space.durable_used_blocks,
                 "size_bytes": self.size_bytes,
+                "sharing_epoch": self.space.sharing_epoch,  # what the rows' exclusive_epoch stamps mean
                 **self.policy.to_superblock(),
             },
             volumes=[dataclasses.replace(v.row) for v in self._dirty_volumes],

@@ -28,9 +28,18 @@ from thinblock.core.mapping import PAGE_ENTRIES, Page
 from thinblock.core.space import SpaceAccounts
 from thinblock.core.space_policy import SpacePolicy, parse_low_water
 from thinblock.core.spacemap import SpaceMap
+from thinblock.core.totals import Totals
 from thinblock.core.volume import Volume
 from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockError, UncleanCloseError, UsageError
-from thinblock.meta.base import RESERVE_FULL, MetadataStore, Transaction, VolumeRow, reserve_blocks
+from thinblock.meta.base import (
+    FORMAT_VERSION,
+    RESERVE_FULL,
+    MetadataStore,
+    Transaction,
+    VolumeRow,
+    check_format,
+    reserve_blocks,
+)
 from thinblock.progress import ProgressFn
 from thinblock.runtime import require_socket_room
 from thinblock.sizes import format_exact, format_size
@@ -266,7 +275,14 @@ class Pool(CommitPipeline, SpaceAccounts):
         # Root tables load on first use (Volume.root), not all of them here.
         self.volumes: VolumeRegistry = VolumeRegistry(Volume(self, row) for row in meta.volumes())
         self.policy = SpacePolicy(self, sb)
-        self.owned_stale = False  # some volume may own more blocks alone than it counts
+        # Kept figures (core/totals.py, core/exclusive.py): status answers from them.
+        self.space.sharing_epoch = int(sb.get("sharing_epoch") or 0)
+        self.totals = Totals()
+        self.reserved_total = 0
+        self.reserved_volumes: set[Volume] = set()
+        for vol in self.volumes.values():
+            self._tally(vol, True)
+            self.retally_set_aside(vol)
         # dblocks of ZEROED blocks that a failed write may have reached: they may not
         # read zero below, so the next write into one writes the whole block.
         self.unclean_zeroed: set[int] = set()
@@ -294,8 +310,9 @@ class Pool(CommitPipeline, SpaceAccounts):
         self._committer: threading.Thread | None = None
         if not sb.get("clean", True):
             self._recover_free_space(progress)
-        self.recount_owned()
-        opened: dict[str, object] = {"clean": False}
+        # An older pool is upgraded by this first commit (SQLite migrated its tables on
+        # opening; rows of other stores read the new fields' defaults).
+        opened: dict[str, object] = {"clean": False, "format_version": FORMAT_VERSION}
         if adopted_uuid is not None:  # an older pool's data store got its header: name it here
             self.store.flush()
             opened["pool_uuid"] = adopted_uuid
@@ -441,6 +458,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         step.mark("ownership taken")
         try:
             sb = meta.superblock()
+            check_format(sb.get("format_version"), f"pool {location.name}")  # before anything is written
             owned = location.owned_store(sb, location.open_data(sb))
             store = FallbackStore(owned)
             try:
@@ -554,6 +572,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         self._next_volume_id += 1
         vol = Volume(self, row, {})
         self.volumes[name] = vol
+        self._tally(vol, True)
         self.mark_volume_dirty(vol)
         if sharing is not None:
             self.share_contents(vol, sharing)
@@ -576,8 +595,10 @@ class Pool(CommitPipeline, SpaceAccounts):
         self._dirty_roots.update((vid, page_index) for page_index in vol.root)
         self.dirty = True
         row, src = vol.row, source.row
-        row.size_bytes = src.size_bytes
-        row.data_blocks, row.zeroed_blocks, row.pinned_blocks = src.data_blocks, src.zeroed_blocks, src.pinned_blocks
+        with self.tallied(vol):
+            row.size_bytes = src.size_bytes
+            row.data_blocks, row.zeroed_blocks = src.data_blocks, src.zeroed_blocks
+            row.pinned_blocks = src.pinned_blocks
         self.mark_volume_dirty(vol)
 
     def remove_volume(self, name: str, *, kind: str | None = None) -> dict[str, Any]:
@@ -590,7 +611,6 @@ class Pool(CommitPipeline, SpaceAccounts):
             used_before = self.space.used_blocks
             dependents = self.drop_volume(vol)
             freed = used_before - self.space.used_blocks
-            self.recount_owned()
         self.commit()
         return {"name": name, "kind": vol.row.kind, "freed_bytes": freed * self.block_size, "dependents": dependents}
 
@@ -616,8 +636,10 @@ class Pool(CommitPipeline, SpaceAccounts):
         """Take vol out of the pool (call under the pool lock, with its range held): its
         pages lose a reference, and its dependents' origin becomes none (returned)."""
         self.release_root(vol)
+        self._tally(vol, False)
         del self.volumes[vol.name]
         vol.removed = True
+        self.retally_set_aside(vol)  # its set-aside goes with it
         dependents = []
         for other in sorted(self.volumes.values(), key=lambda v: v.name):
             if other.row.origin_id == vol.row.id:  # lineage ends here; the blocks stay shared
@@ -704,28 +726,70 @@ class Pool(CommitPipeline, SpaceAccounts):
         self.wake_space_waiters()
 
     def status(self) -> dict[str, Any]:
-        """Live figures; volumes with exclusive/shared bytes (walks their pages)."""
+        """Live figures of the pool, from kept counters: O(1) in the number of volumes
+        (`volume_info` gives each volume's)."""
         with self.lock:
-            self._fresh_owned()
+            self.refresh_reserved()  # the few reserved volumes with stale counts: exact set-asides
             return {
                 **self.space_figures(),
                 **self.host_figures(),
                 "block_size": self.block_size,
-                "virtual_bytes": sum(v.size_bytes for v in self.visible().values() if v.row.kind == "volume"),
+                **self.totals.figures(self.block_size),
                 **self.policy.settings(),
-                "volumes": [self.volume_info(v) for _, v in sorted(self.visible().items())],
             }
 
-    def volume_info(self, vol: Volume) -> dict[str, Any]:
-        origin = self.volume_by_id(vol.row.origin_id)
-        exclusive, shared = vol.usage()
-        return {
-            **volume_dict(vol.row, self.block_size, origin.name if origin else None),
-            "exclusive_bytes": exclusive * self.block_size,
-            "shared_bytes": shared * self.block_size,
-            "reserved_bytes": self.set_aside(vol) * self.block_size,
-            "open_clients": vol.users,
-        }
+    def volume_info(self, vol: Volume, names: dict[int, str] | None = None) -> dict[str, Any]:
+        """One volume's figures from its kept counters (a stale exclusive count is
+        recounted first). names: volume id -> name, when the caller has it (listings)."""
+        with self.lock:
+            origin: str | None = None
+            if vol.row.origin_id is not None:
+                if names is not None:
+                    origin = names.get(vol.row.origin_id)
+                else:
+                    found = self.volume_by_id(vol.row.origin_id)
+                    origin = found.name if found else None
+            exclusive, shared = vol.usage()
+            return {
+                **volume_dict(vol.row, self.block_size, origin),
+                "exclusive_bytes": exclusive * self.block_size,
+                "shared_bytes": shared * self.block_size,
+                "reserved_bytes": self.set_aside(vol) * self.block_size,
+                "open_clients": vol.users,
+            }
+
+    def volume_list(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """volume_info of every visible volume and snapshot (of one kind), by name:
+        O(volumes), plus a recount of each stale exclusive count."""
+        with self.lock:
+            names = {v.row.id: v.name for v in self.volumes.values()}
+            return [
+                self.volume_info(v, names)
+                for _, v in sorted(self.visible().items())
+                if kind is None or v.row.kind == kind
+            ]
+
+    # ----- kept figures -----------------------------------------------------------
+
+    def _tally(self, vol: Volume, on: bool) -> None:
+        """Count vol's row into the pool's totals, or out; staging and removed volumes stay out."""
+        if on and (vol.tallied or vol.removed or vol.name.startswith(STAGING_PREFIX)):
+            return
+        if not on and not vol.tallied:
+            return
+        self.totals.add(vol.row, 1 if on else -1)
+        vol.tallied = on
+
+    @contextlib.contextmanager
+    def tallied(self, vol: Volume) -> Iterator[None]:
+        """Around a change of vol's row as a whole (size, name, counters; call under the
+        pool lock): its totals and set-aside are taken out before and counted in after."""
+        self._tally(vol, False)
+        try:
+            yield
+        finally:
+            self._tally(vol, True)
+            self.retally_set_aside(vol)
 
     def close(self) -> None:
         """Commit and release everything; the pool object is unusable afterwards.

@@ -32,15 +32,22 @@ def _weigh(pool: Pool, vol: Volume, what: str) -> None:
         pool.check_reservable(vol, pool.reserve_target(vol), what, why=why)
 
 
-def _share(pool: Pool, vol: Volume, name: str, kind: str, *, staging: bool = False) -> Volume:
+def share_into(pool: Pool, vol: Volume, name: str, kind: str, *, staging: bool = False) -> Volume:
     """A new volume or read-only snapshot holding vol's contents (call under the pool
     lock, after _weigh): vol owns nothing alone from now on."""
     new = pool.add_volume(name, vol.size_bytes, vol.row.detect_zeroes, sharing=vol, kind=kind, staging=staging)
     if kind == "snapshot":
         new.row.origin_id = vol.row.id
         new.readonly = True
-    vol.owned_blocks = 0
+    _share_counted(pool, vol, new)
     return new
+
+
+def _share_counted(pool: Pool, *volumes: Volume) -> None:
+    """Volumes that now hold the same pages (share_contents) own nothing alone: their
+    exclusive counts are exactly 0 (core/exclusive.py)."""
+    for vol in volumes:
+        pool.set_exclusive(vol, 0)
 
 
 def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
@@ -48,7 +55,7 @@ def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
     with pool.quiesced(source, exclusive=False) as vol, pool.lock:
         pool.check_new_name(name, "snapshot")  # a bad name is refused before a reservation is weighed
         _weigh(pool, vol, "snapshot")
-        snap = _share(pool, vol, name, "snapshot")
+        snap = share_into(pool, vol, name, "snapshot")
     pool.commit()
     return snap
 
@@ -64,7 +71,7 @@ def stage(pool: Pool, source: Volume, purpose: str, *, kind: str = "volume") -> 
         if source.removed:
             raise ThinblockError(f"no volume {source.name!r} in pool {pool.path}")
         _weigh(pool, source, purpose)
-        staged = _share(pool, source, pool.staging_name(purpose), kind, staging=True)
+        staged = share_into(pool, source, pool.staging_name(purpose), kind, staging=True)
     try:
         pool.commit()
     except BaseException:
@@ -101,9 +108,10 @@ def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
             raise ThinblockError("two staging volumes cannot take one name")
         hidden = [(staged, staged.name) for staged, _ in renames]
         for staged, name in renames:
-            del pool.volumes[staged.name]
-            staged.row.name = name
-            pool.volumes[name] = staged
+            with pool.tallied(staged):  # visible now: into the pool's totals
+                del pool.volumes[staged.name]
+                staged.row.name = name
+                pool.volumes[name] = staged
             pool.mark_volume_dirty(staged)
     try:
         pool.commit()
@@ -114,9 +122,10 @@ def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
         with pool.lock:
             for staged, old in hidden:
                 if pool.volumes.get(staged.name) is staged:
-                    del pool.volumes[staged.name]
-                    staged.row.name = old
-                    pool.volumes[old] = staged
+                    with pool.tallied(staged):
+                        del pool.volumes[staged.name]
+                        staged.row.name = old
+                        pool.volumes[old] = staged
                     pool.mark_volume_dirty(staged)
         raise
 
@@ -127,6 +136,7 @@ def clone(pool: Pool, snapshot: str, name: str) -> Volume:
         snap = pool.volume(snapshot, kind="snapshot")
         vol = pool.add_volume(name, snap.size_bytes, snap.row.detect_zeroes, sharing=snap)
         vol.row.origin_id = snap.row.id
+        _share_counted(pool, snap, vol)
     pool.commit()
     return vol
 
@@ -152,8 +162,7 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
             )
         pool.refuse_if_busy(vol, "roll back")
         if vol.row.reserve_bytes:
-            exclusive = vol.usage()[0]
-            vol.owned_blocks = exclusive
+            exclusive = vol.fresh_exclusive()
             # After rollback the volume owns nothing alone, at the snapshot's size.
             target = reserve_blocks(vol.row.reserve_bytes, snap.size_bytes, pool.block_size)
             pool.check_reservable(vol, target, "roll back", freed=exclusive)
@@ -162,7 +171,7 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
         pool.load_refcounts([*vol.root.values(), *snap.root.values()])
         pool.release_root(vol)
         pool.share_contents(vol, snap)
-        pool.recount_owned()
+        _share_counted(pool, vol, snap)
     pool.commit()
 
 
@@ -181,7 +190,9 @@ def adopt(pool: Pool, volume: str, staging: Volume, snapshot: str | None) -> Vol
         pool.release_root(vol)
         pool.share_contents(vol, staging)
         pool.drop_volume(staging)
-        snap = _share(pool, vol, snapshot, "snapshot") if snapshot is not None else None
-        pool.recount_owned()
+        # vol holds staging's pages alone now, as staging did: counted once, O(its pages)
+        # like the share itself.
+        pool.set_exclusive(vol, vol.recount_exclusive())
+        snap = share_into(pool, vol, snapshot, "snapshot") if snapshot is not None else None
     pool.commit()
     return snap

@@ -42,7 +42,8 @@ class SpaceAccounts:
     host: HostSpace
     dirty: bool
     data_path: str
-    owned_stale: bool
+    reserved_total: int  # the set-asides of every volume, kept by retally_set_aside
+    reserved_volumes: set[Volume]  # the volumes with a reservation
     commit_failure: str | None
     space_changed: threading.Condition
     _waits_cancelled: threading.Event
@@ -60,34 +61,50 @@ class SpaceAccounts:
     # ----- reservations -------------------------------------------------------------
     # A volume with a reservation of R blocks may own R blocks exclusively without
     # ever failing with ENOSPC (ZFS refreservation). The pool sets aside what it does
-    # not own yet: max(0, R - owned). A snapshot shares everything the volume owned,
+    # not own yet: max(0, R - exclusive). A snapshot shares everything the volume owned,
     # so it raises the set-aside to R and is refused when the pool cannot hold that.
+    # The exclusive count is a lower bound (core/exclusive.py), which only over-reserves;
+    # decisions that could fail recount the stale ones first (refresh_reserved).
 
     def reserve_target(self, vol: Volume) -> int:
         return reserve_blocks(vol.row.reserve_bytes, vol.size_bytes, self.block_size)
 
     def set_aside(self, vol: Volume) -> int:
-        return max(0, self.reserve_target(vol) - vol.owned_blocks) if vol.row.reserve_bytes else 0
+        return max(0, self.reserve_target(vol) - vol.row.exclusive_blocks) if vol.row.reserve_bytes else 0
 
     def reserved_blocks(self) -> int:
-        return sum(self.set_aside(v) for v in self.volumes.values() if v.row.reserve_bytes)
+        return self.reserved_total
 
-    def recount_owned(self) -> None:
-        """Exact exclusive-block counts of reserved volumes. The I/O path keeps a lower
-        bound (it cannot see a block it shared become another volume's alone), which
-        only over-reserves; decisions that could fail recount first when it is stale."""
-        for vol in self.volumes.values():
-            if vol.row.reserve_bytes:
-                vol.owned_blocks = vol.usage()[0]
-        self.owned_stale = False
+    def retally_set_aside(self, vol: Volume) -> None:
+        """vol's reservation, size or exclusive count changed, or it went: the pool's
+        reserved total follows (O(1), so the allocation gate never sums volumes)."""
+        counted = 0 if vol.removed else self.set_aside(vol)
+        self.reserved_total += counted - vol.set_aside_counted
+        vol.set_aside_counted = counted
+        if vol.row.reserve_bytes and not vol.removed:
+            self.reserved_volumes.add(vol)
+        else:
+            self.reserved_volumes.discard(vol)
 
-    def _fresh_owned(self) -> None:
-        if self.owned_stale:
-            self.recount_owned()
+    def set_exclusive(self, vol: Volume, count: int, *, exact: bool = True) -> None:
+        """vol's exclusive count as just established: exact now (stamped with the current
+        sharing epoch), or only a lower bound. Committed with the volume's row."""
+        vol.row.exclusive_blocks = count
+        vol.row.exclusive_epoch = self.space.sharing_epoch if exact else -1
+        self.mark_volume_dirty(vol)
+        self.retally_set_aside(vol)
+
+    def refresh_reserved(self) -> bool:
+        """Recount the stale exclusive counts of reserved volumes (call under the pool
+        lock); whether the reserved total changed."""
+        before = self.reserved_total
+        for vol in list(self.reserved_volumes):
+            vol.fresh_exclusive()
+        return self.reserved_total != before
 
     def check_reservable(self, vol: Volume, new_set_aside: int, what: str, freed: int = 0, why: str = "") -> None:
         """Refuse (ENOSPC, nothing changed) when vol's set-aside cannot grow to new_set_aside."""
-        self._fresh_owned()
+        self.refresh_reserved()
         extra = new_set_aside - self.set_aside(vol)
         available = self.space.free_blocks + freed - self.reserved_blocks()
         if extra > available:
@@ -102,10 +119,11 @@ class SpaceAccounts:
             raise ThinblockError(f"invalid reservation {reserve_bytes}")
         with self.lock:
             vol = self.volume(name, kind="volume")
-            vol.owned_blocks = vol.usage()[0]
-            target = max(0, reserve_blocks(reserve_bytes, vol.size_bytes, self.block_size) - vol.owned_blocks)
+            owned = vol.fresh_exclusive()
+            target = max(0, reserve_blocks(reserve_bytes, vol.size_bytes, self.block_size) - owned)
             self.check_reservable(vol, target if reserve_bytes else 0, "reserve space for")
             vol.row.reserve_bytes = reserve_bytes
+            self.retally_set_aside(vol)
             self.mark_volume_dirty(vol)
         self.commit()
         self.wake_space_waiters()
@@ -157,11 +175,10 @@ class SpaceAccounts:
             raise NoSpaceError(
                 f"the host filesystem under pool {self.path} is full: new space is refused until freed space returns"
             )
-        others = self.reserved_blocks() - (self.set_aside(vol) if vol is not None else 0)
+        others = self.reserved_total - (vol.set_aside_counted if vol is not None else 0)
         if n_blocks <= self.space.allocatable_blocks - others:
             return
-        if others and self.owned_stale:
-            self.recount_owned()
+        if others and self.refresh_reserved():  # stale counts over-reserve: recount, then decide
             return self.check_space(n_blocks, vol)
         if n_blocks <= self.space.free_blocks - others:
             # Freed blocks become usable once committed, punched and synced: the caller
@@ -212,8 +229,8 @@ class SpaceAccounts:
         self.wake_space_waiters()  # under the condition's lock: no waiter misses it
 
     def space_figures(self) -> dict[str, int]:
-        """Pool space in bytes, cheap (no page walks): what statfs and low-water marks need.
-        Set-asides are as counted; status() recounts stale ones first."""
+        """Pool space in bytes, O(1): what statfs and low-water marks need. Set-asides
+        are as counted (they may over-reserve); status() recounts stale ones first."""
         with self.lock:
             bs = self.block_size
             used = self.space.used_blocks * bs

@@ -70,6 +70,11 @@ class SpaceMap:
         # records it is durable they are still shared on disk (a crash brings the sharer
         # back), so they are copied on write, never written in place (rule 4).
         self.newly_exclusive: set[int] = set()
+        # Bumped whenever sharing drops where nobody can say who gained: a dblock's
+        # count reaching 1, a page's last sharer left holding dblocks of count 1. A
+        # volume's kept exclusive count stamped with an older epoch may be low
+        # (core/volume.py). Pool sets it from the superblock.
+        self.sharing_epoch = 0
         self._cursor = 0
 
     @property
@@ -147,6 +152,7 @@ class SpaceMap:
         if count == 2:  # its last sharer may write it in place once this is committed
             self.births.append((dblock, 1))
             self.newly_exclusive.add(dblock)
+            self.sharing_epoch += 1
         elif count == 1:
             self.used_blocks -= 1
             self.pending_free.append(dblock)
@@ -190,6 +196,8 @@ class SpaceMap:
             del counts
             self.births.extend((dblock, 1) for dblock in alone)
             self.newly_exclusive.update(alone)
+            if alone:  # the volume left holding them gained exclusive blocks (core/exclusive.py)
+                self.sharing_epoch += 1
 
     def take_dirty_pages(self) -> dict[int, bytes]:
         """Refcount pages changed since the last call, as blobs to persist; unpublished

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple, ParamSpec
 
 from thinblock.core.change import Change
+from thinblock.core.exclusive import count_exclusive
 from thinblock.core.mapping import (
     DBLOCK_SHIFT,
     PAGE_ENTRIES,
@@ -110,9 +111,10 @@ class Volume:
         self._root = root  # page_index -> page_id; see the root property
         self.removed = False
         self.readonly = row.kind == "snapshot"
-        # Blocks this volume owns alone (a lower bound; see Pool.recount_owned). Only
-        # reservations use it, so the pool counts it exactly for reserved volumes.
-        self.owned_blocks = 0
+        # Kept by the pool (Pool.tallied): whether this volume's row is in the pool's
+        # Totals, and what its reservation adds to the pool's reserved total.
+        self.tallied = False
+        self.set_aside_counted = 0
         self.users = 0  # open NBD connections and FUSE handles: removal/rollback wait for none
         self.ranges = RangeLock()  # requests in flight hold their blocks here (see _mutate)
 
@@ -200,33 +202,42 @@ class Volume:
         if old == new:
             return
         entries[slot] = new
-        row = self.row
-        old_state, new_state = entry_state(old), entry_state(new)
-        if old_state != new_state:
-            if old_state == _DATA:
-                row.data_blocks -= 1
-            elif old_state == _ZEROED:
-                row.zeroed_blocks -= 1
-            if new_state == _DATA:
-                row.data_blocks += 1
-            elif new_state == _ZEROED:
-                row.zeroed_blocks += 1
-        if entry_pinned(old) != entry_pinned(new):
-            row.pinned_blocks += 1 if entry_pinned(new) else -1
+        if (old ^ new) & 0b111:  # the state or the pin changes
+            self._count_states(old, new)
         if (
             not old or not new or entry_dblock(old) != entry_dblock(new)
         ):  # the dblock changes (dblock 0 is a dblock too)
             space = self.pool.space
+            exclusive = 0
             if old:
-                count = space.refcounts[entry_dblock(old)]
-                if count == 1:
-                    self.owned_blocks -= 1
-                elif count == 2:
-                    self.pool.owned_stale = True  # the other holder may now own it alone
+                # This page is the volume's alone now (_writable_page), so the old entry
+                # was exclusive exactly when its dblock had no other holder. Its count
+                # reaching 1 gains someone unknown: decref bumps the sharing epoch.
+                if space.refcounts[entry_dblock(old)] == 1:
+                    exclusive -= 1
                 space.decref(entry_dblock(old))
             if new:
-                self.owned_blocks += 1  # a fresh dblock, in a page this volume alone holds
+                exclusive += 1  # a fresh dblock, in a page this volume alone holds
+            if exclusive:
+                self.row.exclusive_blocks += exclusive
+                if self.row.reserve_bytes:
+                    self.pool.retally_set_aside(self)
         self.pool.page_changed(self, page_index, page)
+
+    def _count_states(self, old: int, new: int) -> None:
+        """The row's block counters (and the pool's totals) follow one entry's change."""
+        row = self.row
+        data = (entry_state(new) == _DATA) - (entry_state(old) == _DATA)
+        zeroed = (entry_state(new) == _ZEROED) - (entry_state(old) == _ZEROED)
+        pinned = entry_pinned(new) - entry_pinned(old)
+        row.data_blocks += data
+        row.zeroed_blocks += zeroed
+        row.pinned_blocks += pinned
+        if self.tallied:
+            totals = self.pool.totals
+            totals.data_blocks += data
+            totals.zeroed_blocks += zeroed
+            totals.pinned_blocks += pinned
 
     def _shares_page(self, vblock: int) -> bool:
         page_id = self.root.get(vblock // PAGE_ENTRIES)
@@ -659,9 +670,15 @@ class Volume:
         if any(page.entries[slot : slot + len(new_entries)]):
             raise AssertionError("bulk provision over mapped blocks")
         page.entries[slot : slot + len(new_entries)] = array("Q", new_entries)
-        self.row.zeroed_blocks += len(new_entries)
-        self.row.pinned_blocks += len(new_entries)
-        self.owned_blocks += len(new_entries)
+        n, row = len(new_entries), self.row
+        row.zeroed_blocks += n
+        row.pinned_blocks += n
+        if self.tallied:
+            self.pool.totals.zeroed_blocks += n
+            self.pool.totals.pinned_blocks += n
+        row.exclusive_blocks += n  # fresh dblocks in a page this volume alone holds
+        if row.reserve_bytes:
+            self.pool.retally_set_aside(self)
         self.pool.page_changed(self, page_index, page)
 
     def _precheck_space(self, offset: int, length: int) -> None:
@@ -752,22 +769,33 @@ class Volume:
         return self.pool.reserve_target(self) >= n_blocks
 
     def usage(self) -> tuple[int, int]:
-        """(exclusive, shared) mapped blocks: shared ones are also held by another
-        volume or snapshot (through a shared page or dblock), like thin_ls."""
+        """(exclusive, shared) mapped blocks, like thin_ls: shared ones are also held by
+        another volume or snapshot (through a shared page or dblock). From the kept
+        count, recounted first if it is stale (core/exclusive.py)."""
+        with self.pool.lock:
+            exclusive = self.fresh_exclusive()
+            return exclusive, self.mapped_blocks - exclusive
+
+    @property
+    def mapped_blocks(self) -> int:
+        return self.row.data_blocks + self.row.zeroed_blocks
+
+    def exclusive_fresh(self) -> bool:
+        """Whether the kept exclusive count is exact (call under the pool lock)."""
+        row = self.row
+        return row.exclusive_epoch == self.pool.space.sharing_epoch or row.exclusive_blocks == self.mapped_blocks
+
+    def fresh_exclusive(self) -> int:
+        """The exact exclusive count, recounted if stale (call under the pool lock)."""
+        if not self.exclusive_fresh():
+            self.pool.set_exclusive(self, self.recount_exclusive())
+        return self.row.exclusive_blocks
+
+    def recount_exclusive(self) -> int:
+        """Exclusive blocks counted from the pages (call under the pool lock)."""
         pool = self.pool
-        refcounts = pool.space.refcounts
-        exclusive = shared = 0
-        with pool.lock:
-            for page_id in self.root.values():
-                page = pool.page(page_id)
-                mapped = [entry_dblock(e) for e in page.entries if e]
-                if page.refcount > 1:
-                    shared += len(mapped)
-                    continue
-                alone = sum(1 for d in mapped if refcounts[d] == 1)
-                exclusive += alone
-                shared += len(mapped) - alone
-        return exclusive, shared
+        pages = [pool.page(page_id) for page_id in self.root.values()]
+        return count_exclusive(((page.refcount, page.entries) for page in pages), pool.space.refcounts)
 
     def flush(self) -> None:
         """Make every completed request durable (a pool-wide commit)."""
@@ -786,6 +814,6 @@ class Volume:
             self._waiting_for_space(
                 False, self._mutate, cut, n, lambda: self._plan_zero(cut, n, False, False), held=True
             )
-        with self.pool.lock:
+        with self.pool.lock, self.pool.tallied(self):
             self.row.size_bytes = size_bytes
             self.pool.mark_volume_dirty(self)

@@ -18,7 +18,24 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 2
+from thinblock.errors import ThinblockError
+
+# Format 3 added the kept exclusive-block counters (VolumeRow.exclusive_blocks and
+# exclusive_epoch, the superblock's sharing_epoch) and allows compact mapping pages;
+# older formats are upgraded when opened for writing, newer ones are refused.
+FORMAT_VERSION = 3
+
+
+def check_format(version: object, where: str) -> int:
+    """The metadata format, or one sentence refusing one this thinblock does not know."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ThinblockError(f"{where} has metadata format {version!r}, which is not a thinblock format")
+    if version > FORMAT_VERSION:
+        raise ThinblockError(
+            f"{where} has metadata format {version}, newer than this thinblock's {FORMAT_VERSION}:"
+            " open it with the thinblock that made it, or a newer one"
+        )
+    return version
 
 
 def initial_superblock(superblock: dict[str, Any]) -> dict[str, Any]:
@@ -41,6 +58,11 @@ class VolumeRow:
     reserve_bytes: int = 0  # RESERVE_FULL follows the size
     low_water: float | None = None  # percent of the size left unmapped
     on_low_water: str | None = None
+    # Mapped blocks this volume holds alone (page and dblock refcount 1): always a lower
+    # bound, exact when exclusive_epoch is the pool's sharing_epoch or the count equals
+    # the mapped blocks (core/volume.py says how it is kept). -1: never known exactly.
+    exclusive_blocks: int = 0
+    exclusive_epoch: int = -1
 
 
 RESERVE_FULL = -1

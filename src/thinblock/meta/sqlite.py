@@ -32,7 +32,14 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 from thinblock.errors import CorruptionError, ThinblockError
-from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow, initial_superblock
+from thinblock.meta.base import (
+    FORMAT_VERSION,
+    MetadataStore,
+    Transaction,
+    VolumeRow,
+    check_format,
+    initial_superblock,
+)
 from thinblock.privacy import touch_private
 
 DB_NAME = "metadata.sqlite"
@@ -53,7 +60,9 @@ CREATE TABLE volumes (
     origin_id INTEGER,
     reserve_bytes INTEGER NOT NULL DEFAULT 0,
     low_water REAL,
-    on_low_water TEXT
+    on_low_water TEXT,
+    exclusive_blocks INTEGER NOT NULL DEFAULT 0,
+    exclusive_epoch INTEGER NOT NULL DEFAULT -1
 );
 CREATE TABLE roots (
     volume_id INTEGER NOT NULL,
@@ -76,8 +85,11 @@ _BATCH_IDS = 900
 
 _VOLUME_COLUMNS = (
     "id, name, size_bytes, detect_zeroes, created, data_blocks, zeroed_blocks, pinned_blocks,"
-    " kind, origin_id, reserve_bytes, low_water, on_low_water"
+    " kind, origin_id, reserve_bytes, low_water, on_low_water, exclusive_blocks, exclusive_epoch"
 )
+# What a format-2 database read without upgrading (opened read-only) gives for the
+# columns format 3 added: an exclusive count never known exactly (VolumeRow's defaults).
+_VOLUME_COLUMNS_2 = _VOLUME_COLUMNS.replace("exclusive_blocks, exclusive_epoch", "0, -1")
 # Format 1 had no snapshots, reservations or low-water marks; the columns default sensibly.
 _MIGRATE_1_TO_2 = (
     "ALTER TABLE volumes ADD COLUMN kind TEXT NOT NULL DEFAULT 'volume'",
@@ -85,6 +97,12 @@ _MIGRATE_1_TO_2 = (
     "ALTER TABLE volumes ADD COLUMN reserve_bytes INTEGER NOT NULL DEFAULT 0",
     "ALTER TABLE volumes ADD COLUMN low_water REAL",
     "ALTER TABLE volumes ADD COLUMN on_low_water TEXT",
+)
+# Format 3 keeps each volume's exclusive-block count (core/exclusive.py); an upgraded
+# pool's are not known yet (-1), so each is counted the first time it is asked for.
+_MIGRATE_2_TO_3 = (
+    "ALTER TABLE volumes ADD COLUMN exclusive_blocks INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE volumes ADD COLUMN exclusive_epoch INTEGER NOT NULL DEFAULT -1",
 )
 
 
@@ -139,6 +157,7 @@ class SqliteMetadata(MetadataStore):
         self._reader: sqlite3.Connection | None = None
         self._reader_lock = threading.Lock()
         self._readonly = readonly
+        self._columns = _VOLUME_COLUMNS
 
     @classmethod
     def create(cls, path: str, superblock: dict[str, object]) -> SqliteMetadata:
@@ -169,31 +188,36 @@ class SqliteMetadata(MetadataStore):
             raise ThinblockError(
                 f"pool directory {os.path.dirname(path) or '.'} is read-only: cannot open the pool for writing"
             )
+        conn: sqlite3.Connection | None = None
         try:
             # On a read-only filesystem SQLite cannot make the WAL index: read the file as immutable.
             conn = _connect(path, readonly, immutable=readonly and not writable_dir)
             store = cls(conn, path, readonly=readonly)
-            version = store.superblock().get("format_version")
-            if version == 1 and not readonly:
-                store._migrate_from_1()
-                version = FORMAT_VERSION
-            if version == FORMAT_VERSION and not _has_page_refs(conn):
+            version = check_format(store.superblock().get("format_version"), f"metadata database {path}")
+            if version == 1 and readonly:
+                raise ThinblockError(
+                    f"metadata format 1 in {path}: open the pool once for writing (any pool command) to upgrade it"
+                )
+            if version != FORMAT_VERSION and not readonly:
+                store._migrate(version)
+            elif version == 2:  # read-only: read as it is; the next writable open upgrades it
+                store._columns = _VOLUME_COLUMNS_2
+            if not _has_page_refs(conn):  # made before page refcounts had their own table
                 store._add_page_refs()
-        except sqlite3.DatabaseError as exc:
-            raise _damaged(f"metadata database {path}", exc) from None
-        if version == 1:
-            raise ThinblockError(
-                f"metadata format 1 in {path}: open the pool once for writing (any pool command) to upgrade it"
-            )
-        if version != FORMAT_VERSION:
-            raise ThinblockError(f"metadata format version {version!r} is not supported (expected {FORMAT_VERSION})")
+        except (sqlite3.DatabaseError, ThinblockError) as exc:
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, sqlite3.DatabaseError):
+                raise _damaged(f"metadata database {path}", exc) from None
+            raise
         return store
 
-    def _migrate_from_1(self) -> None:
+    def _migrate(self, version: int) -> None:
+        """Upgrade the tables from an older format, in one transaction."""
         c = self.conn
         c.execute("BEGIN IMMEDIATE")
         try:
-            for statement in _MIGRATE_1_TO_2:
+            for statement in (_MIGRATE_1_TO_2 if version < 2 else ()) + _MIGRATE_2_TO_3:
                 c.execute(statement)
             c.execute("UPDATE superblock SET value = ? WHERE key = 'format_version'", (json.dumps(FORMAT_VERSION),))
         except BaseException:
@@ -223,7 +247,7 @@ class SqliteMetadata(MetadataStore):
 
     @_reads
     def volumes(self) -> list[VolumeRow]:
-        rows = self.conn.execute(f"SELECT {_VOLUME_COLUMNS} FROM volumes ORDER BY name")
+        rows = self.conn.execute(f"SELECT {self._columns} FROM volumes ORDER BY name")
         return [VolumeRow(*row) for row in rows]
 
     @_reads
@@ -392,6 +416,8 @@ def volume_tuple(v: VolumeRow) -> tuple[object, ...]:
         v.reserve_bytes,
         v.low_water,
         v.on_low_water,
+        v.exclusive_blocks,
+        v.exclusive_epoch,
     )
 
 
@@ -419,7 +445,7 @@ def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
     # must fail the commit, not silently delete that other volume.
     updates = ", ".join(f"{col.strip()} = excluded.{col.strip()}" for col in _VOLUME_COLUMNS.split(",")[1:])
     c.executemany(
-        f"INSERT INTO volumes ({_VOLUME_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        f"INSERT INTO volumes ({_VOLUME_COLUMNS}) VALUES ({', '.join('?' * len(_VOLUME_COLUMNS.split(',')))})"
         f" ON CONFLICT(id) DO UPDATE SET {updates}",
         [volume_tuple(v) for v in txn.volumes],
     )

@@ -32,6 +32,7 @@ from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
 from thinblock.privacy import open_to_others
 from thinblock.store.owned import inspect
+from thinblock.tools.check_counters import check_counters
 
 
 def check_metadata(meta: MetadataStore) -> list[str]:
@@ -359,4 +360,5 @@ def _check(meta: MetadataStore) -> list[str]:
     used = int(np.count_nonzero(dblock_refs))
     if sb.get("used_blocks") != used:
         problems.append(f"superblock records {sb.get('used_blocks')} used blocks, {used} are referenced")
+    problems.extend(check_counters(meta))
     return problems

@@ -58,12 +58,11 @@ def _reserve_arg(text: str) -> str | int:
 
 
 def _human_status(status: dict[str, Any]) -> str:
-    n_volumes = sum(1 for v in status["volumes"] if v["kind"] == "volume")
     lines = [
         f"size {format_size(status['size_bytes'])}, block size {format_size(status['block_size'])}, "
         f"used {format_size(status['used_bytes'])}, free {format_size(status['free_bytes'])}, "
         f"reserved {format_size(status['reserved_bytes'])}, "
-        f"virtual {format_size(status['virtual_bytes'])} in {n_volumes} volume(s)",
+        f"virtual {format_size(status['virtual_bytes'])} in {status['volume_count']} volume(s)",
         f"when full: {status['when_full']}; low-water mark: "
         + (f"{status['low_water_percent']:g}%" if status["low_water_percent"] is not None else "none")
         + (
@@ -84,8 +83,12 @@ def _human_status(status: dict[str, Any]) -> str:
         + f", metadata slack {format_size(status['metadata_slack_bytes'])}"
         + (f"; COMMITS FAILING: {status['commit_failure']}" if status.get("commit_failure") else "")
     )
-    if status["volumes"]:
-        lines.append(_human_volumes(status["volumes"]))
+    if status["volume_count"] or status["snapshot_count"]:
+        lines.append(
+            f"{status['volume_count']} volume(s) and {status['snapshot_count']} snapshot(s) map"
+            f" {format_size(status['mapped_bytes'])} ({format_size(status['data_bytes'])} data,"
+            f" {format_size(status['provisioned_bytes'])} provisioned): 'thinblock volume list' shows each"
+        )
     return "\n".join(lines)
 
 
@@ -386,7 +389,8 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
         if not any(v["name"] == args.volume for v in admin.call("volume_list")):
             admin.call("volume_create", name=args.volume, size_bytes=args.volume_size)
             print(f"created volume {args.volume} ({format_size(args.volume_size)})")
-        _emit(args, admin.call("status"), _human_status)
+        shown = {**admin.call("status"), "volumes": admin.call("volume_list")}
+        _emit(args, shown, lambda s: _human_status(s) + "\n" + _human_volumes(s["volumes"]))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -763,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--object-size", type=_size, help="rados: pools: size of the RADOS objects holding data (default 4M)"
     )
-    p = add(pool_sub, "status", cmd_pool_status, "show pool space and volumes (as of the last commit)")
+    p = add(pool_sub, "status", cmd_pool_status, "show pool space and totals over its volumes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(pool_sub, "grow", cmd_pool_grow, "grow the pool's data store")
     p.add_argument("--size", type=_size, required=True, help="new pool size, e.g. 20G")
