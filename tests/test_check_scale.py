@@ -130,7 +130,7 @@ def test_check_finds_an_invalid_state(pool: Path) -> None:
 
 def test_check_finds_a_page_refcount_and_a_counter_off_by_one(pool: Path) -> None:
     page_id, _entries = page_of(pool, "s", 42)
-    edit(pool, "UPDATE pages SET refcount = 3 WHERE id = ?", page_id)
+    edit(pool, "UPDATE page_refs SET refcount = 3 WHERE id = ?", page_id)  # the authority (meta/sqlite.py)
     edit(pool, "UPDATE volumes SET zeroed_blocks = zeroed_blocks + 1 WHERE name = 'v'")
     zeroed = len(range(0, MAPPED, 7))
     assert check(pool) == [

@@ -26,8 +26,7 @@ from thinblock.core.delta import changed_ranges
 from thinblock.core.snapshot import clone, create_snapshot, rollback
 from thinblock.core.totals import Totals
 from thinblock.errors import CommitError
-from thinblock.tools.check import check_metadata
-from thinblock.tools.check_counters import check_counters
+from thinblock.tools.check import check_metadata, exclusive_problems
 
 BS = 4096
 POOL_BLOCKS = 12
@@ -468,7 +467,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert pool.reserved_total == sum(pool.set_aside(v) for v in pool.volumes.values())
             assert pool.reserved_volumes == {v for v in pool.volumes.values() if v.row.reserve_bytes}
             assert all(v.set_aside_counted == pool.set_aside(v) for v in pool.volumes.values())
-        assert pool.between_commits(check_counters) == []
+        assert pool.between_commits(exclusive_problems) == []
 
     @invariant()
     def accounting_matches(self) -> None:

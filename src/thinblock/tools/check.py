@@ -32,7 +32,6 @@ from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
 from thinblock.privacy import open_to_others
 from thinblock.store.owned import inspect
-from thinblock.tools.check_counters import check_counters
 
 
 def check_metadata(meta: MetadataStore) -> list[str]:
@@ -261,6 +260,45 @@ def _check_counters(t: _Tables) -> list[str]:
     return problems
 
 
+def exclusive_problems(meta: MetadataStore) -> list[str]:
+    """Only the kept exclusive counts' part of the check (the model test runs it after
+    every step): empty when every committed count is right."""
+    sb = meta.superblock()
+    n_blocks = int(sb["size_bytes"]) // int(sb["block_size"])
+    tables = _read_tables(meta, [])
+    _problems, dblock_refs = _check_pages(tables, n_blocks)
+    return _check_exclusive(tables, dblock_refs, n_blocks, int(sb.get("sharing_epoch") or 0))
+
+
+def _check_exclusive(t: _Tables, dblock_refs: NDArray[np.int64], n_blocks: int, epoch: int) -> list[str]:
+    """The kept exclusive-block counts (core/exclusive.py) against the tables: an entry is
+    exclusive when one root table holds its page and one page points at its dblock. A
+    count stamped with an older sharing epoch may be a lower bound; it is drift when it
+    claims to be exact and differs, or when it exceeds the truth."""
+    m, n_pages = t.mapped, len(t.page_ids)
+    holders = np.bincount(t.root_page[t.root_ok], minlength=n_pages)
+    alone = m.valid() & (m.dblock < n_blocks)  # bad entries are the page check's to report
+    alone[alone] = (holders[m.page[alone]] == 1) & (dblock_refs[m.dblock[alone]] == 1)
+    per_page = np.bincount(m.page[alone], minlength=n_pages)
+    rows = t.root_ok.copy()
+    rows[rows] = holders[t.root_page[rows]] == 1
+    counts: list[int] = (
+        np.bincount(t.root_volume[rows], weights=per_page[t.root_page[rows]], minlength=len(t.vol_ids))
+        .astype(np.int64)
+        .tolist()
+    )
+    index = {int(vid): i for i, vid in enumerate(t.vol_ids)}
+    problems = []
+    for vid, row in sorted(t.volumes.items(), key=lambda item: item[1].name):
+        actual, stored = counts[index[vid]], row.exclusive_blocks
+        exact = row.exclusive_epoch == epoch or stored == row.data_blocks + row.zeroed_blocks
+        if exact and stored != actual:
+            problems.append(f"{row.kind} {row.name}: {stored} exclusive blocks recorded as exact, {actual} found")
+        elif stored > actual:
+            problems.append(f"{row.kind} {row.name}: at least {stored} exclusive blocks recorded, {actual} found")
+    return problems
+
+
 def _check_lineage_and_reservations(
     t: _Tables, dblock_refs: NDArray[np.int64], block_size: int, n_blocks: int
 ) -> list[str]:
@@ -360,5 +398,5 @@ def _check(meta: MetadataStore) -> list[str]:
     used = int(np.count_nonzero(dblock_refs))
     if sb.get("used_blocks") != used:
         problems.append(f"superblock records {sb.get('used_blocks')} used blocks, {used} are referenced")
-    problems.extend(check_counters(meta))
+    problems.extend(_check_exclusive(tables, dblock_refs, n_blocks, int(sb.get("sharing_epoch") or 0)))
     return problems
