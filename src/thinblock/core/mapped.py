@@ -1,9 +1,8 @@
 """The mapped entries of many mapping pages as numpy arrays: what check, dump and delta
 walk, in O(mapped) with no Python object per entry.
 
-Pages are decoded by core/mapping.py (the one codec); this module only gathers the
-nonzero entries of the decoded pages, a batch of pages at a time so that a pool of
-sparse pages (one mapped entry in each) never holds all of them decoded at once.
+Pages are decoded by core/mapping.py (the one codec, `mapped_pairs`: only a page's
+mapped slots); this module gathers them, a batch of pages at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from thinblock.core.mapping import DBLOCK_SHIFT, PAGE_ENTRIES, PINNED, STATE_MASK, BlockState
+from thinblock.core.mapping import DBLOCK_SHIFT, PINNED, STATE_MASK, BlockState
 
 # Pages decoded per numpy call: large enough that the per-call cost vanishes, small
 # enough (16 MiB of entries) that sparse pages are dropped soon after decoding.
@@ -52,25 +51,33 @@ class Mapped(NamedTuple):
         return Mapped(self.page[which], self.slot[which], self.entry[which])
 
 
-def mapped_entries(pages: Iterable[array[int]]) -> Mapped:
-    """The nonzero entries of decoded pages (arrays of PAGE_ENTRIES uint64 each)."""
+def mapped_entries(pages: Iterable[tuple[array[int], array[int]]]) -> Mapped:
+    """The mapped entries of pages given as core/mapping.py's mapped_pairs (slots, entries)
+    of each: a sparse page costs its mapped entries, not PAGE_ENTRIES."""
     parts: list[Mapped] = []
-    batch: list[array[int]] = []
+    slots: list[bytes] = []
+    entries: list[bytes] = []
+    lengths: list[int] = []
     done = 0
 
     def flush() -> None:
         nonlocal done
-        flat = np.frombuffer(b"".join(batch), dtype=np.uint64)
-        at = np.flatnonzero(flat)
-        parts.append(Mapped(at // PAGE_ENTRIES + done, at % PAGE_ENTRIES, flat[at]))
-        done += len(batch)
-        batch.clear()
+        counts = np.array(lengths, dtype=np.intp)
+        page = np.repeat(np.arange(done, done + len(lengths), dtype=np.intp), counts)
+        slot = np.frombuffer(b"".join(slots), dtype=np.uint16).astype(np.intp)
+        parts.append(Mapped(page, slot, np.frombuffer(b"".join(entries), dtype=np.uint64)))
+        done += len(lengths)
+        slots.clear()
+        entries.clear()
+        lengths.clear()
 
-    for entries in pages:
-        batch.append(entries)
-        if len(batch) == BATCH_PAGES:
+    for page_slots, page_entries in pages:
+        slots.append(page_slots.tobytes())
+        entries.append(page_entries.tobytes())
+        lengths.append(len(page_entries))
+        if len(lengths) == BATCH_PAGES:
             flush()
-    if batch:
+    if lengths:
         flush()
     if not parts:
         return Mapped(np.zeros(0, np.intp), np.zeros(0, np.intp), np.zeros(0, np.uint64))

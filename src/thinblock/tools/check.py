@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 
 from thinblock.backends import Location, locate
 from thinblock.core.mapped import Mapped, mapped_entries, positions
-from thinblock.core.mapping import PAGE_ENTRIES, BlockState, Page, entry_dblock, entry_state, entry_valid
+from thinblock.core.mapping import PAGE_ENTRIES, BlockState, entry_dblock, entry_state, entry_valid, mapped_pairs
 from thinblock.core.pool import check_data_size
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
@@ -137,16 +137,16 @@ def _read_tables(meta: MetadataStore, problems: list[str]) -> _Tables:
     ids: list[int] = []
     refcounts: list[int] = []
 
-    def decoded() -> Iterator[array[int]]:
+    def decoded() -> Iterator[tuple[array[int], array[int]]]:
         for page_id, refcount, blob in meta.all_pages():
             try:
-                entries = Page.from_blob(page_id, refcount, blob).entries
+                pairs = mapped_pairs(blob, page_id)
             except CorruptionError as exc:
                 problems.append(str(exc))
                 continue
             ids.append(page_id)
             refcounts.append(refcount)
-            yield entries
+            yield pairs
 
     mapped = mapped_entries(decoded())
     page_ids = np.array(ids, dtype=np.int64)

@@ -46,6 +46,7 @@ from thinblock.core.mapping import (
     BlockState,
     Page,
     entry_dblock,
+    mapped_pairs,
 )
 from thinblock.core.pool import STAGING_PREFIX, validate_name
 from thinblock.core.space_policy import check_autogrow
@@ -316,6 +317,15 @@ def plan_restore(
     # taken for metadata rolled back to an older transaction.
     transaction_id = max(int(kept.get("transaction_id") or 0), int(pool.get("transaction_id") or 0)) + 1
     superblock.update(page_entries=PAGE_ENTRIES, used_blocks=used_blocks, clean=False, transaction_id=transaction_id)
+    # The kept exclusive counts (core/exclusive.py), exact from the start: an entry is
+    # exclusive when its page has one holder and its dblock one page.
+    epoch = int(superblock.get("sharing_epoch") or 0)
+    exclusive: Counter[int] = Counter()
+    for (volume_id, _index), held in txn.roots.items():
+        if held is not None and page_refs[held] == 1:
+            exclusive[volume_id] += int(np.count_nonzero(counts[page_dblocks[held - 1]] == 1))
+    for row in rows:
+        row.exclusive_blocks, row.exclusive_epoch = exclusive[row.id], epoch
     return superblock, txn
 
 
@@ -599,29 +609,29 @@ def _salvage_pages(meta: MetadataStore, wanted: set[int]) -> tuple[dict[int, int
     them (damaged), the pages are read one by one, so each damaged one is lost alone."""
     where: dict[int, int | None] = dict.fromkeys(wanted)
 
-    def walk() -> Iterator[array[int]]:
-        for page_id, refcount, blob in meta.all_pages():
+    def walk() -> Iterator[tuple[array[int], array[int]]]:
+        for page_id, _refcount, blob in meta.all_pages():
             if page_id in where and where[page_id] is None:
                 try:
-                    entries = Page.from_blob(page_id, refcount, blob).entries
+                    pairs = mapped_pairs(blob, page_id)
                 except CorruptionError:
                     continue
                 where[page_id] = len(positions)
                 positions.append(page_id)
-                yield entries
+                yield pairs
 
-    def one_by_one() -> Iterator[array[int]]:
+    def one_by_one() -> Iterator[tuple[array[int], array[int]]]:
         for page_id in sorted(wanted):
             try:
                 found = meta.page(page_id)
                 if found is None:
                     continue
-                entries = Page.from_blob(page_id, *found).entries
+                pairs = mapped_pairs(found[1], page_id)
             except CorruptionError:
                 continue
             where[page_id] = len(positions)
             positions.append(page_id)
-            yield entries
+            yield pairs
 
     positions: list[int] = []
     try:
