@@ -136,6 +136,14 @@ class FaultyMeta(_Armed):
         result: dict[int, int] = self.inner.page_refcounts(page_ids)
         return result
 
+    def page(self, page_id: int) -> tuple[int, bytes] | None:
+        """A single page's read (a page the cache misses) fails on command too."""
+        fault = self._hit("page")
+        if fault is not None:
+            raise _error(fault.kind, "page read")
+        result: tuple[int, bytes] | None = self.inner.page(page_id)
+        return result
+
     def pages(self, page_ids: Iterable[int]) -> dict[int, tuple[int, bytes]]:
         """The batch read of pages (a snapshot's removal) fails on command too."""
         fault = self._hit("pages")

@@ -20,7 +20,7 @@ from thinblock import Pool
 from thinblock.backends import locate
 from thinblock.backends.memory import MemoryLocation
 from thinblock.core.mapping import PAGE_ENTRIES
-from thinblock.core.snapshot import create_snapshot, rollback
+from thinblock.core.snapshot import adopt, create_snapshot, rollback, stage
 from thinblock.errors import CommitError
 from thinblock.tools.check import check_metadata
 
@@ -89,6 +89,11 @@ def test_a_snapshot_shares_every_spread_page_without_loading_one(locator: str) -
     with Pool.open(locator) as pool:
         pool.volume("v").write(0, b"\xff" * BS)  # copy-on-write of page 0: v's copy, s keeps the old
         assert _block(pool, "s", 0) == _data(0) and _block(pool, "v", 7) == _data(7)
+        # The overwrite left a block to one holder: every volume sharing blocks recounts
+        # its exclusive blocks, reading only the pages it holds alone (v's copy of page 0).
+        loaded = set(pool.pages)
+        pool.volume_list(None)
+        assert set(pool.pages) - loaded <= {pool.volume("v").root[0]}
         pool.remove_volume("s")
     assert _counts(locator, "v") == [1] * PAGES and _problems(locator) == []
     with Pool.open(locator) as pool:
@@ -123,6 +128,51 @@ def test_a_failing_count_read_changes_nothing(locator: str) -> None:
         assert meta.fired and "s" in pool.volumes and not pool.dirty and pool.pages == {}
         assert set(pool.page_refs.values()) == {2} and len(pool.volume("s").root) == PAGES
     assert _counts(locator, "v") == [2] * PAGES and _problems(locator) == []
+
+
+def test_a_failing_metadata_read_anywhere_in_adopt_changes_nothing(locator: str) -> None:
+    """import-diff's last step (adopt) with each of its metadata reads failing in turn:
+    every read comes before the first change, so a failure leaves the volume, its
+    snapshot and the staging volume exactly as they were."""
+    _spread(locator)
+    with Pool.open(locator) as pool:
+        create_snapshot(pool, "v", "s")
+        staging = stage(pool, pool.volume("v"), "import-diff")
+        staging.write(0, b"\xee" * BS)  # the diff: page 0 copied, the rest shared three ways
+        meta = FaultyMeta(pool.meta)
+        pool.meta = meta  # type: ignore[assignment]
+        for after in range(8):
+            pool.commit()
+            pool.pages.clear()  # a fresh process: nothing loaded
+            pool.page_refs.clear()
+            root = dict(pool.volume("v").root)
+            meta.arm(Fault(("page", "pages", "page_refcounts"), after, "eio"))
+            try:
+                adopt(pool, "v", staging, None)
+            except OSError as exc:
+                assert "injected" in str(exc) and meta.fired
+                assert staging.name in pool.volumes and not staging.removed and not pool.dirty
+                assert pool.volume("v").root == root
+                continue
+            assert not meta.fired
+            break
+        else:
+            raise AssertionError("adopt never got past its reads")
+        assert _block(pool, "v", 0) == b"\xee" * BS and _block(pool, "s", 0) == _data(0)
+    assert _problems(locator) == []
+
+
+def test_a_rollback_in_a_fresh_process_reads_shared_pages_once(locator: str) -> None:
+    """The volume and its snapshot share every page: the batch reads name each once."""
+    _spread(locator)
+    with Pool.open(locator) as pool:
+        create_snapshot(pool, "v", "s")
+    with Pool.open(locator) as pool:
+        pool.volume("v").write(0, b"\xff" * BS)
+    with Pool.open(locator) as pool:
+        rollback(pool, "v", "s")
+        assert _block(pool, "v", 0) == _data(0)
+    assert _problems(locator) == []
 
 
 def test_a_failing_commit_of_a_share_is_retried_whole(locator: str) -> None:

@@ -118,7 +118,8 @@ class CommitPipeline:
     def load_refcounts(self, page_ids: Iterable[int]) -> None:
         """Know the refcount of every page of page_ids, in one batch read of the store for
         those not known yet; a page that does not exist raises, with nothing changed."""
-        missing = [pid for pid in page_ids if pid not in self.pages and pid not in self.page_refs]
+        # Once each: callers pass several root tables, which share pages.
+        missing = [pid for pid in dict.fromkeys(page_ids) if pid not in self.pages and pid not in self.page_refs]
         if not missing:
             return
         found = self.meta.page_refcounts(missing)
@@ -130,7 +131,7 @@ class CommitPipeline:
     def load_pages(self, page_ids: Iterable[int]) -> None:
         """page() for every page of page_ids, those not loaded read in one batch; a page
         that does not exist raises, with nothing loaded."""
-        missing = [pid for pid in page_ids if pid not in self.pages]
+        missing = [pid for pid in dict.fromkeys(page_ids) if pid not in self.pages]
         if not missing:
             return
         found = self.meta.pages(missing)

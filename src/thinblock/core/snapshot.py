@@ -187,6 +187,10 @@ def adopt(pool: Pool, volume: str, staging: Volume, snapshot: str | None) -> Vol
             pool.check_new_name(snapshot, "snapshot")
             _weigh(pool, vol, "snapshot")
         pool.load_refcounts([*vol.root.values(), *staging.root.values()])  # before anything changes
+        # The pages vol will hold alone once its own are released and staging dropped: the
+        # recount below (and staging's release) reads them, so they are read now.
+        old = set(vol.root.values())
+        pool.load_pages([pid for pid in staging.root.values() if pool.page_refcount(pid) - (pid in old) == 1])
         pool.release_root(vol)
         pool.share_contents(vol, staging)
         pool.drop_volume(staging)

@@ -794,7 +794,13 @@ class Volume:
     def recount_exclusive(self) -> int:
         """Exclusive blocks counted from the pages (call under the pool lock)."""
         pool = self.pool
-        pages = [pool.page(page_id) for page_id in self.root.values()]
+        ids = list(self.root.values())
+        pool.load_refcounts(ids)
+        # A shared page holds nothing exclusive: only the pages held alone are read, in
+        # one batch (after one overwrite anywhere, every volume sharing blocks recounts).
+        alone = [page_id for page_id in ids if pool.page_refcount(page_id) == 1]
+        pool.load_pages(alone)
+        pages = [pool.page(page_id) for page_id in alone]
         return count_exclusive(((page.refcount, page.entries) for page in pages), pool.space.refcounts)
 
     def flush(self) -> None:

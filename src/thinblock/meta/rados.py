@@ -34,7 +34,7 @@ from typing import Any
 from thinblock.bindings import RADOS_POOLS, require
 from thinblock.ceph.cluster import Cluster, as_oserror, rados_errno
 from thinblock.errors import ThinblockError
-from thinblock.meta.base import FORMAT_VERSION, MetadataStore, Transaction, VolumeRow, initial_superblock
+from thinblock.meta.base import MetadataStore, Transaction, VolumeRow, check_format, initial_superblock
 
 rados = require("rados", feature=RADOS_POOLS)
 
@@ -431,9 +431,10 @@ class RadosMetadata(MetadataStore):
         counts = {k[2:] for k, _ in self.items("q.")}
         problems += [f"mapping page {int(p)} has no refcount" for p in sorted(pages - counts)[:20]]
         problems += [f"refcount of a missing mapping page {int(p)}" for p in sorted(counts - pages)[:20]]
-        version = self.superblock().get("format_version")
-        if version != FORMAT_VERSION:
-            problems.append(f"metadata format version {version!r} is not {FORMAT_VERSION}")
+        try:  # an older format reads as it is (the next writable open upgrades it)
+            check_format(self.superblock().get("format_version"), "the pool's omap")
+        except ThinblockError as exc:
+            problems.append(str(exc))
         return problems
 
     def close(self) -> None:
