@@ -61,8 +61,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(path_or_port: str | int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
+def wait_for(path_or_port: str | int, proc: subprocess.Popen[bytes], *, limit: float = 30, poll: float = 0.05) -> None:
+    """Until the server accepts a connection (a unix socket path or a local port)."""
+    deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
@@ -80,7 +81,7 @@ def wait_for(path_or_port: str | int, proc: subprocess.Popen[bytes]) -> None:
                     return
             except OSError:
                 pass
-        time.sleep(0.05)
+        time.sleep(poll)
     raise RuntimeError("server did not start")
 
 

@@ -42,7 +42,6 @@ import random
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_nbd import wait_for
 from bench.scale_pools import make_many_exports
 from thinblock import Pool
 from thinblock.core.snapshot import create_snapshot, share_into
@@ -177,22 +177,6 @@ def cli(*args: str, runs: int = 2) -> float:
     return best - python_start()
 
 
-def free_socket_wait(path: str, proc: subprocess.Popen[bytes], limit: float = 600) -> None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        if os.path.exists(path):
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(path)
-                return
-            except OSError:
-                pass
-        time.sleep(0.01)
-    raise RuntimeError("server did not start")
-
-
 @contextmanager
 def served(pool_dir: str) -> Iterator[tuple[str, float]]:
     """A running `thinblock serve` on its default socket: (socket path, seconds to start)."""
@@ -200,7 +184,7 @@ def served(pool_dir: str) -> Iterator[tuple[str, float]]:
     start = time.perf_counter()
     proc = subprocess.Popen([*TB, "serve", pool_dir], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        free_socket_wait(sock, proc)
+        wait_for(sock, proc, limit=600, poll=0.01)  # fine-grained: server start is measured
         yield sock, time.perf_counter() - start
     finally:
         proc.send_signal(signal.SIGTERM)
