@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy
 import pytest
 
 from tests.cli import ROOT, thinblock
@@ -39,6 +40,13 @@ def code() -> Iterator[str]:
     """A copy of thinblock the other user can read (the checkout may sit where it cannot)."""
     where = tempfile.mkdtemp(prefix="tb-code-", dir="/tmp")
     shutil.copytree(ROOT / "src" / "thinblock", os.path.join(where, "thinblock"))
+    # And numpy, which the core imports (the user runs Debian's python3, outside the venv;
+    # the venv is built on it, so the same compiled modules load). A wheel keeps the
+    # libraries numpy links against beside it, in numpy.libs.
+    site = Path(numpy.__file__).parent.parent
+    for name in ("numpy", "numpy.libs"):
+        if (site / name).is_dir():
+            shutil.copytree(site / name, os.path.join(where, name))
     subprocess.run(["chmod", "-R", "a+rX", where], check=True)
     try:
         yield where
