@@ -206,6 +206,22 @@ def test_a_stalled_holder_is_fenced_off(request: pytest.FixtureRequest, tmp_path
         assert pool.volume("v").read(0, MiB) == b"B" * MiB
 
 
+def test_a_pool_of_an_older_format_checks_clean_then_is_upgraded(request: pytest.FixtureRequest) -> None:
+    """A format-2 omap is read as it is (check and dump write nothing), and the first
+    writable open upgrades it."""
+    locator = new_rados_locator(request, "oldformat")
+    with Pool.create(locator, 64 * MiB, block_size=64 << 10) as pool:
+        pool.create_volume("v", MiB).write(0, b"\x5a" * 4096)
+        pool.commit()
+        pool.meta.commit(Transaction(superblock={"format_version": 2}))  # as a format-2 thinblock left it
+    thinblock("pool", "check", locator)
+    assert _rados_location(locator).open_meta(readonly=True).superblock()["format_version"] == 2
+    with Pool.open(locator) as pool:
+        assert pool.volume("v").read(0, 4096) == b"\x5a" * 4096
+    assert _rados_location(locator).open_meta(readonly=True).superblock()["format_version"] == 3
+    thinblock("pool", "check", locator)
+
+
 def test_a_stale_epoch_cannot_commit(request: pytest.FixtureRequest) -> None:
     """The epoch compare alone (no blocklist: same client) stops an old holder's commit."""
     locator = new_rados_locator(request, "epoch")
