@@ -41,7 +41,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_nbd import _stop as stop_server
 from bench.bench_nbd import wait_for
 from bench.scale_pools import make_many_exports
 from thinblock import Pool
@@ -187,12 +187,7 @@ def served(pool_dir: str) -> Iterator[tuple[str, float]]:
         wait_for(sock, proc, limit=600, poll=0.01)  # fine-grained: server start is measured
         yield sock, time.perf_counter() - start
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 # A client in its own process, so that a listing that never ends can be stopped.

@@ -55,6 +55,14 @@ class _Built:
     deleted_volumes: list[int]
 
 
+def _all_found(wanted: list[int], found: dict[int, _T]) -> dict[int, _T]:
+    """A batch read's answer, or ThinblockError naming a wanted page it lacks."""
+    if len(found) != len(wanted):
+        page_id = next(pid for pid in wanted if pid not in found)
+        raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
+    return found
+
+
 class CommitPipeline:
     """The pool's transaction (a part of Pool; see core/pool.py for its state)."""
 
@@ -122,10 +130,7 @@ class CommitPipeline:
         missing = [pid for pid in dict.fromkeys(page_ids) if pid not in self.pages and pid not in self.page_refs]
         if not missing:
             return
-        found = self.meta.page_refcounts(missing)
-        if len(found) != len(missing):
-            page_id = next(pid for pid in missing if pid not in found)
-            raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
+        found = _all_found(missing, self.meta.page_refcounts(missing))
         self.page_refs.update(found)
 
     def load_pages(self, page_ids: Iterable[int]) -> None:
@@ -134,10 +139,7 @@ class CommitPipeline:
         missing = [pid for pid in dict.fromkeys(page_ids) if pid not in self.pages]
         if not missing:
             return
-        found = self.meta.pages(missing)
-        if len(found) != len(missing):
-            page_id = next(pid for pid in missing if pid not in found)
-            raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
+        found = _all_found(missing, self.meta.pages(missing))
         pages = [Page.from_blob(pid, self.page_refs.get(pid, count), blob) for pid, (count, blob) in found.items()]
         for page in pages:  # all decoded first: a damaged one leaves the cache as it was
             self.page_refs.pop(page.page_id, None)
