@@ -17,10 +17,13 @@ import errno
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from thinblock.meta.base import Transaction
 from thinblock.store.base import DataStore, FilterStore
+
+if TYPE_CHECKING:
+    from thinblock.core.pool import Pool
 
 STORE_VERBS = ("pread", "pwritev", "punch", "zero", "preallocate", "flush")
 KINDS = ("eio", "enospc", "short")
@@ -154,3 +157,13 @@ class FaultyMeta(_Armed):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def install(pool: Pool, *, meta: FaultyMeta | None = None, store: DataStore | None = None) -> None:
+    """Put a faulty store under an open pool: every collaborator that holds the
+    metadata store (the open transaction's reads, the committer) or the data store
+    (requests, the committer's syncs and punches, growth) gets the wrapper."""
+    if meta is not None:
+        pool.meta = pool.txn.meta = pool.committer.meta = meta  # type: ignore[assignment]
+    if store is not None:
+        pool.store = pool.committer.store = pool.accounts.store = store

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults import Fault, FaultyMeta, FaultyStore
+from tests.faults import Fault, FaultyMeta, FaultyStore, install
 from thinblock import NoSpaceError, Pool
 from thinblock.backends import locate
 from thinblock.errors import CommitError
@@ -31,7 +31,7 @@ def test_committer_survives_failures_and_recovers(tmp_path: Path, caplog: pytest
     path = tmp_path / "pool"
     pool = Pool.create(str(path), 64 * BS)
     meta = FaultyMeta(pool.meta)
-    pool.meta = meta  # type: ignore[assignment]
+    install(pool, meta=meta)
     vol = pool.create_volume("v", 32 * BS)
     vol.write(0, b"a" * (4 * BS))
     vol.flush()
@@ -48,7 +48,7 @@ def test_committer_survives_failures_and_recovers(tmp_path: Path, caplog: pytest
     deadline = time.monotonic() + 20
     while pool.commit_failure is not None:
         assert time.monotonic() < deadline, "commits never recovered"
-        assert pool._committer is not None and pool._committer.is_alive(), "the committer died"
+        assert pool.committer._thread is not None and pool.committer._thread.is_alive(), "the committer died"
         time.sleep(0.1)
     assert meta.fault is not None and meta.fault.times == 0
     messages = [r.getMessage() for r in caplog.records]
@@ -67,7 +67,7 @@ def test_failed_commit_keeps_refcounts_pending(tmp_path: Path) -> None:
     path = tmp_path / "pool"
     pool = Pool.create(str(path), 16 * BS, block_size=BS)
     meta = FaultyMeta(pool.meta)
-    pool.meta = meta  # type: ignore[assignment]
+    install(pool, meta=meta)
     a = pool.create_volume("a", 8 * BS)
     a.write(0, b"A" * (8 * BS))
     meta.arm(Fault(("commit",), 0, "enospc", times=2))  # past the metadata slack too
@@ -86,7 +86,7 @@ def test_failed_data_sync_fails_the_flush_and_commits_nothing(tmp_path: Path) ->
     path = tmp_path / "pool"
     pool = Pool.create(str(path), 16 * BS, block_size=BS)
     store = FaultyStore(pool.store)
-    pool.store = store
+    install(pool, store=store)
     vol = pool.create_volume("v", 8 * BS)
     vol.write(0, b"x" * BS)
     store.arm(Fault(("flush",), 0, "eio"))

@@ -139,11 +139,11 @@ def test_freed_blocks_wait_for_a_durable_punch(pool: Pool) -> None:
     first = vol._entry(0) >> 3
     vol.trim(0, BS)
     pool.commit()  # the punch happens after this commit, and is not durable yet
-    assert first in pool.space.unsynced_free
+    assert first in pool.accounts.space.unsynced_free
     vol.write(BS, b"B" * BS)
     assert vol._entry(1) >> 3 != first
     pool.commit()  # data sync: now it may be reused
-    assert first not in pool.space.unsynced_free and pool.space.busy[first] == 0
+    assert first not in pool.accounts.space.unsynced_free and pool.accounts.space.busy[first] == 0
 
 
 def test_zero_payload_over_data(pool: Pool) -> None:
@@ -347,9 +347,9 @@ def test_data_store_contract(pool: Pool) -> None:
 
 def _crash(pool: Pool) -> None:
     """Abandon a pool as SIGKILL would: no commit, no clean flag (the page cache survives)."""
-    pool._closed.set()
-    if pool._committer is not None:
-        pool._committer.join()
+    pool.committer.closed.set()
+    if pool.committer._thread is not None:
+        pool.committer._thread.join()
     pool.meta.close()
     pool.store.close()
     pool._ownership.release()

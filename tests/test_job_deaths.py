@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import ROOT, thinblock
+from tests.faults import install
 from tests.nbd_server import Server
 from tests.test_power_cut import PowerCutRig
 from thinblock import Pool
@@ -177,7 +178,7 @@ def test_a_commit_during_a_writes_io_records_nothing_of_its_fresh_blocks(tmp_pat
     thinblock("volume", "create", path, "v", "--size", "8M")
     with Pool.open(path, autocommit=False) as pool:
         held = _HeldWrites(pool.store)  # type: ignore[arg-type]
-        pool.store = held
+        install(pool, store=held)
         writer = threading.Thread(target=pool.volume("v").write, args=(0, b"\x5a" * (4 * MiB)))
         writer.start()
         assert held.started.wait(30)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.conftest import remove_rados_pool
-from tests.faults import KINDS, STORE_VERBS, Fault, FaultyMeta, FaultyStore
+from tests.faults import KINDS, STORE_VERBS, Fault, FaultyMeta, FaultyStore, install
 from tests.model import Model, ModelError, ModelVolume
 from tests.profiles import examples
 from thinblock import BlockState, OpError, Pool, ReadOnlyError, ThinblockError
@@ -80,8 +80,8 @@ class PoolMachine(RuleBasedStateMachine):
         """Put fault injection under the pool: its data store and its metadata store."""
         self.store = FaultyStore(self.pool.store)
         self.meta = FaultyMeta(self.pool.meta)
-        self.pool.store = self.store
-        self.pool.meta = self.meta  # type: ignore[assignment]
+        install(self.pool, store=self.store)
+        install(self.pool, meta=self.meta)
 
     def teardown(self) -> None:
         self.pool.close()
@@ -463,10 +463,10 @@ class PoolMachine(RuleBasedStateMachine):
                     assert kept == actual, f"{vol.name}: exclusive {kept} kept as exact, {actual} counted"
                 else:
                     assert kept <= actual, f"{vol.name}: exclusive {kept} kept as a lower bound, {actual} counted"
-            assert pool.totals == Totals.of(v.row for v in pool.visible().values())
-            assert pool.reserved_total == sum(pool.set_aside(v) for v in pool.volumes.values())
-            assert pool.reserved_volumes == {v for v in pool.volumes.values() if v.row.reserve_bytes}
-            assert all(v.set_aside_counted == pool.set_aside(v) for v in pool.volumes.values())
+            assert pool.volumes.totals == Totals.of(v.row for v in pool.visible().values())
+            assert pool.accounts.reserved_total == sum(pool.accounts.set_aside(v) for v in pool.volumes.values())
+            assert pool.accounts.reserved_volumes == {v for v in pool.volumes.values() if v.row.reserve_bytes}
+            assert all(v.set_aside_counted == pool.accounts.set_aside(v) for v in pool.volumes.values())
         assert pool.between_commits(exclusive_problems) == []
 
     @invariant()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults import Fault, FaultyMeta
+from tests.faults import Fault, FaultyMeta, install
 from thinblock import Pool
 from thinblock.backends import locate
 from thinblock.backends.memory import MemoryLocation
@@ -82,7 +82,7 @@ def test_a_snapshot_shares_every_spread_page_without_loading_one(locator: str) -
     _spread(locator)
     with Pool.open(locator) as pool:
         snap = create_snapshot(pool, "v", "s")
-        assert pool.pages == {}, "a snapshot loaded mapping pages to share them"
+        assert pool.txn.pages == {}, "a snapshot loaded mapping pages to share them"
         assert len(snap.root) == PAGES
     assert _counts(locator, "v") == [2] * PAGES and _counts(locator, "s") == [2] * PAGES
     assert _problems(locator) == []
@@ -91,9 +91,9 @@ def test_a_snapshot_shares_every_spread_page_without_loading_one(locator: str) -
         assert _block(pool, "s", 0) == _data(0) and _block(pool, "v", 7) == _data(7)
         # The overwrite left a block to one holder: every volume sharing blocks recounts
         # its exclusive blocks, reading only the pages it holds alone (v's copy of page 0).
-        loaded = set(pool.pages)
+        loaded = set(pool.txn.pages)
         pool.volume_list(None)
-        assert set(pool.pages) - loaded <= {pool.volume("v").root[0]}
+        assert set(pool.txn.pages) - loaded <= {pool.volume("v").root[0]}
         pool.remove_volume("s")
     assert _counts(locator, "v") == [1] * PAGES and _problems(locator) == []
     with Pool.open(locator) as pool:
@@ -104,29 +104,29 @@ def test_a_failing_count_read_changes_nothing(locator: str) -> None:
     _spread(locator)
     with Pool.open(locator) as pool:
         meta = FaultyMeta(pool.meta)
-        pool.meta = meta  # type: ignore[assignment]
+        install(pool, meta=meta)
         meta.arm(Fault(("page_refcounts",), 0, "eio"))
         with pytest.raises(OSError, match="injected"):
             create_snapshot(pool, "v", "s")
-        assert meta.fired and "s" not in pool.volumes and not pool.dirty and pool.page_refs == {}
+        assert meta.fired and "s" not in pool.volumes and not pool.txn.dirty and pool.txn.page_refs == {}
         create_snapshot(pool, "v", "s")  # works once the store reads again
         create_snapshot(pool, "v", "t")
     with Pool.open(locator) as pool:
         meta = FaultyMeta(pool.meta)
-        pool.meta = meta  # type: ignore[assignment]
+        install(pool, meta=meta)
         for fail in (lambda: pool.remove_volume("s"), lambda: rollback(pool, "v", "t")):
             meta.arm(Fault(("page_refcounts",), 0, "eio"))
             with pytest.raises(OSError, match="injected"):
                 fail()
-            assert meta.fired and "s" in pool.volumes and not pool.dirty and pool.page_refs == {}
+            assert meta.fired and "s" in pool.volumes and not pool.txn.dirty and pool.txn.page_refs == {}
             assert len(pool.volume("v").root) == PAGES and len(pool.volume("s").root) == PAGES
         pool.remove_volume("t")
         # Now removing s leaves v alone on every page: the removal needs their entries.
         meta.arm(Fault(("pages",), 0, "eio"))
         with pytest.raises(OSError, match="injected"):
             pool.remove_volume("s")
-        assert meta.fired and "s" in pool.volumes and not pool.dirty and pool.pages == {}
-        assert set(pool.page_refs.values()) == {2} and len(pool.volume("s").root) == PAGES
+        assert meta.fired and "s" in pool.volumes and not pool.txn.dirty and pool.txn.pages == {}
+        assert set(pool.txn.page_refs.values()) == {2} and len(pool.volume("s").root) == PAGES
     assert _counts(locator, "v") == [2] * PAGES and _problems(locator) == []
 
 
@@ -140,18 +140,18 @@ def test_a_failing_metadata_read_anywhere_in_adopt_changes_nothing(locator: str)
         staging = stage(pool, pool.volume("v"), "import-diff")
         staging.write(0, b"\xee" * BS)  # the diff: page 0 copied, the rest shared three ways
         meta = FaultyMeta(pool.meta)
-        pool.meta = meta  # type: ignore[assignment]
+        install(pool, meta=meta)
         for after in range(8):
             pool.commit()
-            pool.pages.clear()  # a fresh process: nothing loaded
-            pool.page_refs.clear()
+            pool.txn.pages.clear()  # a fresh process: nothing loaded
+            pool.txn.page_refs.clear()
             root = dict(pool.volume("v").root)
             meta.arm(Fault(("page", "pages", "page_refcounts"), after, "eio"))
             try:
                 adopt(pool, "v", staging, None)
             except OSError as exc:
                 assert "injected" in str(exc) and meta.fired
-                assert staging.name in pool.volumes and not staging.removed and not pool.dirty
+                assert staging.name in pool.volumes and not staging.removed and not pool.txn.dirty
                 assert pool.volume("v").root == root
                 continue
             assert not meta.fired
@@ -179,16 +179,16 @@ def test_a_failing_commit_of_a_share_is_retried_whole(locator: str) -> None:
     _spread(locator)
     with Pool.open(locator) as pool:
         meta = FaultyMeta(pool.meta)
-        pool.meta = meta  # type: ignore[assignment]
+        install(pool, meta=meta)
         meta.arm(Fault(("commit",), 0, "eio"))
         with pytest.raises(CommitError):
             create_snapshot(pool, "v", "s")
-        assert meta.fired and pool.dirty  # pending, in memory: the next commit writes it
+        assert meta.fired and pool.txn.dirty  # pending, in memory: the next commit writes it
         pool.commit()
     assert _counts(locator, "s") == [2] * PAGES and _problems(locator) == []
     with Pool.open(locator) as pool:
         meta = FaultyMeta(pool.meta)
-        pool.meta = meta  # type: ignore[assignment]
+        install(pool, meta=meta)
         meta.arm(Fault(("commit",), 0, "eio"))
         with pytest.raises(CommitError):
             pool.remove_volume("s")

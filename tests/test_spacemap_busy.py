@@ -36,11 +36,11 @@ def test_a_reopened_pool_counts_what_it_used(tmp_path: Path) -> None:
     vol.write(0, b"\x01" * (1 << 20))
     create_snapshot(pool, "v", "s")
     vol.write(4096, b"\x02" * 4096)  # copied: one more block
-    used = pool.space.used_blocks
+    used = pool.accounts.space.used_blocks
     pool.close()
     pool = Pool.open(str(tmp_path / "pool"))
     try:
-        assert pool.space.used_blocks == used == 257
-        assert pool.space.busy.count(1) == used
+        assert pool.accounts.space.used_blocks == used == 257
+        assert pool.accounts.space.busy.count(1) == used
     finally:
         pool.close()

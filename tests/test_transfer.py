@@ -739,7 +739,7 @@ def test_the_layer_below_failing_under_import_diff_changes_nothing(
     the volume is as it was. Only when adoption's own commit fails is the adoption,
     made in memory, written by the next commit: then whole (the pool's rule for a
     failed commit), with its snapshot, never a part of the diff."""
-    from tests.faults import Fault, FaultyMeta, FaultyStore
+    from tests.faults import Fault, FaultyMeta, FaultyStore, install
     from thinblock.core.pool import Pool
     from thinblock.core.snapshot import clone, create_snapshot
     from thinblock.meta.base import MetadataStore
@@ -766,7 +766,7 @@ def test_the_layer_below_failing_under_import_diff_changes_nothing(
     before = pool.volume("c").read(0, 32 * BS)
     names = sorted(pool.visible())
     store, meta = FaultyStore(pool.store), FaultyMeta(pool.meta)
-    pool.store, pool.meta = store, meta  # type: ignore[assignment]
+    install(pool, meta=meta, store=store)
     (meta if verb == "commit" else store).arm(Fault((verb,), after, kind))
     with pytest.raises(Exception), open(diff, "rb") as f:  # noqa: B017 (an OSError or a sentence: any failure)
         diffs.import_diff(pool, "c", StreamReader(os.dup(f.fileno()), "d"), no_progress)

@@ -57,7 +57,7 @@ def allocation_runs(vol: Volume) -> list[tuple[int, int, bool]]:
         page_indexes = sorted(vol.root)
     runs: Runs[int] = Runs()  # key: state * 2 + shared (0: UNMAPPED)
     add = runs.add
-    refcounts = pool.space.refcounts
+    refcounts = pool.accounts.space.refcounts
     pos = 0
     for page_index in page_indexes:
         first = page_index * PAGE_ENTRIES
@@ -67,7 +67,7 @@ def allocation_runs(vol: Volume) -> list[tuple[int, int, bool]]:
             page_id = vol.root.get(page_index)
             if page_id is None:
                 continue  # released meanwhile (a trim, a removal): its blocks read as unmapped
-            page = pool.page(page_id)
+            page = pool.txn.page(page_id)
             entries = page.entries[: min(PAGE_ENTRIES, n_blocks - first)]
             # One key per entry in a comprehension, then groupby: this loop is the
             # cost of mapping a volume full of data (about 0.6 s per million blocks).

@@ -61,8 +61,8 @@ def changed_extents(a: Volume, b: Volume, offset: int = 0, length: int | None = 
         pairs = [(i, pa, pb) for i, pa, pb in pairs if pa != pb]  # one shared page: identical
         for start in range(0, len(pairs), _BATCH_PAGES):
             batch = pairs[start : start + _BATCH_PAGES]
-            ea = b"".join(pool.page(pa).entries if pa is not None else _EMPTY for _i, pa, _pb in batch)
-            eb = b"".join(pool.page(pb).entries if pb is not None else _EMPTY for _i, _pa, pb in batch)
+            ea = b"".join(pool.txn.page(pa).entries if pa is not None else _EMPTY for _i, pa, _pb in batch)
+            eb = b"".join(pool.txn.page(pb).entries if pb is not None else _EMPTY for _i, _pa, pb in batch)
             fb = np.frombuffer(eb, dtype=np.uint64)
             at = _differing(np.frombuffer(ea, dtype=np.uint64), fb)
             bases = np.array([i for i, _pa, _pb in batch], dtype=np.int64) * PAGE_ENTRIES

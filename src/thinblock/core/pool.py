@@ -18,17 +18,18 @@ import re
 import threading
 import time
 import uuid
-from array import array
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from thinblock.backends import Location, Ownership, locate
-from thinblock.core.commit import CommitPipeline
-from thinblock.core.mapping import PAGE_ENTRIES, Page
+from thinblock.core.commit import Committer
+from thinblock.core.mapping import PAGE_ENTRIES
+from thinblock.core.registry import STAGING_PREFIX, VolumeRegistry
+from thinblock.core.reservation import target_blocks
 from thinblock.core.space import SpaceAccounts
 from thinblock.core.space_policy import SpacePolicy, parse_low_water
 from thinblock.core.spacemap import SpaceMap
-from thinblock.core.totals import Totals
+from thinblock.core.transaction import OpenTransaction
 from thinblock.core.volume import Volume
 from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockError, UncleanCloseError, UsageError
 from thinblock.meta.base import (
@@ -38,7 +39,6 @@ from thinblock.meta.base import (
     Transaction,
     VolumeRow,
     check_format,
-    reserve_blocks,
 )
 from thinblock.progress import ProgressFn
 from thinblock.runtime import require_socket_room
@@ -60,8 +60,7 @@ MAX_VOLUME_BYTES = (1 << 63) - MAX_BLOCK_SIZE
 MAX_VOLUME_SHOWN = "8E less 16M"  # MAX_VOLUME_BYTES in words (format_size would round it to 8.0E)
 DETECT_ZEROES = ("off", "on", "unmap")
 log = logging.getLogger("thinblock.pool")
-# Staging volumes (snapshot.stage) are named with this; user names cannot start with it.
-STAGING_PREFIX = "."
+_T = TypeVar("_T")
 # Matched whole (fullmatch): "$" would also match before a trailing newline.
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}")
 # Snapshots may also use '@', so that they can be named like rbd's (vm1@s1); volume
@@ -156,75 +155,6 @@ def _format_owner(location: Location) -> None:
         store.close()
 
 
-def _by_name(vol: Volume) -> str:
-    return vol.name
-
-
-class VolumeRegistry(dict[str, Volume]):
-    """The pool's volumes by name, with an index by id kept by the same operations, so
-    the two cannot disagree: every change of the name map (add, remove, the del-then-set
-    of a rename or a staging publish) goes through __setitem__ or __delitem__, and the
-    id of a registered volume never changes. volume_by_id is then one dict lookup, not
-    a scan (an NBD listing or volume list asks it once per snapshot)."""
-
-    def __init__(self, volumes: Iterable[Volume] = ()) -> None:
-        """Registered at once (an opening pool's rows: names and ids are unique there)."""
-        vols = list(volumes)
-        super().__init__((v.name, v) for v in vols)
-        self.by_id: dict[int, Volume] = {v.row.id: v for v in vols}
-        self._changes = 0  # bumped by every change: the dependents index is rebuilt after one
-        self._dependents: tuple[int, dict[int, list[Volume]]] = (-1, {})
-
-    def __setitem__(self, name: str, vol: Volume) -> None:
-        old = self.get(name)
-        if old is not None and old is not vol:
-            self._forget(old)
-        super().__setitem__(name, vol)
-        self.by_id[vol.row.id] = vol
-        self._changes += 1
-
-    def __delitem__(self, name: str) -> None:
-        vol = self[name]
-        super().__delitem__(name)
-        self._forget(vol)
-        self._changes += 1
-
-    def dependents(self, volume_id: int, lock: threading.RLock) -> list[Volume]:
-        """The volumes and snapshots whose origin is this id, by name. lock is the pool
-        lock, not held by the caller: the index of every id is rebuilt after a change
-        in one O(volumes) pass made outside it (0.5 s at 100,000 volumes on a loaded
-        machine: I/O must not wait that long), from a copy taken under it, and kept
-        only if nothing changed meanwhile. So listing every export's snapshots costs
-        O(volumes), not O(volumes) each. The index holds because an origin is set or
-        cleared only in the same hold of the pool lock as a change here: a snapshot
-        or clone is added, its origin removed."""
-        with lock:
-            changes, index = self._dependents
-            if changes == self._changes:
-                return list(index.get(volume_id, ()))
-            changes, vols = self._changes, list(self.values())
-        index = {}
-        for vol in vols:
-            if vol.row.origin_id is not None:
-                index.setdefault(vol.row.origin_id, []).append(vol)
-        for found in index.values():
-            found.sort(key=_by_name)
-        with lock:
-            if self._changes == changes:
-                self._dependents = (changes, index)
-        return list(index.get(volume_id, ()))
-
-    def _forget(self, vol: Volume) -> None:
-        if self.by_id.get(vol.row.id) is vol:
-            del self.by_id[vol.row.id]
-
-    def _unkept(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("VolumeRegistry changes one name at a time (d[name] = vol, del d[name])")
-
-    # Bulk changes would bypass the id index: refused rather than kept half right.
-    pop = update = setdefault = popitem = clear = __ior__ = _unkept  # type: ignore[assignment]
-
-
 @contextlib.contextmanager
 def owned(locator: str | Location, purpose: str) -> Iterator[Location]:
     """Own a pool without opening it (restore, repair): refused while it is served."""
@@ -236,9 +166,17 @@ def owned(locator: str | Location, purpose: str) -> Iterator[Location]:
         ownership.release()
 
 
-class Pool(CommitPipeline, SpaceAccounts):
+class Pool:
     """An open pool. Use `Pool.create` / `Pool.open`. Volumes' verbs, commit() and
-    the administration methods may be called from any thread."""
+    the administration methods may be called from any thread.
+
+    It is made of collaborators that each hold one rule: the open transaction
+    (core/transaction.py: pages, dirty sets, page refcounts), the committer that
+    makes it durable (core/commit.py), the space accounts (core/space.py: the free
+    map, reservations, the allocation gate) and the volume registry
+    (core/registry.py). The pool itself keeps the administration verbs, which take
+    a volume's whole range (rangelock) before the pool lock, and commit with
+    neither held."""
 
     def __init__(
         self,
@@ -261,66 +199,115 @@ class Pool(CommitPipeline, SpaceAccounts):
         # Held to plan and to publish requests, to build and settle commits; never
         # across data I/O or a sync (see volume.py and commit.py).
         self.lock = threading.RLock()
-        self.meta_lock = threading.Lock()  # one metadata commit at a time
         self.stats = PoolStats()  # commits, ENOSPC results, requests per export (metrics)
         sb = meta.superblock()
         self.block_size = int(sb["block_size"])
-        self.size_bytes = int(sb["size_bytes"])
-        self.transaction_id = int(sb["transaction_id"])
-        self.space = SpaceMap(self.size_bytes // self.block_size, meta.refcount_pages())
-        self.pages: dict[int, Page] = {}
-        self.page_refs: dict[int, int] = {}  # counts of pages not loaded (commit.py's load_refcounts)
-        self._next_page_id = meta.max_page_id() + 1
-        self._next_volume_id = meta.max_volume_id() + 1
-        # Root tables load on first use (Volume.root), not all of them here.
-        self.volumes: VolumeRegistry = VolumeRegistry(Volume(self, row) for row in meta.volumes())
-        self.policy = SpacePolicy(self, sb)
-        # Kept figures (core/totals.py, core/exclusive.py): status answers from them.
-        self.space.sharing_epoch = int(sb.get("sharing_epoch") or 0)
-        self.totals = Totals()
-        self.reserved_total = 0
-        self.reserved_volumes: set[Volume] = set()
-        for vol in self.volumes.values():
-            self._tally(vol, True)
-            self.retally_set_aside(vol)
-        # dblocks of ZEROED blocks that a failed write may have reached: they may not
-        # read zero below, so the next write into one writes the whole block.
-        self.unclean_zeroed: set[int] = set()
-        # Writers held by the wait policy sleep on this; grow, frees and removals wake them.
-        self.space_changed = threading.Condition(self.lock)
-        # Changes of the open transaction.
-        self._dirty_pages: set[int] = set()
-        self._dirty_page_refs: set[int] = set()  # refcount changed, entries not
-        self._dirty_roots: set[tuple[int, int]] = set()
-        self._touched: set[tuple[Volume, int]] = set()
-        self._dirty_volumes: set[Volume] = set()
-        self._deleted_volumes: list[int] = []
-        self.dirty = False
-        self.last_commit = time.monotonic()
-        self._committing = False
-        self._commit_idle = threading.Condition(self.lock)
-        self._kick = threading.Event()
-        self.commit_failure: str | None = None  # why commits fail, while they do
+        size_bytes = int(sb["size_bytes"])
+        space = SpaceMap(size_bytes // self.block_size, meta.refcount_pages())
+        space.sharing_epoch = int(sb.get("sharing_epoch") or 0)
+        self.txn = OpenTransaction(meta, space, self.volume_by_id)
         self.host = location.host(sb)
         self.host.take_slack()
         self.data_path = location.data_name(sb)
+        self.policy = SpacePolicy(self, sb)
+        self.accounts = SpaceAccounts(
+            path=self.path,
+            lock=self.lock,
+            block_size=self.block_size,
+            size_bytes=size_bytes,
+            space=space,
+            store=store,
+            host=self.host,
+            data_path=self.data_path,
+            txn=self.txn,
+            policy=self.policy,
+            commit=self.commit,
+            kick_commit=self.kick_commit,
+            commit_failure=lambda: self.committer.commit_failure,
+        )
+        self.committer = Committer(
+            path=self.path,
+            lock=self.lock,
+            meta=meta,
+            store=store,
+            owned=owned,
+            txn=self.txn,
+            accounts=self.accounts,
+            policy=self.policy,
+            host=self.host,
+            stats=self.stats,
+            transaction_id=int(sb["transaction_id"]),
+        )
+        self._next_volume_id = meta.max_volume_id() + 1
+        # Root tables load on first use (Volume.root), not all of them here.
+        self.volumes = VolumeRegistry(
+            (Volume(self, row) for row in meta.volumes()), retally=self.accounts.retally_set_aside
+        )
+        for vol in self.volumes.values():
+            self.accounts.retally_set_aside(vol)
+        # dblocks of ZEROED blocks that a failed write may have reached: they may not
+        # read zero below, so the next write into one writes the whole block.
+        self.unclean_zeroed: set[int] = set()
         self.warnings: list[str] = []  # for the person who opened it (pool create, grow)
-        self._closed = threading.Event()
-        self._waits_cancelled = threading.Event()
-        self._committer: threading.Thread | None = None
         if not sb.get("clean", True):
-            self._recover_free_space(progress)
+            self.committer.recover_free_space(progress)
         # An older pool is upgraded by this first commit (SQLite migrated its tables on
         # opening; rows of other stores read the new fields' defaults).
         opened: dict[str, object] = {"clean": False, "format_version": FORMAT_VERSION}
         if adopted_uuid is not None:  # an older pool's data store got its header: name it here
             self.store.flush()
             opened["pool_uuid"] = adopted_uuid
-        self._write_metadata(Transaction(superblock=opened))
+        self.committer.write_metadata(Transaction(superblock=opened))
         if owned is not None:  # a generation a crash kept from the data store: record it now
-            owned.write_header(self.transaction_id)
+            owned.write_header(self.committer.transaction_id)
         if autocommit:
             self.start_committer()
+
+    # ----- the collaborators' figures and verbs, for frontends and commands -------------
+
+    @property
+    def size_bytes(self) -> int:
+        return self.accounts.size_bytes
+
+    @property
+    def commit_failure(self) -> str | None:
+        """Why commits fail, while they do (None when they succeed)."""
+        return self.committer.commit_failure
+
+    def commit(self) -> None:
+        """Make everything completed so far durable (Committer.commit)."""
+        self.committer.commit()
+
+    def flush(self) -> None:
+        self.committer.commit()
+
+    def kick_commit(self) -> None:
+        """Commit soon rather than within the interval (freed space the host needs)."""
+        self.committer.kick_commit()
+
+    def between_commits(self, read: Callable[[MetadataStore], _T]) -> _T:
+        """Run read on the metadata store while no commit runs (Committer.between_commits)."""
+        return self.committer.between_commits(read)
+
+    def space_figures(self) -> dict[str, int]:
+        return self.accounts.space_figures()
+
+    def host_figures(self) -> dict[str, Any]:
+        return self.accounts.host_figures()
+
+    def grow(self, size_bytes: int, *, commit: bool = True) -> list[str]:
+        """Grow the pool online (SpaceAccounts.grow)."""
+        return self.accounts.grow(size_bytes, commit=commit)
+
+    def settle_frees(self) -> None:
+        self.accounts.settle_frees()
+
+    def wake_space_waiters(self) -> None:
+        self.accounts.wake_space_waiters()
+
+    def cancel_waits(self) -> None:
+        """Shutting down: requests held by the wait policy get ENOSPC now."""
+        self.accounts.cancel_waits()
 
     def start_writeback(self) -> None:
         """Bulk work's hint to the data store: start writing out what it holds dirty
@@ -331,9 +318,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         """Commit in the background, at least once a second (a pool opened without
         autocommit, by a command, takes this for long work: the data written so far
         goes to disk while more is written, instead of all in the final sync)."""
-        if self._committer is None:
-            self._committer = threading.Thread(target=self._commit_loop, name="thinblock-commit", daemon=True)
-            self._committer.start()
+        self.committer.start()
 
     # ----- opening and creating -------------------------------------------------
 
@@ -567,13 +552,13 @@ class Pool(CommitPipeline, SpaceAccounts):
         elif name in self.volumes:
             raise ThinblockError(f"staging volume {name} exists already")
         if sharing is not None:  # the one store read of a share: a failure leaves nothing behind
-            self.load_refcounts(sharing.root.values())
+            self.txn.load_refcounts(sharing.root.values())
         row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time(), kind=kind)
         self._next_volume_id += 1
         vol = Volume(self, row, {})
         self.volumes[name] = vol
-        self._tally(vol, True)
-        self.mark_volume_dirty(vol)
+        self.volumes.tally(vol, True)
+        self.txn.mark_volume_dirty(vol)
         if sharing is not None:
             self.share_contents(vol, sharing)
         return vol
@@ -588,18 +573,13 @@ class Pool(CommitPipeline, SpaceAccounts):
         """vol (with an empty root table) takes source's size and contents by sharing
         every mapping page by its refcount alone: O(pages), no page is loaded, no block
         copied. The counts are read first, in one batch, so a failing read changes nothing."""
-        self.load_refcounts(source.root.values())
-        self.share_pages(source.root.values())
-        vol.root.update(source.root)
-        vid = vol.row.id
-        self._dirty_roots.update((vid, page_index) for page_index in vol.root)
-        self.dirty = True
+        self.txn.share_root(vol, source)
         row, src = vol.row, source.row
-        with self.tallied(vol):
+        with self.volumes.tallied(vol):
             row.size_bytes = src.size_bytes
             row.data_blocks, row.zeroed_blocks = src.data_blocks, src.zeroed_blocks
             row.pinned_blocks = src.pinned_blocks
-        self.mark_volume_dirty(vol)
+        self.txn.mark_volume_dirty(vol)
 
     def remove_volume(self, name: str, *, kind: str | None = None) -> dict[str, Any]:
         """Remove a volume or snapshot (any order): pages and dblocks lose one
@@ -608,9 +588,9 @@ class Pool(CommitPipeline, SpaceAccounts):
         their origin becomes none."""
         with self.quiesced(name, kind=kind) as vol, self.lock:
             self.refuse_if_busy(vol, "remove")
-            used_before = self.space.used_blocks
+            used_before = self.accounts.space.used_blocks
             dependents = self.drop_volume(vol)
-            freed = used_before - self.space.used_blocks
+            freed = used_before - self.accounts.space.used_blocks
         self.commit()
         return {"name": name, "kind": vol.row.kind, "freed_bytes": freed * self.block_size, "dependents": dependents}
 
@@ -628,29 +608,25 @@ class Pool(CommitPipeline, SpaceAccounts):
             del self.volumes[name]
             vol.row.name = new_name
             self.volumes[new_name] = vol
-            self.mark_volume_dirty(vol)
+            self.txn.mark_volume_dirty(vol)
         self.commit()
         return {"kind": kind, "old_name": name, "name": new_name}
 
     def drop_volume(self, vol: Volume) -> list[dict[str, Any]]:
         """Take vol out of the pool (call under the pool lock, with its range held): its
         pages lose a reference, and its dependents' origin becomes none (returned)."""
-        self.release_root(vol)
-        self._tally(vol, False)
+        self.txn.release_root(vol)
+        self.volumes.tally(vol, False)
         del self.volumes[vol.name]
         vol.removed = True
-        self.retally_set_aside(vol)  # its set-aside goes with it
+        self.accounts.retally_set_aside(vol)  # its set-aside goes with it
         dependents = []
         for other in sorted(self.volumes.values(), key=lambda v: v.name):
             if other.row.origin_id == vol.row.id:  # lineage ends here; the blocks stay shared
                 other.row.origin_id = None
-                self.mark_volume_dirty(other)
+                self.txn.mark_volume_dirty(other)
                 dependents.append({"name": other.name, "kind": other.row.kind, "origin": None})
-        self._dirty_volumes.discard(vol)
-        self._touched = {t for t in self._touched if t[0] is not vol}
-        self._dirty_roots = {r for r in self._dirty_roots if r[0] != vol.row.id}
-        self._deleted_volumes.append(vol.row.id)
-        self.dirty = True
+        self.txn.forget_volume(vol)
         return dependents
 
     def refuse_if_busy(self, vol: Volume, what: str) -> None:
@@ -659,22 +635,6 @@ class Pool(CommitPipeline, SpaceAccounts):
                 f"cannot {what} {vol.row.kind} {vol.name}: it is open by {vol.users} client(s)"
                 " (NBD connections or an attached loop device)"
             )
-
-    def release_root(self, vol: Volume) -> None:
-        """Drop every page of vol's root table (the table ends empty). The store reads come
-        first (the counts in one batch, then the pages whose entries the release needs),
-        so a failing read changes nothing."""
-        self.load_refcounts(vol.root.values())
-        self.load_pages([pid for pid in vol.root.values() if self.page_refcount(pid) <= 2])
-        vid = vol.row.id
-        left_alone: list[array[int]] = []
-        for page_index in list(vol.root):
-            self.release_page(vol.root.pop(page_index), left_alone)
-            self._dirty_roots.add((vid, page_index))
-        # After the loop: a dblock a freed page also held is alone by then too (decref
-        # made it newly exclusive already; the set keeps it once).
-        self.space.became_exclusive(left_alone)
-        self.dirty = True
 
     def resize_volume(self, name: str, size_bytes: int, *, allow_shrink: bool = False) -> None:
         """Grow a volume, or shrink it (discarding the cut-off part) when allow_shrink
@@ -690,8 +650,9 @@ class Pool(CommitPipeline, SpaceAccounts):
                         )
                     self.refuse_if_busy(vol, "shrink")
                 if vol.row.reserve_bytes == RESERVE_FULL and size_bytes > vol.size_bytes:
-                    extra = reserve_blocks(RESERVE_FULL, size_bytes, self.block_size) - self.reserve_target(vol)
-                    self.check_reservable(vol, self.set_aside(vol) + extra, "grow")
+                    accounts = self.accounts
+                    extra = target_blocks(RESERVE_FULL, size_bytes, self.block_size) - accounts.reserve_target(vol)
+                    accounts.check_reservable(vol, accounts.set_aside(vol) + extra, "grow")
             vol.resize_held(size_bytes)
         self.commit()
 
@@ -701,7 +662,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         with self.lock:
             vol = self.volume(name, kind="volume")
             vol.row.detect_zeroes = mode
-            self.mark_volume_dirty(vol)
+            self.txn.mark_volume_dirty(vol)
         self.commit()
 
     def set_low_water(self, name: str, percent: float | str | None, command: str | None) -> None:
@@ -712,14 +673,14 @@ class Pool(CommitPipeline, SpaceAccounts):
             vol.row.low_water = percent
             vol.row.on_low_water = command
             self.policy.rearm(vol)
-            self.mark_volume_dirty(vol)
+            self.txn.mark_volume_dirty(vol)
         self.commit()
 
     def set_policy(self, changes: dict[str, Any]) -> None:
         """Change the out-of-space policy (see space_policy); validated before anything changes."""
         with self.lock:
             self.policy.update(changes)
-            self.dirty = True
+            self.txn.touch()
         self.commit()
         with self.lock:
             self.policy.check()
@@ -729,12 +690,12 @@ class Pool(CommitPipeline, SpaceAccounts):
         """Live figures of the pool, from kept counters: O(1) in the number of volumes
         (`volume_info` gives each volume's)."""
         with self.lock:
-            self.refresh_reserved()  # the few reserved volumes with stale counts: exact set-asides
+            self.accounts.refresh_reserved()  # the few reserved volumes with stale counts: exact set-asides
             return {
                 **self.space_figures(),
                 **self.host_figures(),
                 "block_size": self.block_size,
-                **self.totals.figures(self.block_size),
+                **self.volumes.totals.figures(self.block_size),
                 **self.policy.settings(),
             }
 
@@ -754,7 +715,7 @@ class Pool(CommitPipeline, SpaceAccounts):
                 **volume_dict(vol.row, self.block_size, origin),
                 "exclusive_bytes": exclusive * self.block_size,
                 "shared_bytes": shared * self.block_size,
-                "reserved_bytes": self.set_aside(vol) * self.block_size,
+                "reserved_bytes": self.accounts.set_aside(vol) * self.block_size,
                 "open_clients": vol.users,
             }
 
@@ -769,27 +730,21 @@ class Pool(CommitPipeline, SpaceAccounts):
                 if kind is None or v.row.kind == kind
             ]
 
-    # ----- kept figures -----------------------------------------------------------
-
-    def _tally(self, vol: Volume, on: bool) -> None:
-        """Count vol's row into the pool's totals, or out; staging and removed volumes stay out."""
-        if on and (vol.tallied or vol.removed or vol.name.startswith(STAGING_PREFIX)):
-            return
-        if not on and not vol.tallied:
-            return
-        self.totals.add(vol.row, 1 if on else -1)
-        vol.tallied = on
-
-    @contextlib.contextmanager
-    def tallied(self, vol: Volume) -> Iterator[None]:
-        """Around a change of vol's row as a whole (size, name, counters; call under the
-        pool lock): its totals and set-aside are taken out before and counted in after."""
-        self._tally(vol, False)
-        try:
-            yield
-        finally:
-            self._tally(vol, True)
-            self.retally_set_aside(vol)
+    def set_reserve(self, name: str, reserve_bytes: int) -> None:
+        """Set a volume's reservation (bytes, RESERVE_FULL or 0 for none)."""
+        if reserve_bytes < RESERVE_FULL:
+            raise ThinblockError(f"invalid reservation {reserve_bytes}")
+        accounts = self.accounts
+        with self.lock:
+            vol = self.volume(name, kind="volume")
+            owned = vol.fresh_exclusive()
+            target = max(0, target_blocks(reserve_bytes, vol.size_bytes, self.block_size) - owned)
+            accounts.check_reservable(vol, target if reserve_bytes else 0, "reserve space for")
+            vol.row.reserve_bytes = reserve_bytes
+            accounts.retally_set_aside(vol)
+            self.txn.mark_volume_dirty(vol)
+        self.commit()
+        self.wake_space_waiters()
 
     def close(self) -> None:
         """Commit and release everything; the pool object is unusable afterwards.
@@ -798,7 +753,7 @@ class Pool(CommitPipeline, SpaceAccounts):
         recovers it like after a crash) and UncleanCloseError is raised after cleanup."""
         failure: Exception | None = None
         with self.lock:
-            if self._closed.is_set():
+            if self.committer.closed.is_set():
                 return
             try:
                 self.commit()
@@ -809,8 +764,8 @@ class Pool(CommitPipeline, SpaceAccounts):
                 # recovery, and a write still in flight (its fresh dblocks unpublished,
                 # committed as free) may yet land in a free block: leave the pool marked
                 # unclean for those, so the next open punches free space again.
-                if not self.unclean_zeroed and not self.space.unpublished:
-                    self._write_metadata(Transaction(superblock={"clean": True}))
+                if not self.unclean_zeroed and not self.accounts.space.unpublished:
+                    self.committer.write_metadata(Transaction(superblock={"clean": True}))
             except Exception as exc:
                 # One sentence for the caller (the command line prints it), never a
                 # traceback: a fenced or failing store is an ordinary end.
@@ -819,14 +774,11 @@ class Pool(CommitPipeline, SpaceAccounts):
                     f"pool {self.path} closed without its final commit ({cause}): the next open recovers it,"
                     " as after a crash"
                 )
-            self._closed.set()
-            self._waits_cancelled.set()
-            self.wake_space_waiters()
+            self.committer.closed.set()
+            self.accounts.cancel_waits()
             self.store.close()
             self.meta.close()
             self._ownership.release()
-        self._kick.set()
-        if self._committer is not None and self._committer is not threading.current_thread():
-            self._committer.join()
+        self.committer.join()
         if failure is not None:
             raise failure

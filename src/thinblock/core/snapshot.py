@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 
 from thinblock.core.pool import Pool, validate_volume_size
+from thinblock.core.reservation import target_blocks
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
-from thinblock.meta.base import reserve_blocks
 
 
 def _weigh(pool: Pool, vol: Volume, what: str) -> None:
@@ -29,7 +29,7 @@ def _weigh(pool: Pool, vol: Volume, what: str) -> None:
     the space aside is refused, never taken."""
     if vol.row.reserve_bytes:
         why = " to keep every write to it sure of space" if vol.fully_reserved() else ""
-        pool.check_reservable(vol, pool.reserve_target(vol), what, why=why)
+        pool.accounts.check_reservable(vol, pool.accounts.reserve_target(vol), what, why=why)
 
 
 def share_into(pool: Pool, vol: Volume, name: str, kind: str, *, staging: bool = False) -> Volume:
@@ -47,7 +47,7 @@ def _share_counted(pool: Pool, *volumes: Volume) -> None:
     """Volumes that now hold the same pages (share_contents) own nothing alone: their
     exclusive counts are exactly 0 (core/exclusive.py)."""
     for vol in volumes:
-        pool.set_exclusive(vol, 0)
+        pool.accounts.set_exclusive(vol, 0)
 
 
 def create_snapshot(pool: Pool, source: str, name: str) -> Volume:
@@ -108,11 +108,11 @@ def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
             raise ThinblockError("two staging volumes cannot take one name")
         hidden = [(staged, staged.name) for staged, _ in renames]
         for staged, name in renames:
-            with pool.tallied(staged):  # visible now: into the pool's totals
+            with pool.volumes.tallied(staged):  # visible now: into the pool's totals
                 del pool.volumes[staged.name]
                 staged.row.name = name
                 pool.volumes[name] = staged
-            pool.mark_volume_dirty(staged)
+            pool.txn.mark_volume_dirty(staged)
     try:
         pool.commit()
     except BaseException:
@@ -122,11 +122,11 @@ def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
         with pool.lock:
             for staged, old in hidden:
                 if pool.volumes.get(staged.name) is staged:
-                    with pool.tallied(staged):
+                    with pool.volumes.tallied(staged):
                         del pool.volumes[staged.name]
                         staged.row.name = old
                         pool.volumes[old] = staged
-                    pool.mark_volume_dirty(staged)
+                    pool.txn.mark_volume_dirty(staged)
         raise
 
 
@@ -164,12 +164,12 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
         if vol.row.reserve_bytes:
             exclusive = vol.fresh_exclusive()
             # After rollback the volume owns nothing alone, at the snapshot's size.
-            target = reserve_blocks(vol.row.reserve_bytes, snap.size_bytes, pool.block_size)
-            pool.check_reservable(vol, target, "roll back", freed=exclusive)
+            target = target_blocks(vol.row.reserve_bytes, snap.size_bytes, pool.block_size)
+            pool.accounts.check_reservable(vol, target, "roll back", freed=exclusive)
         # Releasing first is safe: the snapshot holds its own reference to every page it uses.
         # Both tables' counts are read before anything changes (a failing read changes nothing).
-        pool.load_refcounts([*vol.root.values(), *snap.root.values()])
-        pool.release_root(vol)
+        pool.txn.load_refcounts([*vol.root.values(), *snap.root.values()])
+        pool.txn.release_root(vol)
         pool.share_contents(vol, snap)
         _share_counted(pool, vol, snap)
     pool.commit()
@@ -186,17 +186,17 @@ def adopt(pool: Pool, volume: str, staging: Volume, snapshot: str | None) -> Vol
         if snapshot is not None:
             pool.check_new_name(snapshot, "snapshot")
             _weigh(pool, vol, "snapshot")
-        pool.load_refcounts([*vol.root.values(), *staging.root.values()])  # before anything changes
+        pool.txn.load_refcounts([*vol.root.values(), *staging.root.values()])  # before anything changes
         # The pages vol will hold alone once its own are released and staging dropped: the
         # recount below (and staging's release) reads them, so they are read now.
         old = set(vol.root.values())
-        pool.load_pages([pid for pid in staging.root.values() if pool.page_refcount(pid) - (pid in old) == 1])
-        pool.release_root(vol)
+        pool.txn.load_pages([pid for pid in staging.root.values() if pool.txn.page_refcount(pid) - (pid in old) == 1])
+        pool.txn.release_root(vol)
         pool.share_contents(vol, staging)
         pool.drop_volume(staging)
         # vol holds staging's pages alone now, as staging did: counted once, O(its pages)
         # like the share itself.
-        pool.set_exclusive(vol, vol.recount_exclusive())
+        pool.accounts.set_exclusive(vol, vol.recount_exclusive())
         snap = share_into(pool, vol, snapshot, "snapshot") if snapshot is not None else None
     pool.commit()
     return snap

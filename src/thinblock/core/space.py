@@ -11,12 +11,14 @@ import errno
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from thinblock.core.commit import COMMIT_INTERVAL_S
+from thinblock.core.reservation import row_target, set_aside_blocks
 from thinblock.core.spacemap import SpaceMap
+from thinblock.core.transaction import OpenTransaction
 from thinblock.errors import CommitError, FreedSpacePending, NoSpaceError, ThinblockError
-from thinblock.meta.base import RESERVE_FULL, reserve_blocks
 from thinblock.sizes import format_size
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, beyond_file_limit
@@ -29,48 +31,54 @@ log = logging.getLogger("thinblock.pool")
 
 
 class SpaceAccounts:
-    """The pool's space (a part of Pool; see core/pool.py for its state)."""
+    """The pool's space: the free map, the reserved total and the gate every
+    allocation passes. Shared by every volume of the pool; changed under the pool lock."""
 
-    path: str
-    store: DataStore
-    lock: threading.RLock
-    block_size: int
-    size_bytes: int
-    space: SpaceMap
-    volumes: dict[str, Volume]
-    policy: SpacePolicy
-    host: HostSpace
-    dirty: bool
-    data_path: str
-    reserved_total: int  # the set-asides of every volume, kept by retally_set_aside
-    reserved_volumes: set[Volume]  # the volumes with a reservation
-    commit_failure: str | None
-    space_changed: threading.Condition
-    _waits_cancelled: threading.Event
+    def __init__(
+        self,
+        *,
+        path: str,
+        lock: threading.RLock,
+        block_size: int,
+        size_bytes: int,
+        space: SpaceMap,
+        store: DataStore,
+        host: HostSpace,
+        data_path: str,
+        txn: OpenTransaction,
+        policy: SpacePolicy,
+        commit: Callable[[], None],
+        kick_commit: Callable[[], None],
+        commit_failure: Callable[[], str | None],
+    ) -> None:
+        self.path = path
+        self.lock = lock
+        self.block_size = block_size
+        self.size_bytes = size_bytes
+        self.space = space
+        self.store = store
+        self.host = host
+        self.data_path = data_path
+        self.txn = txn
+        self.policy = policy
+        self._commit = commit  # the committer's, so that freed space can be settled
+        self._kick_commit = kick_commit
+        self._commit_failure = commit_failure
+        self.reserved_total = 0  # the set-asides of every volume, kept by retally_set_aside
+        self.reserved_volumes: set[Volume] = set()  # the volumes with a reservation
+        # Writers held by the wait policy sleep on this; grow, frees and removals wake them.
+        self.space_changed = threading.Condition(lock)
+        self.waits_cancelled = threading.Event()
 
-    if TYPE_CHECKING:  # provided by CommitPipeline and Pool
-
-        def commit(self) -> None: ...
-
-        def kick_commit(self) -> None: ...
-
-        def volume(self, name: str, *, kind: str | None = None) -> Volume: ...
-
-        def mark_volume_dirty(self, vol: Volume) -> None: ...
-
-    # ----- reservations -------------------------------------------------------------
-    # A volume with a reservation of R blocks may own R blocks exclusively without
-    # ever failing with ENOSPC (ZFS refreservation). The pool sets aside what it does
-    # not own yet: max(0, R - exclusive). A snapshot shares everything the volume owned,
-    # so it raises the set-aside to R and is refused when the pool cannot hold that.
+    # ----- reservations (the rule: core/reservation.py) ------------------------------
     # The exclusive count is a lower bound (core/exclusive.py), which only over-reserves;
     # decisions that could fail recount the stale ones first (refresh_reserved).
 
     def reserve_target(self, vol: Volume) -> int:
-        return reserve_blocks(vol.row.reserve_bytes, vol.size_bytes, self.block_size)
+        return row_target(vol.row, self.block_size)
 
     def set_aside(self, vol: Volume) -> int:
-        return max(0, self.reserve_target(vol) - vol.row.exclusive_blocks) if vol.row.reserve_bytes else 0
+        return set_aside_blocks(vol.row, self.block_size)
 
     def reserved_blocks(self) -> int:
         return self.reserved_total
@@ -91,7 +99,7 @@ class SpaceAccounts:
         sharing epoch), or only a lower bound. Committed with the volume's row."""
         vol.row.exclusive_blocks = count
         vol.row.exclusive_epoch = self.space.sharing_epoch if exact else -1
-        self.mark_volume_dirty(vol)
+        self.txn.mark_volume_dirty(vol)
         self.retally_set_aside(vol)
 
     def refresh_reserved(self) -> bool:
@@ -112,21 +120,6 @@ class SpaceAccounts:
                 f"cannot {what} {vol.name}: its reservation needs {format_size(extra * self.block_size)} more"
                 f" set aside{why}, and the pool has {format_size(max(0, available) * self.block_size)} unreserved free"
             )
-
-    def set_reserve(self, name: str, reserve_bytes: int) -> None:
-        """Set a volume's reservation (bytes, RESERVE_FULL or 0 for none)."""
-        if reserve_bytes < RESERVE_FULL:
-            raise ThinblockError(f"invalid reservation {reserve_bytes}")
-        with self.lock:
-            vol = self.volume(name, kind="volume")
-            owned = vol.fresh_exclusive()
-            target = max(0, reserve_blocks(reserve_bytes, vol.size_bytes, self.block_size) - owned)
-            self.check_reservable(vol, target if reserve_bytes else 0, "reserve space for")
-            vol.row.reserve_bytes = reserve_bytes
-            self.retally_set_aside(vol)
-            self.mark_volume_dirty(vol)
-        self.commit()
-        self.wake_space_waiters()
 
     # ----- space ------------------------------------------------------------------
 
@@ -153,9 +146,9 @@ class SpaceAccounts:
             warning = self.host.capacity_warning(size_bytes, self.data_path)
             self.space.grow(size_bytes // self.block_size)
             self.size_bytes = size_bytes
-            self.dirty = True
+            self.txn.touch()
         if commit:
-            self.commit()
+            self._commit()
         log.info("pool %s grown to %s", self.path, format_size(size_bytes))
         if warning:
             log.warning("%s", warning)
@@ -168,10 +161,11 @@ class SpaceAccounts:
         vol may use its own set-aside; everyone else's stays untouched. While commits
         fail, or while the host is full (the metadata slack is out), nothing new is
         allocated: the open transaction must not grow beyond what one commit can write."""
-        if self.commit_failure is not None:
-            raise NoSpaceError(f"pool {self.path} takes no new space while its commits fail: {self.commit_failure}")
+        failure = self._commit_failure()
+        if failure is not None:
+            raise NoSpaceError(f"pool {self.path} takes no new space while its commits fail: {failure}")
         if self.host.slack_released:
-            self.kick_commit()
+            self._kick_commit()
             raise NoSpaceError(
                 f"the host filesystem under pool {self.path} is full: new space is refused until freed space returns"
             )
@@ -196,8 +190,8 @@ class SpaceAccounts:
         """Make the blocks freed so far allocatable: one commit punches them, the next
         one's data sync makes the punch durable (call without holding the pool lock)."""
         try:
-            self.commit()
-            self.commit()
+            self._commit()
+            self._commit()
         except CommitError as exc:
             raise NoSpaceError(f"pool {self.path} cannot reuse freed space: {exc.strerror}") from exc
 
@@ -205,17 +199,17 @@ class SpaceAccounts:
         """Fresh dblocks a failed operation took go back (see SpaceMap.unallocate)."""
         if blocks:
             self.space.unallocate(blocks)
-            self.dirty = True
+            self.txn.touch()
 
     def wait_for_space(self, deadline: float) -> bool:
         """Under the wait policy, sleep (pool lock released) until space may have
         appeared; False once the deadline passed or the pool closes."""
         with self.space_changed:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._waits_cancelled.is_set():
+            if remaining <= 0 or self.waits_cancelled.is_set():
                 return False
             self.space_changed.wait(min(remaining, COMMIT_INTERVAL_S))
-            return not self._waits_cancelled.is_set()
+            return not self.waits_cancelled.is_set()
 
     def wake_space_waiters(self) -> None:
         """Space may have appeared (growth, frees, smaller set-asides, shutdown): requests
@@ -225,7 +219,7 @@ class SpaceAccounts:
 
     def cancel_waits(self) -> None:
         """Shutting down: requests held by the wait policy get ENOSPC now."""
-        self._waits_cancelled.set()
+        self.waits_cancelled.set()
         self.wake_space_waiters()  # under the condition's lock: no waiter misses it
 
     def space_figures(self) -> dict[str, int]:
@@ -248,6 +242,6 @@ class SpaceAccounts:
         return {
             "host_free_bytes": self.host.host_free_bytes(),
             "metadata_slack_bytes": 0 if self.host.slack_released else self.host.slack_bytes,
-            "commit_failure": self.commit_failure,
+            "commit_failure": self._commit_failure(),
             **self.host.below_status(),
         }

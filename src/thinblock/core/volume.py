@@ -133,7 +133,7 @@ class Volume:
             with self.pool.lock:
                 root = self._root
                 if root is None:
-                    root = self._root = self.pool.meta.roots(self.row.id)
+                    root = self._root = self.pool.txn.meta.roots(self.row.id)
         return root
 
     @property
@@ -167,26 +167,26 @@ class Volume:
         page_id = self.root.get(vblock // PAGE_ENTRIES)
         if page_id is None:
             return 0
-        return self.pool.page(page_id).entries[vblock % PAGE_ENTRIES]
+        return self.pool.txn.page(page_id).entries[vblock % PAGE_ENTRIES]
 
     def _writable_page(self, page_index: int) -> Page:
         """The page for page_index, created or copied so this volume alone owns it."""
         pool = self.pool
         page_id = self.root.get(page_index)
         if page_id is None:
-            page = pool.new_page()
+            page = pool.txn.new_page()
         else:
-            page = pool.pages.get(page_id) or pool.page(page_id)
+            page = pool.txn.pages.get(page_id) or pool.txn.page(page_id)
             if page.refcount == 1:
                 return page
             # Copy-on-write of a shared page: the copy references every dblock too.
             for entry in page.entries:
                 if entry:
-                    pool.space.incref(entry_dblock(entry))
-            pool.release_page(page_id)
-            page = pool.new_page(page.entries[:])
+                    pool.accounts.space.incref(entry_dblock(entry))
+            pool.txn.release_page(page_id)
+            page = pool.txn.new_page(page.entries[:])
         self.root[page_index] = page.page_id
-        pool.mark_root_dirty(self, page_index)
+        pool.txn.mark_root_dirty(self, page_index)
         return page
 
     def _set_entry(self, vblock: int, new: int) -> None:
@@ -207,7 +207,7 @@ class Volume:
         if (
             not old or not new or entry_dblock(old) != entry_dblock(new)
         ):  # the dblock changes (dblock 0 is a dblock too)
-            space = self.pool.space
+            space = self.pool.accounts.space
             exclusive = 0
             if old:
                 # This page is the volume's alone now (_writable_page), so the old entry
@@ -221,8 +221,8 @@ class Volume:
             if exclusive:
                 self.row.exclusive_blocks += exclusive
                 if self.row.reserve_bytes:
-                    self.pool.retally_set_aside(self)
-        self.pool.page_changed(self, page_index, page)
+                    self.pool.accounts.retally_set_aside(self)
+        self.pool.txn.page_changed(self, page_index, page)
 
     def _count_states(self, old: int, new: int) -> None:
         """The row's block counters (and the pool's totals) follow one entry's change."""
@@ -234,14 +234,14 @@ class Volume:
         row.zeroed_blocks += zeroed
         row.pinned_blocks += pinned
         if self.tallied:
-            totals = self.pool.totals
+            totals = self.pool.volumes.totals
             totals.data_blocks += data
             totals.zeroed_blocks += zeroed
             totals.pinned_blocks += pinned
 
     def _shares_page(self, vblock: int) -> bool:
         page_id = self.root.get(vblock // PAGE_ENTRIES)
-        return page_id is not None and self.pool.page(page_id).refcount > 1
+        return page_id is not None and self.pool.txn.page(page_id).refcount > 1
 
     def _needs_new_dblock(self, vblock: int, entry: int) -> bool:
         """A block that keeps a dblock needs a fresh one when it has none or shares it."""
@@ -249,7 +249,7 @@ class Volume:
             return True
         if self._shares_page(vblock):
             return True
-        return self.pool.space.is_shared(entry_dblock(entry))
+        return self.pool.accounts.space.is_shared(entry_dblock(entry))
 
     # ----- iteration --------------------------------------------------------------
 
@@ -277,7 +277,7 @@ class Volume:
             page_id = self.root.get(page_index)
             if page_id is None and skip_holes:
                 continue
-            entries = self.pool.page(page_id).entries if page_id is not None else None
+            entries = self.pool.txn.page(page_id).entries if page_id is not None else None
             lo = max(first, page_index * PAGE_ENTRIES)
             hi = min(last, page_index * PAGE_ENTRIES + PAGE_ENTRIES - 1)
             for vblock in range(lo, hi + 1):
@@ -369,7 +369,7 @@ class Volume:
         if page_id is None:
             return -1
         base = page_index * PAGE_ENTRIES
-        part = self.pool.page(page_id).entries[lo - base : hi - base + 1]
+        part = self.pool.txn.page(page_id).entries[lo - base : hi - base + 1]
         head = part[0]
         if entry_state(head) == _DATA:
             # DATA on consecutive dblocks with the same pin: head, head + 8, head + 16, ...
@@ -612,7 +612,7 @@ class Volume:
                     for step in steps:
                         step.fill(self, change, step, fresh)
                 except BaseException:
-                    pool.return_fresh(change.fresh)
+                    pool.accounts.return_fresh(change.fresh)
                     raise
             if not change:
                 return
@@ -620,7 +620,7 @@ class Volume:
                 change.io.run(pool.store)
             except BaseException as exc:
                 with pool.lock:
-                    pool.return_fresh(change.fresh)
+                    pool.accounts.return_fresh(change.fresh)
                     # A ZEROED block's dblock must read zero (the rule writes into it rely on);
                     # the failed write may have reached it, so the next write there is whole.
                     pool.unclean_zeroed.update(change.in_place_zeroed)
@@ -629,7 +629,7 @@ class Volume:
                 raise
             with pool.lock:
                 self._publish(change)
-                pool.space.published(change.fresh)  # the next commit records them, with the entries
+                pool.accounts.space.published(change.fresh)  # the next commit records them, with the entries
 
     def _publish(self, change: Change) -> None:
         pool = self.pool
@@ -638,7 +638,7 @@ class Volume:
             self._set_entry(vblock, entry)
         for first, dblocks in change.runs_of_fresh:
             self._set_unmapped_run(first, [make_entry(d, _ZEROED, True) for d in dblocks])
-        if pool.host.slack_released and pool.space.pending_free:
+        if pool.host.slack_released and pool.accounts.space.pending_free:
             pool.kick_commit()  # the host is full: give freed space back now, not within a second
 
     def _segments_or_empty_pages(
@@ -674,12 +674,12 @@ class Volume:
         row.zeroed_blocks += n
         row.pinned_blocks += n
         if self.tallied:
-            self.pool.totals.zeroed_blocks += n
-            self.pool.totals.pinned_blocks += n
+            self.pool.volumes.totals.zeroed_blocks += n
+            self.pool.volumes.totals.pinned_blocks += n
         row.exclusive_blocks += n  # fresh dblocks in a page this volume alone holds
         if row.reserve_bytes:
-            self.pool.retally_set_aside(self)
-        self.pool.page_changed(self, page_index, page)
+            self.pool.accounts.retally_set_aside(self)
+        self.pool.txn.page_changed(self, page_index, page)
 
     def _precheck_space(self, offset: int, length: int) -> None:
         """Refuse at once a range that cannot fit, before walking its blocks one by one."""
@@ -688,15 +688,15 @@ class Volume:
         bs = self.pool.block_size
         touched = (offset + length - 1) // bs - offset // bs + 1
         mapped = self.row.data_blocks + self.row.zeroed_blocks
-        if touched - mapped > self.pool.space.free_blocks:
-            self.pool.check_space(touched - mapped, self)
+        if touched - mapped > self.pool.accounts.space.free_blocks:
+            self.pool.accounts.check_space(touched - mapped, self)
 
     def _allocate(self, count: int) -> list[int]:
         """Reserve and take `count` fresh dblocks, or raise NoSpaceError having changed nothing."""
         if not count:
             return []
-        self.pool.check_space(count, self)
-        blocks = self.pool.space.allocate(count)
+        self.pool.accounts.check_space(count, self)
+        blocks = self.pool.accounts.space.allocate(count)
         self.pool.policy.check(self)
         return blocks
 
@@ -714,12 +714,12 @@ class Volume:
                 break
             except NoSpaceError as exc:
                 if isinstance(exc, FreedSpacePending) and not settled:
-                    self.pool.settle_frees()  # outside the pool lock; then the request plans again
+                    self.pool.accounts.settle_frees()  # outside the pool lock; then the request plans again
                     settled = True
                     continue
                 if deadline is None:
                     deadline = self.pool.policy.full_deadline()
-                if deadline is None or not self.pool.wait_for_space(deadline):
+                if deadline is None or not self.pool.accounts.wait_for_space(deadline):
                     self.pool.stats.no_space()
                     raise
         if fua:
@@ -766,7 +766,7 @@ class Volume:
         if self.readonly or not self.row.reserve_bytes:
             return False
         n_blocks = -(-self.row.size_bytes // self.pool.block_size)
-        return self.pool.reserve_target(self) >= n_blocks
+        return self.pool.accounts.reserve_target(self) >= n_blocks
 
     def usage(self) -> tuple[int, int]:
         """(exclusive, shared) mapped blocks, like thin_ls: shared ones are also held by
@@ -783,25 +783,27 @@ class Volume:
     def exclusive_fresh(self) -> bool:
         """Whether the kept exclusive count is exact (call under the pool lock)."""
         row = self.row
-        return row.exclusive_epoch == self.pool.space.sharing_epoch or row.exclusive_blocks == self.mapped_blocks
+        return (
+            row.exclusive_epoch == self.pool.accounts.space.sharing_epoch or row.exclusive_blocks == self.mapped_blocks
+        )
 
     def fresh_exclusive(self) -> int:
         """The exact exclusive count, recounted if stale (call under the pool lock)."""
         if not self.exclusive_fresh():
-            self.pool.set_exclusive(self, self.recount_exclusive())
+            self.pool.accounts.set_exclusive(self, self.recount_exclusive())
         return self.row.exclusive_blocks
 
     def recount_exclusive(self) -> int:
         """Exclusive blocks counted from the pages (call under the pool lock)."""
         pool = self.pool
         ids = list(self.root.values())
-        pool.load_refcounts(ids)
+        pool.txn.load_refcounts(ids)
         # A shared page holds nothing exclusive: only the pages held alone are read, in
         # one batch (after one overwrite anywhere, every volume sharing blocks recounts).
-        alone = [page_id for page_id in ids if pool.page_refcount(page_id) == 1]
-        pool.load_pages(alone)
-        pages = [pool.page(page_id) for page_id in alone]
-        return count_exclusive(((page.refcount, page.entries) for page in pages), pool.space.refcounts)
+        alone = [page_id for page_id in ids if pool.txn.page_refcount(page_id) == 1]
+        pool.txn.load_pages(alone)
+        pages = [pool.txn.page(page_id) for page_id in alone]
+        return count_exclusive(((page.refcount, page.entries) for page in pages), pool.accounts.space.refcounts)
 
     def flush(self) -> None:
         """Make every completed request durable (a pool-wide commit)."""
@@ -820,6 +822,6 @@ class Volume:
             self._waiting_for_space(
                 False, self._mutate, cut, n, lambda: self._plan_zero(cut, n, False, False), held=True
             )
-        with self.pool.lock, self.pool.tallied(self):
+        with self.pool.lock, self.pool.volumes.tallied(self):
             self.row.size_bytes = size_bytes
-            self.pool.mark_volume_dirty(self)
+            self.pool.txn.mark_volume_dirty(self)

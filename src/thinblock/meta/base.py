@@ -68,12 +68,6 @@ class VolumeRow:
 RESERVE_FULL = -1
 
 
-def reserve_blocks(reserve_bytes: int, size_bytes: int, block_size: int) -> int:
-    """The blocks a reservation stands for (RESERVE_FULL: the whole volume size)."""
-    target = size_bytes if reserve_bytes == RESERVE_FULL else reserve_bytes
-    return -(-target // block_size)
-
-
 @dataclass
 class Transaction:
     """Everything one commit writes; filled by the pool, applied atomically."""

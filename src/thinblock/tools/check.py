@@ -27,9 +27,10 @@ from thinblock.backends import Location, locate
 from thinblock.core.mapped import Mapped, mapped_entries, positions
 from thinblock.core.mapping import PAGE_ENTRIES, BlockState, entry_dblock, entry_state, entry_valid, mapped_pairs
 from thinblock.core.pool import check_data_size
+from thinblock.core.reservation import set_aside_blocks
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
-from thinblock.meta.base import RESERVE_FULL, MetadataStore, VolumeRow, reserve_blocks
+from thinblock.meta.base import RESERVE_FULL, MetadataStore, VolumeRow
 from thinblock.privacy import open_to_others
 from thinblock.store.owned import inspect
 
@@ -318,8 +319,8 @@ def _check_lineage_and_reservations(
     reserving = [row for row in volumes.values() if row.reserve_bytes]
     if not reserving:
         return problems
-    # What reservations set aside: R - blocks the volume owns alone (in a page it holds
-    # alone, a dblock nothing else maps), summed.
+    # What reservations set aside (the pool's own rule, core/reservation.py), from the
+    # blocks each volume owns alone (in a page it holds alone, a dblock nothing else maps).
     m, n_pages = t.mapped, len(t.page_ids)
     dblock = m.dblock
     inside = dblock < n_blocks
@@ -333,7 +334,7 @@ def _check_lineage_and_reservations(
     index = {int(vid): i for i, vid in enumerate(t.vol_ids)}
     reserved = 0
     for row in reserving:
-        reserved += max(0, reserve_blocks(row.reserve_bytes, row.size_bytes, block_size) - int(owned[index[row.id]]))
+        reserved += set_aside_blocks(row, block_size, exclusive=int(owned[index[row.id]]))
     if reserved > free:
         problems.append(f"reservations set aside {reserved} blocks but only {free} are free")
     return problems

@@ -48,7 +48,8 @@ from thinblock.core.mapping import (
     entry_dblock,
     mapped_pairs,
 )
-from thinblock.core.pool import STAGING_PREFIX, validate_name
+from thinblock.core.pool import validate_name
+from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.space_policy import check_autogrow
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError

@@ -12,7 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from thinblock.core.delta import changed_extents, changed_ranges
-from thinblock.core.pool import SECTOR_BYTES, STAGING_PREFIX, Pool
+from thinblock.core.pool import SECTOR_BYTES, Pool
+from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.snapshot import adopt, publish_staged, stage, stage_empty
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError

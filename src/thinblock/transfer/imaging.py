@@ -9,7 +9,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from thinblock.core.pool import SECTOR_BYTES, STAGING_PREFIX, Pool
+from thinblock.core.pool import SECTOR_BYTES, Pool
+from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.snapshot import adopt, publish_staged, stage_empty
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError

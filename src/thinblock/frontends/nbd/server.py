@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from thinblock.core.delta import changed_ranges
-from thinblock.core.pool import STAGING_PREFIX, Pool
+from thinblock.core.pool import Pool
+from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.volume import Volume
 from thinblock.errors import OpError, ThinblockError
 from thinblock.frontends.export import Export, errno_of

@@ -1,0 +1,42 @@
+"""The reservation rule, in one place: what a volume's reservation holds aside.
+
+A volume with a reservation of R blocks may own R blocks exclusively without
+ever failing with ENOSPC (ZFS refreservation). The pool sets aside what it does
+not own yet: max(0, R - exclusive). RESERVE_FULL follows the volume's size, and
+a reservation that covers every block of a writable volume is what makes its
+mapped ranges `thinblock:guaranteed` (docs/allocation.md). A snapshot shares
+everything the volume owned, so it raises the set-aside to R and is refused
+when the pool cannot hold that (core/snapshot.py). The pool's accounts
+(core/space.py), the volume, snapshots, rollback and `pool check` all ask here.
+"""
+
+from __future__ import annotations
+
+from thinblock.meta.base import RESERVE_FULL, VolumeRow
+
+
+def target_blocks(reserve_bytes: int, size_bytes: int, block_size: int) -> int:
+    """The blocks a reservation stands for (RESERVE_FULL: the whole volume size)."""
+    target = size_bytes if reserve_bytes == RESERVE_FULL else reserve_bytes
+    return -(-target // block_size)
+
+
+def row_target(row: VolumeRow, block_size: int) -> int:
+    """The blocks row's reservation stands for, at its size."""
+    return target_blocks(row.reserve_bytes, row.size_bytes, block_size)
+
+
+def set_aside_blocks(row: VolumeRow, block_size: int, exclusive: int | None = None) -> int:
+    """What the pool holds aside for row: its target less what it owns alone (the kept
+    exclusive count unless another is given; a lower bound only over-reserves)."""
+    if not row.reserve_bytes:
+        return 0
+    owned = row.exclusive_blocks if exclusive is None else exclusive
+    return max(0, row_target(row, block_size) - owned)
+
+
+def covers_every_block(row: VolumeRow, block_size: int) -> bool:
+    """Whether row is writable and its reservation covers every block of it."""
+    if row.kind == "snapshot" or not row.reserve_bytes:
+        return False
+    return row_target(row, block_size) >= -(-row.size_bytes // block_size)
