@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import shutil
 import stat
-import struct
 import sys
 from typing import Any
 
 from thinblock.backends.base import Location, Ownership
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
+from thinblock.meta.filelocks import lock_range, range_locked
 from thinblock.meta.sqlite import DB_NAME, SqliteError, SqliteMetadata
 from thinblock.privacy import create_private_file, make_private_dir
 from thinblock.runtime import CONTROL_SOCKET, NBD_SOCKET
@@ -35,27 +34,7 @@ from thinblock.store.hostspace import SLACK_FILE, HostSpace, beyond_file_limit, 
 
 DATA_FILE = "data"
 LOCK_FILE = "lock"
-
-
-# struct flock on Linux: l_type, l_whence (short), l_start, l_len (off_t), l_pid (pid_t).
-_FLOCK = "hh4xqqi4x"
-
-
-def _ofd_lock(fd: int, kind: int) -> bool:
-    """Take (F_WRLCK) or drop (F_UNLCK) the whole-file OFD lock; False if another holds it."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, 0, 0, 0))
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def _ofd_locked(fd: int) -> bool:
-    """Whether some open file description holds a lock on the file."""
-    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
-    return bool(struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK)
+LEASES_FILE = "leases"  # the per-volume leases and the pool-level lock (meta/sqlite.py)
 
 
 def _describe_holder(record: str) -> str:
@@ -184,7 +163,7 @@ class DirLocation(Location):
                 f"cannot {how} pool {self.path}: permission denied on {DB_NAME} (owner uid {st.st_uid},"
                 f" mode {stat.S_IMODE(st.st_mode):04o})"
             )
-        return SqliteMetadata.open(self.db, readonly=readonly)
+        return SqliteMetadata.open(self.db, readonly=readonly, leases_path=os.path.join(self.dir, LEASES_FILE))
 
     def data_name(self, superblock: dict[str, Any]) -> str:
         return str(superblock.get("data_path") or os.path.join(self.dir, DATA_FILE))
@@ -203,7 +182,7 @@ class DirLocation(Location):
     def own(self, purpose: str, *, takeover: bool = False) -> Ownership:
         self._require_dir()
         fd = self._lock_fd()
-        if not _ofd_lock(fd, fcntl.F_WRLCK):
+        if not lock_range(fd):
             holder = _describe_holder(os.pread(fd, 200, 0).decode(errors="replace").strip())
             os.close(fd)
             hint = ": --takeover is for pools in Ceph; stop that process instead" if takeover else ""
@@ -218,7 +197,7 @@ class DirLocation(Location):
         except OSError:
             return False
         try:
-            return _ofd_locked(fd)
+            return range_locked(fd)
         finally:
             os.close(fd)
 
@@ -275,7 +254,7 @@ class DirLocation(Location):
         return dest
 
     def local_paths(self, superblock: dict[str, Any]) -> list[str]:
-        names = [DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LOCK_FILE, SLACK_FILE]
+        names = [DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LOCK_FILE, LEASES_FILE, SLACK_FILE]
         paths = [self.dir, self.data_name(superblock), *(os.path.join(self.dir, n) for n in names)]
         return [p for p in paths if os.path.lexists(p)]
 
@@ -289,7 +268,7 @@ class DirLocation(Location):
         except OSError:
             entries = []
         names += [n for n in entries if n.startswith(DB_NAME + ".")]  # restore's and repair's copies
-        names += [DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LOCK_FILE]
+        names += [DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LEASES_FILE, LOCK_FILE]
         return [os.path.join(self.dir, n) for n in names if os.path.lexists(os.path.join(self.dir, n))]
 
     def removal(self, superblock: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:

@@ -34,8 +34,9 @@ import numpy as np
 
 from thinblock.core.mapping import DBLOCK_SHIFT
 from thinblock.errors import CorruptionError
+from thinblock.meta.owners import REFCOUNT_ENTRIES
 
-REFCOUNT_PAGE_ENTRIES = 1024
+REFCOUNT_PAGE_ENTRIES = REFCOUNT_ENTRIES
 _PAGES_AT_ONCE = 1024  # became_exclusive: mapping pages walked in one numpy array (4 MiB)
 
 

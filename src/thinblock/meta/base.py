@@ -9,16 +9,40 @@ reach it only through this interface: the walk (`volumes`, `all_roots`,
 
 Implementations: meta/sqlite.py (the embedded default) and meta/memory.py (for
 tests). tests/test_meta_contract.py runs the same suite against each.
+
+Ownership per volume (issue 22; meta/owners.py holds the rules both backends
+share, tests/test_meta_owners.py their contract). Several owners, in several
+processes, may commit to one store at once:
+
+- A volume is changed only by the owner holding its lease (`claim_volume`): a
+  lock that dies with its process, and the volume's owner epoch, bumped by every
+  claim. A transaction names the leases it writes under (`Transaction.leases`)
+  and is refused whole unless every one still holds (the guarded commit).
+- Counts that owners share (dblock refcount pages, page refcounts, superblock
+  counters) are committed as changes, not values: given the base an owner's
+  change was made on, the store writes stored + (new - base), so owners never
+  overwrite each other's counts. Freeing is checked against committed state: a
+  dblock or page this owner drops to zero must be at zero in the store too, or
+  the commit is refused. A page others' changes drop to zero is an orphan
+  (`orphans`): the fold (a pool-level step) frees its dblocks.
+- Free space reaches an owner in grants (`Transaction.grants`) of blocks at
+  count zero that no other grant holds; the store refuses any other.
+- Pool-level steps (create, remove, snapshot, clone, grants, the fold) run under
+  `pool_lock()`, one at a time across processes, and never around data I/O.
+  Ids come from `reserve_ids`, in ranges no two owners share.
+
+The RADOS store keeps one owner per pool for now: it refuses these verbs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from thinblock.errors import ThinblockError
+from thinblock.errors import PoolBusyError, ThinblockError
 
 # Format 3 added the kept exclusive-block counters (VolumeRow.exclusive_blocks and
 # exclusive_epoch, the superblock's sharing_epoch) and allows compact mapping pages;
@@ -68,9 +92,35 @@ class VolumeRow:
 RESERVE_FULL = -1
 
 
+class VolumeBusyError(PoolBusyError):
+    """Another owner holds the volume's lease."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One owner's hold on one volume: who, and the volume's owner epoch it took."""
+
+    volume_id: int
+    owner: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Free blocks [start, start + count) handed to the owner of a volume's lease."""
+
+    volume_id: int
+    epoch: int
+    start: int
+    count: int
+
+
 @dataclass
 class Transaction:
-    """Everything one commit writes; filled by the pool, applied atomically."""
+    """Everything one commit writes; filled by the pool, applied atomically.
+
+    Without bases every value is absolute (one owner). With a base, the value is
+    a change: the store writes stored + (new - base) (meta/owners.py)."""
 
     superblock: dict[str, object] = field(default_factory=dict)
     volumes: list[VolumeRow] = field(default_factory=list)
@@ -79,6 +129,36 @@ class Transaction:
     pages: dict[int, tuple[int, bytes] | None] = field(default_factory=dict)  # None deletes
     refcount_pages: dict[int, bytes] = field(default_factory=dict)
     page_refcounts: dict[int, int] = field(default_factory=dict)  # refcount-only changes (snapshots)
+    # Ownership (see the module's docstring): the leases this commit writes under,
+    # the bases of shared counts, and grants taken and given back.
+    leases: list[Lease] = field(default_factory=list)
+    refcount_bases: dict[int, bytes] = field(default_factory=dict)  # refcount page -> blob changed from
+    page_ref_bases: dict[int, int] = field(default_factory=dict)  # page -> count changed from
+    counter_bases: dict[str, int] = field(default_factory=dict)  # superblock int -> value changed from
+    grants: list[Grant] = field(default_factory=list)
+    returned_grants: list[Grant] = field(default_factory=list)
+
+    def shared(self) -> bool:
+        """Whether it uses any of the ownership verbs (a one-owner store refuses those)."""
+        return bool(
+            self.leases
+            or self.refcount_bases
+            or self.page_ref_bases
+            or self.counter_bases
+            or self.grants
+            or self.returned_grants
+        )
+
+
+@dataclass
+class CommitResult:
+    """What a commit left in the store, for the counts it changed from a base: the
+    owner's view of them is refreshed from this (others' changes included)."""
+
+    refcount_pages: dict[int, bytes] = field(default_factory=dict)
+    page_refcounts: dict[int, int] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+    orphans: list[int] = field(default_factory=list)  # pages others' changes left at zero
 
 
 class MetadataStore(ABC):
@@ -133,10 +213,63 @@ class MetadataStore(ABC):
         """Refcount page index -> blob of uint32 counts."""
 
     @abstractmethod
-    def commit(self, txn: Transaction) -> None:
+    def commit(self, txn: Transaction) -> CommitResult:
         """Apply the whole transaction atomically, or nothing of it. A failure is an
-        OSError (ENOSPC when the layer below is full, else EIO) and leaves the store
-        exactly as before; the same transaction may be committed again."""
+        OSError (ENOSPC when the layer below is full, else EIO; ESTALE when a lease it
+        names was lost) and leaves the store exactly as before; the same transaction
+        may be committed again."""
+
+    # ----- ownership per volume (module docstring); one-owner stores refuse ----------
+
+    def _one_owner(self) -> ThinblockError:
+        return ThinblockError(f"{type(self).__name__} keeps one owner per pool: it has no per-volume leases")
+
+    def claim_volume(self, volume_id: int, owner: str) -> Lease:
+        """Take the volume's lease for owner (a name saying which process, where), its
+        epoch one above the last; VolumeBusyError naming the holder if it is held."""
+        raise self._one_owner()
+
+    def release_volume(self, lease: Lease) -> None:
+        """Give the lease up (its grants should be returned first); a lost one is a no-op."""
+        raise self._one_owner()
+
+    def volume_holder(self, volume_id: int) -> str | None:
+        """The owner holding the volume's lease, or None when nobody live holds it."""
+        raise self._one_owner()
+
+    def lease_live(self, volume_id: int, epoch: int) -> bool:
+        """Whether the lease of that epoch is still held by a live owner."""
+        raise self._one_owner()
+
+    def pool_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Held for one pool-level step: one at a time across every owner and process.
+        Owners' guarded commits go on meanwhile (their changes commute)."""
+        raise self._one_owner()
+
+    def grants(self) -> list[Grant]:
+        """Every grant held, live or not."""
+        raise self._one_owner()
+
+    def orphans(self) -> list[int]:
+        """Pages at refcount zero that still exist: what the fold frees."""
+        raise self._one_owner()
+
+    def stale_grants(self) -> list[Grant]:
+        """Grants whose lease is gone (its owner died or released without returning them):
+        the next pool-level step takes them back, punching what was written into them."""
+        return [g for g in self.grants() if not self.lease_live(g.volume_id, g.epoch)]
+
+    def reserve_ids(self, kind: str, count: int) -> int:
+        """The first of `count` ids ("page" or "volume") that no owner has or will get.
+        Call under pool_lock()."""
+        if kind not in ("page", "volume") or count < 1:
+            raise ValueError(f"reserve_ids({kind!r}, {count})")
+        key = f"next_{kind}_id"
+        stored = self.superblock().get(key)
+        high = self.max_page_id() if kind == "page" else self.max_volume_id()
+        first = max(int(stored or 0), high + 1)
+        self.commit(Transaction(superblock={key: first + count}))
+        return first
 
     @abstractmethod
     def integrity_problems(self) -> list[str]:

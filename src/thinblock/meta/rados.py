@@ -34,7 +34,14 @@ from typing import Any
 from thinblock.bindings import RADOS_POOLS, require
 from thinblock.ceph.cluster import Cluster, as_oserror, rados_errno
 from thinblock.errors import ThinblockError
-from thinblock.meta.base import MetadataStore, Transaction, VolumeRow, check_format, initial_superblock
+from thinblock.meta.base import (
+    CommitResult,
+    MetadataStore,
+    Transaction,
+    VolumeRow,
+    check_format,
+    initial_superblock,
+)
 
 rados = require("rados", feature=RADOS_POOLS)
 
@@ -325,15 +332,18 @@ class RadosMetadata(MetadataStore):
             ops.sets[MAX_PAGE_KEY] = str(high).encode()
         return ops, names, high
 
-    def commit(self, txn: Transaction) -> None:
+    def commit(self, txn: Transaction) -> CommitResult:
         if self.readonly:
             raise OSError(errno.EROFS, "metadata store opened read-only")
+        if txn.shared():  # one owner per pool, under the pool's lock and epoch (meta/base.py)
+            raise OSError(errno.EOPNOTSUPP, "metadata commit refused: a RADOS pool has one owner; no per-volume leases")
         epoch = self._held_epoch()
         if self._journal_maybe:
             self.finish_journal()
         ops, names, high = self._translate(txn, fresh=False)
         self._write(epoch, ops)
         self._names, self._max_page = names, high
+        return CommitResult()
 
     def replace(self, superblock: dict[str, Any], txn: Transaction) -> None:
         """Restore and repair: exactly superblock and txn, replacing everything but the

@@ -17,6 +17,16 @@ Tables
                                          page's entries (SQLite rewrites a whole row, blob
                                          included, when an integer in it changes size)
   refcount_pages(idx, counts)            dblock refcounts, 1024 uint32 a page
+  volume_owners(volume_id, owner, epoch) who holds each volume's lease ('' once released)
+                                         and its owner epoch, kept after release
+  grants(volume_id, epoch, start, count) free blocks handed to a volume's owner
+
+Ownership per volume (meta/base.py): a lease is an OFD lock on byte 1 + volume id
+of the leases file the backend names (meta/filelocks.py), so it dies with its
+process; the table says who took it and at which epoch. The pool-level lock is
+byte 0 of the same file. Every commit is one BEGIN IMMEDIATE transaction, so
+owners in several processes write one at a time, each applying its changes to
+what the others committed (meta/owners.py).
 """
 
 from __future__ import annotations
@@ -32,15 +42,21 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 from thinblock.errors import CorruptionError, ThinblockError
+from thinblock.meta import owners
 from thinblock.meta.base import (
     FORMAT_VERSION,
+    CommitResult,
+    Grant,
+    Lease,
     MetadataStore,
     Transaction,
+    VolumeBusyError,
     VolumeRow,
     check_format,
     initial_superblock,
 )
-from thinblock.privacy import touch_private
+from thinblock.meta.filelocks import lock_range, range_locked, unlock_range
+from thinblock.privacy import create_private_file, touch_private
 
 DB_NAME = "metadata.sqlite"
 SqliteError = sqlite3.Error  # what the backend catches, without knowing SQLite itself
@@ -75,6 +91,13 @@ CREATE TABLE refcount_pages (idx INTEGER PRIMARY KEY, counts BLOB NOT NULL);
 """
 _PAGE_REFS_TABLE = "CREATE TABLE page_refs (id INTEGER PRIMARY KEY, refcount INTEGER NOT NULL)"
 _SCHEMA += _PAGE_REFS_TABLE + ";"
+_OWNER_TABLES = (
+    "CREATE TABLE IF NOT EXISTS volume_owners"
+    " (volume_id INTEGER PRIMARY KEY, owner TEXT NOT NULL, epoch INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS grants (volume_id INTEGER NOT NULL, epoch INTEGER NOT NULL,"
+    " start INTEGER NOT NULL, count INTEGER NOT NULL, PRIMARY KEY (start)) WITHOUT ROWID",
+)
+_SCHEMA += ";".join(_OWNER_TABLES) + ";"
 _PAGES_IN = (
     "SELECT p.id, COALESCE(r.refcount, 0), p.entries FROM pages p LEFT JOIN page_refs r ON r.id = p.id"
     " WHERE p.id IN ({})"
@@ -144,20 +167,31 @@ def _connect(path: str, readonly: bool, *, immutable: bool = False) -> sqlite3.C
     return conn
 
 
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)).fetchone() is not None
+
+
 def _has_page_refs(conn: sqlite3.Connection) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'page_refs'").fetchone() is not None
+    return _has_table(conn, "page_refs")
 
 
 class SqliteMetadata(MetadataStore):
     """One SQLite database; every write goes through `commit`."""
 
-    def __init__(self, conn: sqlite3.Connection, path: str, *, readonly: bool = False) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, path: str, *, readonly: bool = False, leases_path: str | None = None
+    ) -> None:
         self.conn = conn
         self.path = path
         self._reader: sqlite3.Connection | None = None
         self._reader_lock = threading.Lock()
         self._readonly = readonly
         self._columns = _VOLUME_COLUMNS
+        self._leases_path = leases_path
+        self._leases_fd = -1
+        self._held: dict[int, Lease] = {}  # the leases this store object holds
+        self._owner_lock = threading.Lock()  # the fd and _held
+        self._pool_lock = threading.Lock()  # pool_lock() within this process
 
     @classmethod
     def create(cls, path: str, superblock: dict[str, object]) -> SqliteMetadata:
@@ -182,7 +216,7 @@ class SqliteMetadata(MetadataStore):
         return cls(conn, path)
 
     @classmethod
-    def open(cls, path: str, *, readonly: bool = False) -> SqliteMetadata:
+    def open(cls, path: str, *, readonly: bool = False, leases_path: str | None = None) -> SqliteMetadata:
         writable_dir = os.access(os.path.dirname(path) or ".", os.W_OK) and os.access(path, os.W_OK)
         if not readonly and not writable_dir:
             raise ThinblockError(
@@ -192,7 +226,7 @@ class SqliteMetadata(MetadataStore):
         try:
             # On a read-only filesystem SQLite cannot make the WAL index: read the file as immutable.
             conn = _connect(path, readonly, immutable=readonly and not writable_dir)
-            store = cls(conn, path, readonly=readonly)
+            store = cls(conn, path, readonly=readonly, leases_path=leases_path)
             version = check_format(store.superblock().get("format_version"), f"metadata database {path}")
             if version == 1 and readonly:
                 raise ThinblockError(
@@ -204,6 +238,8 @@ class SqliteMetadata(MetadataStore):
                 store._columns = _VOLUME_COLUMNS_2
             if not _has_page_refs(conn):  # made before page refcounts had their own table
                 store._add_page_refs()
+            if not readonly and not _has_table(conn, "grants"):  # made before ownership per volume
+                store._add_owner_tables()
         except (sqlite3.DatabaseError, ThinblockError) as exc:
             if conn is not None:
                 conn.close()
@@ -236,6 +272,17 @@ class SqliteMetadata(MetadataStore):
         try:
             c.execute(_PAGE_REFS_TABLE)
             c.execute("INSERT INTO page_refs SELECT id, refcount FROM pages")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        c.execute("COMMIT")
+
+    def _add_owner_tables(self) -> None:
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _OWNER_TABLES:
+                c.execute(statement)
         except BaseException:
             c.execute("ROLLBACK")
             raise
@@ -329,16 +376,17 @@ class SqliteMetadata(MetadataStore):
     def refcount_pages(self) -> dict[int, bytes]:
         return dict(self.conn.execute("SELECT idx, counts FROM refcount_pages"))
 
-    def commit(self, txn: Transaction) -> None:
+    def commit(self, txn: Transaction) -> CommitResult:
         """Apply the whole transaction atomically, or nothing of it.
 
         A failure is an OSError: ENOSPC when the filesystem under the database is
-        full (SQLITE_FULL), EIO otherwise; the database is then as before."""
+        full (SQLITE_FULL), EIO otherwise (ESTALE for a lost lease); the database is
+        then as before."""
         c = self.conn
         try:
             c.execute("BEGIN IMMEDIATE")
             try:
-                _apply(c, txn)
+                result = _apply(c, txn)
             except BaseException:
                 c.execute("ROLLBACK")
                 raise
@@ -349,6 +397,109 @@ class SqliteMetadata(MetadataStore):
                     c.execute("ROLLBACK")
             full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
             raise OSError(errno.ENOSPC if full else errno.EIO, f"metadata commit failed: {exc}") from exc
+        return result
+
+    # ----- ownership per volume ------------------------------------------------------
+
+    def _fd(self) -> int:
+        """The leases file, opened once (under _owner_lock or _pool_lock)."""
+        if self._leases_path is None or self._readonly:
+            raise ThinblockError(f"metadata database {self.path} is not open for ownership per volume")
+        if self._leases_fd < 0:
+            self._leases_fd = create_private_file(self._leases_path, exclusive=False)
+        return self._leases_fd
+
+    def _write(self, statement: str, args: tuple[object, ...]) -> None:
+        c = self.conn
+        try:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.execute(statement, args)
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            c.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise OSError(errno.EIO, f"metadata lease record failed: {exc}") from exc
+
+    @_reads
+    def _owner_row(self, volume_id: int) -> tuple[str, int] | None:
+        row = self.conn.execute("SELECT owner, epoch FROM volume_owners WHERE volume_id = ?", (volume_id,)).fetchone()
+        return None if row is None else (str(row[0]), int(row[1]))
+
+    def claim_volume(self, volume_id: int, owner: str) -> Lease:
+        if not owner:
+            raise ValueError("an owner needs a name")
+        with self._owner_lock:
+            fd = self._fd()
+            if volume_id in self._held or not lock_range(fd, 1 + volume_id, 1):
+                row = self._owner_row(volume_id)
+                holder = row[0] if row and row[0] else "another process (unknown)"
+                raise VolumeBusyError(f"volume {volume_id} is owned by {holder}")
+            try:
+                row = self._owner_row(volume_id)
+                epoch = (row[1] if row else 0) + 1
+                self._write("INSERT OR REPLACE INTO volume_owners VALUES (?, ?, ?)", (volume_id, owner, epoch))
+            except BaseException:
+                unlock_range(fd, 1 + volume_id, 1)
+                raise
+            lease = self._held[volume_id] = Lease(volume_id, owner, epoch)
+            return lease
+
+    def release_volume(self, lease: Lease) -> None:
+        with self._owner_lock:
+            if self._held.get(lease.volume_id) != lease:
+                return
+            try:
+                self._write(
+                    "UPDATE volume_owners SET owner = '' WHERE volume_id = ? AND epoch = ?",
+                    (lease.volume_id, lease.epoch),
+                )
+            finally:
+                # The lock goes whatever happens: a row left naming us is stale, and the
+                # next claim overwrites it.
+                del self._held[lease.volume_id]
+                unlock_range(self._fd(), 1 + lease.volume_id, 1)
+
+    def volume_holder(self, volume_id: int) -> str | None:
+        with self._owner_lock:
+            if volume_id in self._held:
+                return self._held[volume_id].owner
+            if not range_locked(self._fd(), 1 + volume_id, 1):
+                return None
+        row = self._owner_row(volume_id)
+        return row[0] if row and row[0] else "another process (unknown)"
+
+    def lease_live(self, volume_id: int, epoch: int) -> bool:
+        with self._owner_lock:
+            held = self._held.get(volume_id)
+            if held is not None:
+                return held.epoch == epoch
+            if not range_locked(self._fd(), 1 + volume_id, 1):
+                return False
+        row = self._owner_row(volume_id)
+        return row is not None and row[1] == epoch and bool(row[0])
+
+    @contextlib.contextmanager
+    def pool_lock(self) -> Iterator[None]:
+        with self._pool_lock:
+            with self._owner_lock:
+                fd = self._fd()
+            lock_range(fd, 0, 1, wait=True)
+            try:
+                yield
+            finally:
+                unlock_range(fd, 0, 1)
+
+    @_reads
+    def grants(self) -> list[Grant]:
+        if not _has_table(self.conn, "grants"):
+            return []
+        return [Grant(*row) for row in self.conn.execute("SELECT volume_id, epoch, start, count FROM grants")]
+
+    @_reads
+    def orphans(self) -> list[int]:
+        return [pid for (pid,) in self.conn.execute("SELECT id FROM page_refs WHERE refcount = 0 ORDER BY id")]
 
     def integrity_problems(self) -> list[str]:
         rows = self.conn.execute("PRAGMA integrity_check").fetchall()
@@ -394,6 +545,11 @@ class SqliteMetadata(MetadataStore):
         self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
+        with self._owner_lock:
+            if self._leases_fd >= 0:
+                os.close(self._leases_fd)  # every lease this store held ends here
+                self._leases_fd = -1
+            self._held.clear()
         with self._reader_lock:
             if self._reader is not None and self._reader is not self.conn:
                 self._reader.close()
@@ -426,7 +582,87 @@ def _committed_name(c: sqlite3.Connection, vid: int) -> str | None:
     return None if row is None else str(row[0])
 
 
-def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
+def _stored_owner(c: sqlite3.Connection, volume_id: int) -> tuple[str, int] | None:
+    row = c.execute("SELECT owner, epoch FROM volume_owners WHERE volume_id = ?", (volume_id,)).fetchone()
+    return None if row is None or not row[0] else (str(row[0]), int(row[1]))
+
+
+def _stored_refcount(c: sqlite3.Connection, page_id: int) -> int | None:
+    row = c.execute("SELECT refcount FROM page_refs WHERE id = ?", (page_id,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def _apply_shared(c: sqlite3.Connection, txn: Transaction, result: CommitResult) -> Transaction:
+    """txn with every count that has a base turned into the value to store (stored +
+    new - base, meta/owners.py), after the lease check; result gets those values."""
+    owners.check_leases(txn.leases, lambda vid: _stored_owner(c, vid))
+    superblock = dict(txn.superblock)
+    if txn.counter_bases:
+        stored = {k: json.loads(v) for k, v in c.execute("SELECT key, value FROM superblock")}
+        for key, base in txn.counter_bases.items():
+            if key in superblock:
+                superblock[key] = owners.counter(key, stored.get(key), superblock[key], base)
+                result.counters[key] = int(superblock[key])  # type: ignore[call-overload]
+    pages = dict(txn.pages)
+    page_refcounts = dict(txn.page_refcounts)
+    for pid, base in txn.page_ref_bases.items():
+        stored_count = _stored_refcount(c, pid)
+        if pid in pages:
+            page = pages[pid]
+            count = owners.page_count(pid, stored_count, 0 if page is None else page[0], base, deleting=page is None)
+            if page is not None:
+                pages[pid] = (count, page[1])
+                result.page_refcounts[pid] = count
+        elif pid in page_refcounts:
+            count = owners.page_count(pid, stored_count, page_refcounts[pid], base, deleting=False)
+            page_refcounts[pid] = result.page_refcounts[pid] = count
+    result.orphans = sorted(pid for pid, count in result.page_refcounts.items() if count == 0)
+    refcount_pages = dict(txn.refcount_pages)
+    for index, base_blob in txn.refcount_bases.items():
+        if index in refcount_pages:
+            row = c.execute("SELECT counts FROM refcount_pages WHERE idx = ?", (index,)).fetchone()
+            refcount_pages[index] = owners.refcount_page(
+                index, None if row is None else row[0], bytes(refcount_pages[index]), base_blob
+            )
+            result.refcount_pages[index] = refcount_pages[index]
+    if txn.grants or txn.returned_grants:
+        held = [Grant(*row) for row in c.execute("SELECT volume_id, epoch, start, count FROM grants")]
+        sb = {k: json.loads(v) for k, v in c.execute("SELECT key, value FROM superblock")}
+        n_blocks = int(superblock.get("size_bytes", sb["size_bytes"])) // int(sb["block_size"])  # type: ignore[call-overload]
+
+        def refcount_of(start: int, count: int) -> Any:
+            wanted = owners.refcount_pages_for(start, count)
+            have = {i: refcount_pages[i] for i in wanted if i in refcount_pages}
+            for i in wanted:
+                if i not in have:
+                    row = c.execute("SELECT counts FROM refcount_pages WHERE idx = ?", (i,)).fetchone()
+                    if row is not None:
+                        have[i] = row[0]
+            return owners.refcounts_in(have, start, count)
+
+        owners.check_grants(txn, held, n_blocks, refcount_of)
+        c.executemany(
+            "DELETE FROM grants WHERE volume_id = ? AND epoch = ? AND start = ? AND count = ?",
+            [(g.volume_id, g.epoch, g.start, g.count) for g in txn.returned_grants],
+        )
+        c.executemany(
+            "INSERT INTO grants VALUES (?, ?, ?, ?)", [(g.volume_id, g.epoch, g.start, g.count) for g in txn.grants]
+        )
+    return Transaction(
+        superblock=superblock,
+        volumes=txn.volumes,
+        deleted_volumes=txn.deleted_volumes,
+        roots=txn.roots,
+        pages=pages,
+        refcount_pages=refcount_pages,
+        page_refcounts=page_refcounts,
+    )
+
+
+def _apply(c: sqlite3.Connection, txn: Transaction) -> CommitResult:
+    result = CommitResult()
+    if txn.shared():
+        txn = _apply_shared(c, txn, result)
     if txn.superblock:
         c.executemany(
             "INSERT OR REPLACE INTO superblock VALUES (?, ?)",
@@ -471,3 +707,4 @@ def _apply(c: sqlite3.Connection, txn: Transaction) -> None:
     # Count-only changes (a snapshot's shares) touch page_refs alone, never the entries' rows.
     c.executemany("UPDATE page_refs SET refcount = ? WHERE id = ?", [(n, pid) for pid, n in txn.page_refcounts.items()])
     c.executemany("INSERT OR REPLACE INTO refcount_pages VALUES (?, ?)", txn.refcount_pages.items())
+    return result

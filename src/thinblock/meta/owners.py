@@ -1,0 +1,147 @@
+"""The rules of several owners' commits to one metadata store (meta/base.py's
+ownership contract), in one place for every backend that has them.
+
+A store applies a transaction in three steps, all inside its atomic commit:
+`check_leases` (the guarded commit), then each shared count through `counts`
+and `refcount_page` (stored + (new - base), with freeing checked against the
+stored value), then `check_grants`. Each raises OSError naming what it refused,
+and the store then rolls the whole commit back.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from thinblock.meta.base import Grant, Lease, Transaction
+
+REFCOUNT_ENTRIES = 1024  # uint32 counts per refcount page (core/spacemap.py's page)
+
+
+def refused(message: str, code: int = errno.EIO) -> OSError:
+    return OSError(code, f"metadata commit refused: {message}")
+
+
+def check_leases(leases: Iterable[Lease], current: Callable[[int], tuple[str, int] | None]) -> None:
+    """Every lease must be the volume's current one (current: volume id -> the
+    (owner, epoch) the store records, None when unowned)."""
+    for lease in leases:
+        now = current(lease.volume_id)
+        if now != (lease.owner, lease.epoch):
+            holder = "nobody" if now is None else f"{now[0]} (epoch {now[1]})"
+            raise refused(
+                f"volume {lease.volume_id}'s lease of epoch {lease.epoch} ({lease.owner}) is lost;"
+                f" it is now held by {holder}",
+                errno.ESTALE,
+            )
+
+
+def _counts(blob: bytes | None) -> np.ndarray:
+    if not blob:
+        return np.zeros(0, dtype=np.int64)
+    return np.frombuffer(blob, dtype=np.uint32).astype(np.int64)
+
+
+def _padded(a: np.ndarray, n: int) -> np.ndarray:
+    return a if len(a) >= n else np.concatenate([a, np.zeros(n - len(a), dtype=np.int64)])
+
+
+def refcount_page(index: int, stored: bytes | None, new: bytes, base: bytes | None) -> bytes:
+    """The refcount page to store. Without a base, new itself. With one, stored +
+    (new - base), refused if a count would go below zero or if a dblock this owner
+    freed (base > 0, new 0) is still counted by another owner's commit."""
+    if base is None:
+        return new
+    n = max(len(new), len(base), len(stored or b"")) // 4
+    s, b, w = (_padded(_counts(x), n) for x in (stored, base, new))
+    result = s + w - b
+    first = index * REFCOUNT_ENTRIES
+    below = np.flatnonzero(result < 0)
+    if below.size:
+        raise refused(f"dblock {first + int(below[0])}'s refcount would go below zero (stored {int(s[below[0]])})")
+    still = np.flatnonzero((w == 0) & (b > 0) & (result != 0))
+    if still.size:
+        raise refused(
+            f"dblock {first + int(still[0])} is still referenced ({int(result[still[0]])}) by another owner:"
+            " this commit may not free it"
+        )
+    if result.size and int(result.max()) > 0xFFFFFFFF:
+        raise refused(f"a refcount of refcount page {index} would overflow")
+    return bytes(result.astype(np.uint32).tobytes())
+
+
+def page_count(page_id: int, stored: int | None, new: int, base: int | None, *, deleting: bool) -> int:
+    """A mapping page's refcount to store: new without a base, else stored + (new -
+    base). A page this commit deletes must reach zero; one with a base must exist."""
+    if base is None:
+        return new
+    if stored is None:
+        raise refused(f"mapping page {page_id} changed from count {base} no longer exists")
+    result = stored + new - base
+    if result < 0:
+        raise refused(f"mapping page {page_id}'s refcount would go below zero (stored {stored})")
+    if deleting and result != 0:
+        raise refused(f"mapping page {page_id} is still referenced ({result}) by another owner: it may not be deleted")
+    return result
+
+
+def counter(key: str, stored: object, new: object, base: int | None) -> object:
+    """A superblock value to store: new, or for a counter with a base, stored + (new - base)."""
+    if base is None:
+        return new
+    if not isinstance(new, int) or not isinstance(stored, int | None):
+        raise refused(f"superblock {key} is not a counter")
+    result = int(stored or 0) + new - base
+    if result < 0:
+        raise refused(f"superblock {key} would go below zero")
+    return result
+
+
+def check_grants(
+    txn: Transaction,
+    held: list[Grant],
+    n_blocks: int,
+    refcount_of: Callable[[int, int], np.ndarray],
+) -> list[Grant]:
+    """The grants held after txn: returned ones must be held; new ones must lie in the
+    pool, overlap no other grant, and cover only blocks at count zero as committed
+    (refcount_of(start, count): the stored counts, this commit's own changes applied)."""
+    after = list(held)
+    for g in txn.returned_grants:
+        if g not in after:
+            raise refused(f"grant {g.start}+{g.count} of volume {g.volume_id} is not held")
+        after.remove(g)
+    leased = {(lease.volume_id, lease.epoch) for lease in txn.leases}
+    for g in txn.grants:
+        if g.count < 1 or g.start < 0 or g.start + g.count > n_blocks:
+            raise refused(f"grant {g.start}+{g.count} lies outside the pool's {n_blocks} blocks")
+        if (g.volume_id, g.epoch) not in leased:
+            raise refused(f"grant {g.start}+{g.count} is for volume {g.volume_id} epoch {g.epoch}, not a lease held")
+        for other in after:
+            if g.start < other.start + other.count and other.start < g.start + g.count:
+                raise refused(
+                    f"grant {g.start}+{g.count} overlaps volume {other.volume_id}'s grant {other.start}+{other.count}"
+                )
+        busy = np.flatnonzero(refcount_of(g.start, g.count))
+        if busy.size:
+            raise refused(f"grant {g.start}+{g.count} covers dblock {g.start + int(busy[0])}, which is in use")
+        after.append(g)
+    return after
+
+
+def refcounts_in(pages: dict[int, bytes], start: int, count: int) -> np.ndarray:
+    """Counts of dblocks [start, start + count) from refcount pages (absent: zero)."""
+    out = np.zeros(count, dtype=np.int64)
+    for index in range(start // REFCOUNT_ENTRIES, (start + count - 1) // REFCOUNT_ENTRIES + 1):
+        counts = _counts(pages.get(index))
+        base = index * REFCOUNT_ENTRIES
+        lo, hi = max(start, base), min(start + count, base + REFCOUNT_ENTRIES)
+        got = counts[lo - base : hi - base]
+        out[lo - start : lo - start + len(got)] = got
+    return out
+
+
+def refcount_pages_for(start: int, count: int) -> range:
+    return range(start // REFCOUNT_ENTRIES, (start + count - 1) // REFCOUNT_ENTRIES + 1)

@@ -1,0 +1,474 @@
+"""The metadata store's ownership contract (meta/base.py, meta/owners.py): per-volume
+leases, guarded commits, shared counts committed as changes, grants, the
+pool-level lock and id ranges. One suite, run against every store that has
+them (SQLite and memory); several store objects on one pool stand for several
+owners, and on SQLite real processes do (their leases are OFD locks that die
+with them). The RADOS store keeps one owner per pool and refuses these verbs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tests.conftest import new_rados_locator
+from thinblock.backends import Location, locate
+from thinblock.backends.memory import MemoryLocation
+from thinblock.errors import ThinblockError
+from thinblock.meta.base import Grant, Lease, MetadataStore, Transaction, VolumeBusyError, VolumeRow
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCKS = 256  # the pool's blocks (1 MiB of 4 KiB)
+LOCATIONS: dict[str, Callable[[Path], str]] = {
+    "directory-sqlite": lambda tmp: str(tmp / "pool"),
+    "memory": lambda tmp: f"memory:owners-{uuid.uuid4().hex}",
+}
+
+
+def counts(*values: int) -> bytes:
+    """A refcount page whose first counts are values (the rest zero)."""
+    page = np.zeros(1024, dtype=np.uint32)
+    page[: len(values)] = values
+    return page.tobytes()
+
+
+def read_counts(meta: MetadataStore, n: int = 8) -> list[int]:
+    blob = meta.refcount_pages().get(0, bytes(4096))
+    return [int(x) for x in np.frombuffer(blob, dtype=np.uint32)[:n]]
+
+
+@pytest.fixture(params=list(LOCATIONS))
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Location]:
+    loc = locate(LOCATIONS[request.param](tmp_path))
+    loc.create({"block_size": 4096, "size_bytes": BLOCKS * 4096, "clean": True}, BLOCKS * 4096, None)
+    seed = loc.open_meta(readonly=False)
+    seed.commit(
+        Transaction(
+            volumes=[VolumeRow(1, "a", 1 << 20, "on", 1.0), VolumeRow(2, "b", 1 << 20, "on", 1.0)],
+            pages={7: (2, b"shared page")},
+            refcount_pages={0: counts(1, 1, 2)},
+            superblock={"used_blocks": 3},
+        )
+    )
+    seed.close()
+    try:
+        yield loc
+    finally:
+        if isinstance(loc, MemoryLocation):
+            loc.remove_created()
+
+
+@pytest.fixture
+def owners(location: Location) -> Iterator[Callable[[], MetadataStore]]:
+    """Opens one more store on the pool: one more owner."""
+    opened: list[MetadataStore] = []
+
+    def open_one() -> MetadataStore:
+        opened.append(location.open_meta(readonly=False))
+        return opened[-1]
+
+    yield open_one
+    for meta in opened:
+        meta.close()
+
+
+def refused(exc: pytest.ExceptionInfo[OSError], code: int, *words: str) -> None:
+    assert exc.value.errno == code, exc.value
+    for word in words:
+        assert word in str(exc.value), exc.value
+
+
+# ----- leases and the guarded commit ----------------------------------------------------
+
+
+def test_a_lease_is_held_by_one_owner_and_names_it(owners: Callable[[], MetadataStore]) -> None:
+    a, b = owners(), owners()
+    lease = a.claim_volume(1, "server-a")
+    assert lease == Lease(1, "server-a", 1)
+    with pytest.raises(VolumeBusyError, match="volume 1 is owned by server-a"):
+        b.claim_volume(1, "server-b")
+    with pytest.raises(VolumeBusyError):
+        a.claim_volume(1, "server-a")  # once per owner, too
+    assert b.volume_holder(1) == "server-a" and a.volume_holder(1) == "server-a"
+    assert b.volume_holder(2) is None
+    assert b.lease_live(1, 1) and not b.lease_live(1, 2)
+    assert b.claim_volume(2, "server-b").epoch == 1  # other volumes are free
+    a.release_volume(lease)
+    assert b.volume_holder(1) is None and not b.lease_live(1, 1)
+    assert b.claim_volume(1, "server-b") == Lease(1, "server-b", 2)  # the epoch goes on
+
+
+def test_an_owner_that_ends_frees_its_leases(owners: Callable[[], MetadataStore]) -> None:
+    a, b = owners(), owners()
+    a.claim_volume(1, "server-a")
+    a.close()  # as a killed process: no release
+    assert b.volume_holder(1) is None
+    assert b.claim_volume(1, "server-b").epoch == 2
+
+
+def test_a_commit_under_a_lost_lease_is_refused_and_changes_nothing(owners: Callable[[], MetadataStore]) -> None:
+    a, b = owners(), owners()
+    old = a.claim_volume(1, "server-a")
+    a.commit(Transaction(leases=[old], volumes=[VolumeRow(1, "a", 2 << 20, "on", 1.0)]))
+    a.release_volume(old)
+    new = b.claim_volume(1, "server-b")
+    before = b.volumes()
+    with pytest.raises(OSError) as exc:
+        a.commit(Transaction(leases=[old], volumes=[VolumeRow(1, "a", 3 << 20, "on", 1.0)]))
+    refused(exc, errno.ESTALE, "epoch 1", "server-b (epoch 2)")
+    assert b.volumes() == before and before[0].size_bytes == 2 << 20
+    b.commit(Transaction(leases=[new], volumes=[VolumeRow(1, "a", 4 << 20, "on", 1.0)]))
+    assert a.volumes()[0].size_bytes == 4 << 20
+
+
+# ----- shared counts as changes -----------------------------------------------------------
+
+
+def test_owners_changes_to_one_refcount_page_add_up(owners: Callable[[], MetadataStore]) -> None:
+    a, b = owners(), owners()
+    la, lb = a.claim_volume(1, "a"), b.claim_volume(2, "b")
+    base = counts(1, 1, 2)
+    # Both made their change on the same view: a takes dblock 3 and shares 2 once more,
+    # b takes dblock 4 and drops its share of 2.
+    ra = a.commit(Transaction(leases=[la], refcount_pages={0: counts(1, 1, 3, 1)}, refcount_bases={0: base}))
+    assert read_counts(a)[:5] == [1, 1, 3, 1, 0]
+    rb = b.commit(Transaction(leases=[lb], refcount_pages={0: counts(1, 1, 1, 0, 1)}, refcount_bases={0: base}))
+    assert read_counts(a)[:5] == [1, 1, 2, 1, 1]
+    # Each commit tells its owner what is committed now, the other's changes included.
+    assert list(np.frombuffer(ra.refcount_pages[0], dtype=np.uint32)[:5]) == [1, 1, 3, 1, 0]
+    assert list(np.frombuffer(rb.refcount_pages[0], dtype=np.uint32)[:5]) == [1, 1, 2, 1, 1]
+
+
+def test_freeing_a_dblock_another_owner_still_counts_is_refused(owners: Callable[[], MetadataStore]) -> None:
+    a, b = owners(), owners()
+    la, lb = a.claim_volume(1, "a"), b.claim_volume(2, "b")
+    base = counts(1, 1, 2)
+    b.commit(Transaction(leases=[lb], refcount_pages={0: counts(1, 1, 3)}, refcount_bases={0: base}))
+    before = a.refcount_pages()
+    with pytest.raises(OSError) as exc:  # a's view: it held dblock 2 twice and drops both
+        a.commit(Transaction(leases=[la], refcount_pages={0: counts(1, 1, 0)}, refcount_bases={0: base}))
+    refused(exc, errno.EIO, "dblock 2 is still referenced (1)")
+    assert a.refcount_pages() == before
+    with pytest.raises(OSError) as exc:
+        a.commit(Transaction(leases=[la], refcount_pages={0: counts(0, 0, 0)}, refcount_bases={0: counts(2)}))
+    refused(exc, errno.EIO, "dblock 0's refcount would go below zero")
+    assert a.refcount_pages() == before
+
+
+def test_page_counts_and_counters_are_changes_and_orphans_are_reported(owners: Callable[[], MetadataStore]) -> None:
+    a, b = owners(), owners()
+    la, lb = a.claim_volume(1, "a"), b.claim_volume(2, "b")
+    with pytest.raises(OSError) as exc:  # b's view says it holds the last share: it does not
+        b.commit(Transaction(leases=[lb], pages={7: None}, page_ref_bases={7: 1}))
+    refused(exc, errno.EIO, "mapping page 7 is still referenced (1)")
+    # Page 7 is shared by both volumes (count 2): each drops its share on its own view.
+    ra = a.commit(
+        Transaction(
+            leases=[la],
+            page_refcounts={7: 1},
+            page_ref_bases={7: 2},
+            superblock={"used_blocks": 4},
+            counter_bases={"used_blocks": 3},
+        )
+    )
+    assert ra.page_refcounts == {7: 1} and ra.orphans == [] and ra.counters == {"used_blocks": 4}
+    rb = b.commit(
+        Transaction(
+            leases=[lb],
+            page_refcounts={7: 1},
+            page_ref_bases={7: 2},
+            superblock={"used_blocks": 2},
+            counter_bases={"used_blocks": 3},
+        )
+    )
+    # Neither view reached zero, the store did: the page is an orphan for the fold.
+    assert rb.page_refcounts == {7: 0} and rb.orphans == [7]
+    assert a.orphans() == [7] and a.page(7) == (0, b"shared page")
+    assert a.superblock()["used_blocks"] == 3 and rb.counters == {"used_blocks": 3}
+    with pytest.raises(OSError) as exc:
+        b.commit(Transaction(leases=[lb], page_refcounts={7: 1}, page_ref_bases={7: 3}))
+    refused(exc, errno.EIO, "mapping page 7's refcount would go below zero")
+    with pytest.raises(OSError) as exc:
+        b.commit(Transaction(leases=[lb], page_refcounts={9: 1}, page_ref_bases={9: 2}))
+    refused(exc, errno.EIO, "mapping page 9 changed from count 2 no longer exists")
+    b.commit(Transaction(leases=[lb], pages={7: None}, page_ref_bases={7: 0}))  # the fold deletes it
+    assert a.orphans() == [] and a.page(7) is None
+
+
+# ----- grants ---------------------------------------------------------------------------------
+
+
+def test_grants_cover_free_blocks_once_and_go_back(owners: Callable[[], MetadataStore]) -> None:
+    a, b = owners(), owners()
+    la, lb = a.claim_volume(1, "a"), b.claim_volume(2, "b")
+    ga = Grant(1, la.epoch, 8, 16)
+    a.commit(Transaction(leases=[la], grants=[ga]))
+    assert b.grants() == [ga]
+    before = a.grants()
+    for grant, lease, words in (
+        (Grant(2, lb.epoch, 20, 8), lb, ("overlaps volume 1's grant 8+16",)),
+        (Grant(2, lb.epoch, 1, 4), lb, ("covers dblock 1, which is in use",)),
+        (Grant(2, lb.epoch, BLOCKS - 2, 4), lb, (f"outside the pool's {BLOCKS} blocks",)),
+        (Grant(1, la.epoch, 40, 4), lb, ("not a lease held",)),
+    ):
+        with pytest.raises(OSError) as exc:
+            b.commit(Transaction(leases=[lease], grants=[grant]))
+        refused(exc, errno.EIO, *words)
+    assert a.grants() == before
+    with pytest.raises(OSError) as exc:
+        b.commit(Transaction(leases=[lb], returned_grants=[Grant(2, lb.epoch, 8, 16)]))
+    refused(exc, errno.EIO, "grant 8+16 of volume 2 is not held")
+    # A grant and the counts of the blocks it hands out may come in one commit.
+    gb = Grant(2, lb.epoch, 24, 8)
+    b.commit(Transaction(leases=[lb], grants=[gb], refcount_pages={0: counts(1, 1, 2)}))
+    a.commit(Transaction(leases=[la], returned_grants=[ga]))
+    assert a.grants() == [gb] and a.stale_grants() == []
+    b.close()  # b dies holding its grant: it is stale for everyone else
+    assert a.stale_grants() == [gb]
+
+
+# ----- the pool-level lock and ids -----------------------------------------------------------
+
+
+def test_pool_level_steps_run_one_at_a_time_and_ids_never_collide(owners: Callable[[], MetadataStore]) -> None:
+    stores = [owners(), owners()]
+    got: list[range] = []
+    got_lock = threading.Lock()
+
+    def run(meta: MetadataStore) -> None:
+        for _ in range(40):
+            with meta.pool_lock():
+                # An unguarded read-modify-write: only the pool-level lock keeps it exact.
+                value = int(meta.superblock().get("steps", 0))
+                meta.commit(Transaction(superblock={"steps": value + 1}))
+                first = meta.reserve_ids("page", 3)
+            with got_lock:
+                got.append(range(first, first + 3))
+
+    threads = [threading.Thread(target=run, args=(meta,)) for meta in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stores[0].superblock()["steps"] == 80
+    ids = [i for r in got for i in r]
+    assert len(ids) == len(set(ids)) == 240 and min(ids) > 7  # above every committed page
+
+
+def test_reserve_ids_refuses_nonsense(owners: Callable[[], MetadataStore]) -> None:
+    meta = owners()
+    with pytest.raises(ValueError):
+        meta.reserve_ids("dblock", 1)
+    with meta.pool_lock():
+        assert meta.reserve_ids("volume", 2) == 3  # volumes 1 and 2 exist
+
+
+# ----- a state machine: owners with stale views against a plain model --------------------------
+
+
+class TwoOwners(RuleBasedStateMachine):
+    """Two owners change one refcount page on views that go stale; the store must hold
+    exactly the model's counts, and refuse exactly the commits that would free a
+    dblock the other owner still counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.location = locate(f"memory:machine-{uuid.uuid4().hex}")
+        self.location.create({"block_size": 4096, "size_bytes": BLOCKS * 4096}, BLOCKS * 4096, None)
+        self.stores = [self.location.open_meta(readonly=False) for _ in range(2)]
+        self.leases = [meta.claim_volume(i + 1, f"owner-{i}") for i, meta in enumerate(self.stores)]
+        self.model = np.zeros(8, dtype=np.int64)  # committed counts
+        self.held = [np.zeros(8, dtype=np.int64) for _ in range(2)]  # each owner's committed references
+        self.base = [np.zeros(8, dtype=np.int64) for _ in range(2)]
+        self.view = [np.zeros(8, dtype=np.int64) for _ in range(2)]
+
+    @initialize()
+    def start(self) -> None:
+        pass
+
+    @rule(owner=st.integers(0, 1), dblock=st.integers(0, 7))
+    def take(self, owner: int, dblock: int) -> None:
+        self.view[owner][dblock] += 1
+
+    @precondition(lambda self: any((self.view[i] - self.base[i] + self.held[i] > 0).any() for i in range(2)))
+    @rule(owner=st.integers(0, 1), dblock=st.integers(0, 7))
+    def drop(self, owner: int, dblock: int) -> None:
+        # An owner drops only references it holds (committed or pending).
+        if self.held[owner][dblock] + self.view[owner][dblock] - self.base[owner][dblock] > 0:
+            self.view[owner][dblock] -= 1
+
+    @rule(owner=st.integers(0, 1))
+    def commit(self, owner: int) -> None:
+        new, base = self.view[owner], self.base[owner]
+        expected = self.model + new - base
+        frees_shared = ((new == 0) & (base > 0) & (expected != 0)).any()
+        txn = Transaction(
+            leases=[self.leases[owner]],
+            refcount_pages={0: counts(*new.tolist())},
+            refcount_bases={0: counts(*base.tolist())},
+        )
+        try:
+            result = self.stores[owner].commit(txn)
+        except OSError as exc:
+            assert frees_shared, exc
+            assert exc.errno == errno.EIO and "still referenced" in str(exc)
+            return
+        assert not frees_shared
+        self.model = expected
+        self.held[owner] += new - base
+        committed = np.frombuffer(result.refcount_pages[0], dtype=np.uint32)[:8].astype(np.int64)
+        assert (committed == self.model).all()
+        self.base[owner] = committed.copy()
+        self.view[owner] = committed.copy()
+
+    @rule(owner=st.integers(0, 1))
+    def refresh(self, owner: int) -> None:
+        stored = np.array(read_counts(self.stores[owner]), dtype=np.int64)
+        self.view[owner] = stored + self.view[owner] - self.base[owner]
+        self.base[owner] = stored
+
+    @invariant()
+    def store_holds_the_model(self) -> None:
+        assert read_counts(self.stores[0]) == self.model.tolist()
+        assert (self.model == self.held[0] + self.held[1]).all()
+
+    def teardown(self) -> None:
+        for meta in self.stores:
+            meta.close()
+        assert isinstance(self.location, MemoryLocation)
+        self.location.remove_created()
+
+
+TestTwoOwners = TwoOwners.TestCase
+
+
+# ----- real processes on one SQLite pool --------------------------------------------------------
+
+_OWNER = """
+import sys
+import numpy as np
+from thinblock.backends import locate
+from thinblock.meta.base import Grant, Transaction
+pool, vid, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+meta = locate(pool).open_meta(readonly=False)
+lease = meta.claim_volume(vid, f"process-{vid}")
+with meta.pool_lock():
+    meta.commit(Transaction(leases=[lease], grants=[Grant(vid, lease.epoch, 100 + 40 * vid, 10)]))
+base = np.frombuffer(meta.refcount_pages()[0], dtype=np.uint32).copy()
+page = base.copy()
+ids = []
+for i in range(rounds):
+    page[10 + vid] += 1  # its own dblock
+    page[20] += 1  # one both share
+    result = meta.commit(Transaction(
+        leases=[lease],
+        refcount_pages={0: page.tobytes()}, refcount_bases={0: base.tobytes()},
+        page_refcounts={7: 2 + i + 1}, page_ref_bases={7: 2 + i},
+    ))
+    base = np.frombuffer(result.refcount_pages[0], dtype=np.uint32).copy()
+    page = base.copy()
+    if i % 10 == 0:
+        with meta.pool_lock():
+            first = meta.reserve_ids("page", 5)
+        ids += range(first, first + 5)
+print(" ".join(map(str, ids)), flush=True)
+if len(sys.argv) > 4:
+    sys.stdin.readline()  # hold the lease until told, or killed
+"""
+
+
+def _owner_process(pool: str, vid: int, rounds: int, *, hold: bool = False) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    args = [sys.executable, "-c", _OWNER, pool, str(vid), str(rounds)] + (["hold"] if hold else [])
+    return subprocess.Popen(args, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+@pytest.fixture
+def sqlite_pool(tmp_path: Path) -> str:
+    pool = str(tmp_path / "pool")
+    loc = locate(pool)
+    loc.create({"block_size": 4096, "size_bytes": BLOCKS * 4096, "clean": True}, BLOCKS * 4096, None)
+    meta = loc.open_meta(readonly=False)
+    meta.commit(
+        Transaction(
+            volumes=[VolumeRow(vid, f"v{vid}", 1 << 20, "on", 1.0) for vid in (1, 2, 3)],
+            pages={7: (2, b"shared page")},
+            refcount_pages={0: counts(1, 1, 2)},
+        )
+    )
+    meta.close()
+    return pool
+
+
+def test_owner_processes_commit_to_one_pool_at_once(sqlite_pool: str) -> None:
+    procs = [_owner_process(sqlite_pool, vid, 100) for vid in (1, 2, 3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    meta = locate(sqlite_pool).open_meta(readonly=True)
+    try:
+        got = np.frombuffer(meta.refcount_pages()[0], dtype=np.uint32)
+        assert [int(got[10 + vid]) for vid in (1, 2, 3)] == [100, 100, 100] and int(got[20]) == 300
+        assert meta.page(7) == (2 + 300, b"shared page")
+        assert sorted((g.volume_id, g.start) for g in meta.grants()) == [(1, 140), (2, 180), (3, 220)]
+    finally:
+        meta.close()
+    ids = [int(x) for out in outs for x in out.split()]
+    assert len(ids) == len(set(ids)) == 150
+
+
+def test_a_killed_owner_process_frees_its_volume_and_its_grants_go_stale(sqlite_pool: str) -> None:
+    proc = _owner_process(sqlite_pool, 1, 1, hold=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline()  # it holds volume 1 now
+        meta = locate(sqlite_pool).open_meta(readonly=False)
+        try:
+            with pytest.raises(VolumeBusyError, match="volume 1 is owned by process-1"):
+                meta.claim_volume(1, "me")
+            assert meta.stale_grants() == []
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            assert meta.volume_holder(1) is None
+            assert meta.stale_grants() == [Grant(1, 1, 140, 10)]
+            lease = meta.claim_volume(1, "me")
+            assert lease.epoch == 2
+            with meta.pool_lock():  # the next pool-level step takes the grant back
+                meta.commit(Transaction(leases=[lease], returned_grants=meta.stale_grants()))
+            assert meta.grants() == []
+        finally:
+            meta.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ----- RADOS keeps one owner per pool -------------------------------------------------------------
+
+
+def test_a_rados_store_refuses_the_ownership_verbs(request: pytest.FixtureRequest) -> None:
+    loc = locate(new_rados_locator(request, "owners"))
+    loc.create({"block_size": 4096, "size_bytes": 1 << 20, "clean": True}, 1 << 20, None)
+    meta = loc.open_meta(readonly=False)
+    ownership = loc.own("owners contract")
+    try:
+        with pytest.raises(ThinblockError, match="keeps one owner per pool"):
+            meta.claim_volume(1, "x")
+        with pytest.raises(OSError) as exc:
+            meta.commit(Transaction(refcount_pages={0: counts(1)}, refcount_bases={0: counts()}))
+        refused(exc, errno.EOPNOTSUPP, "one owner")
+        assert meta.refcount_pages() == {}
+    finally:
+        ownership.release()
+        meta.close()
