@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from thinblock.meta.base import Transaction
+from thinblock.meta.base import CommitResult, Transaction
 from thinblock.store.base import DataStore, FilterStore
 
 if TYPE_CHECKING:
@@ -125,11 +125,12 @@ class FaultyMeta(_Armed):
         super().__init__()
         self.inner = inner
 
-    def commit(self, txn: Transaction) -> None:
+    def commit(self, txn: Transaction) -> CommitResult:
         fault = self._hit("commit")
         if fault is not None:
             raise _error(fault.kind, "metadata commit")
-        self.inner.commit(txn)
+        result: CommitResult = self.inner.commit(txn)
+        return result
 
     def page_refcounts(self, page_ids: Iterable[int]) -> dict[int, int]:
         """The batch read of page counts (snapshots and removals) fails on command too."""

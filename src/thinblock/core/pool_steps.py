@@ -1,0 +1,128 @@
+"""The pool-level steps of ownership per volume (meta/base.py's contract): taking a
+grant of free blocks, taking back the grants of owners that died, and folding
+orphan pages. Each runs under the store's pool-level lock, is short, and is one
+guarded commit: a step that fails changes nothing in the store and may simply
+be run again.
+
+Why a grant's blocks are punched before it is committed: a block at count zero
+may still hold bytes an owner wrote but never committed (it died, or its commit
+failed and it was killed before retrying). Under the pool-level lock nobody
+else can be granted those blocks, so punching them there, durably, before the
+grant names them, keeps the zero rule (core/spacemap.py's rule 2) across owners
+without any owner's recovery scan: every block an owner allocates from a grant
+reads zero. A crash between the punch and the commit leaves punched free blocks:
+harmless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+from collections import Counter
+
+import numpy as np
+
+from thinblock.core.mapping import entry_dblock, mapped_pairs
+from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
+from thinblock.meta.base import Grant, Lease, MetadataStore, Transaction
+from thinblock.store.base import DataStore
+
+
+@dataclasses.dataclass
+class Folded:
+    pages: list[int]  # orphan pages deleted
+    freed: list[int]  # dblocks their deletion brought to count zero
+
+
+def _free_mask(meta: MetadataStore, n_blocks: int) -> np.ndarray:
+    """True for each block at count zero in committed state that no grant holds."""
+    counts = np.zeros(n_blocks, dtype=np.uint32)
+    for index, blob in meta.refcount_pages().items():
+        start = index * REFCOUNT_PAGE_ENTRIES
+        if start >= n_blocks:
+            continue
+        page = np.frombuffer(blob, dtype=np.uint32)[: n_blocks - start]
+        counts[start : start + len(page)] = page
+    free: np.ndarray = np.equal(counts, 0)
+    for g in meta.grants():
+        free[g.start : g.start + g.count] = False
+    return free
+
+
+def take_grant(meta: MetadataStore, store: DataStore, lease: Lease, blocks: int) -> Grant:
+    """Up to `blocks` free blocks for lease's volume, the first run of free space
+    (shorter when the free space is fragmented), punched and synced, then granted.
+    ENOSPC, with nothing changed, when no block is free outside others' grants."""
+    if blocks < 1:
+        raise ValueError(f"a grant of {blocks} blocks")
+    with meta.pool_lock():
+        sb = meta.superblock()
+        block_size = int(sb["block_size"])
+        free = _free_mask(meta, int(sb["size_bytes"]) // block_size)
+        starts = np.flatnonzero(free)
+        if not starts.size:
+            raise OSError(errno.ENOSPC, "the pool has no free block outside the grants other owners hold")
+        start = int(starts[0])
+        taken = np.flatnonzero(~free[start : start + blocks])
+        count = int(taken[0]) if taken.size else min(blocks, len(free) - start)
+        store.punch(start * block_size, count * block_size)
+        store.flush()
+        grant = Grant(lease.volume_id, lease.epoch, start, count)
+        meta.commit(Transaction(leases=[lease], grants=[grant]))
+        return grant
+
+
+def return_grant(meta: MetadataStore, lease: Lease, grant: Grant) -> None:
+    """Give back what an owner did not use (when it releases the volume)."""
+    with meta.pool_lock():
+        meta.commit(Transaction(leases=[lease], returned_grants=[grant]))
+
+
+def recover_stale_grants(meta: MetadataStore) -> list[Grant]:
+    """Take back every grant whose lease is gone. Their blocks a dead owner committed
+    keep their counts; the rest are free again, and are punched when next granted."""
+    with meta.pool_lock():
+        stale = meta.stale_grants()
+        if stale:
+            meta.commit(Transaction(returned_grants=stale))
+        return stale
+
+
+def fold_orphans(meta: MetadataStore) -> Folded:
+    """Delete the pages others' changes left at count zero, and drop their dblocks'
+    counts: the step that makes a shared page's last release exact across owners.
+    Its commit is checked like any owner's: a page still counted is not deleted, and
+    if an owner's commit changed one of those dblocks meanwhile, the store refuses
+    the fold (a dblock it would free is still counted) and it is simply run again."""
+    with meta.pool_lock():
+        orphans = meta.orphans()
+        if not orphans:
+            return Folded([], [])
+        drops: Counter[int] = Counter()
+        for _count, blob in meta.pages(orphans).values():
+            for entry in mapped_pairs(blob)[1]:
+                drops[entry_dblock(entry)] += 1
+        stored = meta.refcount_pages()
+        bases: dict[int, bytes] = {}
+        pages: dict[int, bytes] = {}
+        freed: list[int] = []
+        for index in sorted({d // REFCOUNT_PAGE_ENTRIES for d in drops}):
+            base = stored.get(index, bytes(4 * REFCOUNT_PAGE_ENTRIES))
+            new = np.frombuffer(base, dtype=np.uint32).astype(np.int64)
+            for dblock in (d for d in drops if d // REFCOUNT_PAGE_ENTRIES == index):
+                new[dblock - index * REFCOUNT_PAGE_ENTRIES] -= drops[dblock]
+                if new[dblock - index * REFCOUNT_PAGE_ENTRIES] == 0:
+                    freed.append(dblock)
+            bases[index], pages[index] = base, new.astype(np.uint32).tobytes()
+        used = int(meta.superblock().get("used_blocks", 0))
+        meta.commit(
+            Transaction(
+                pages=dict.fromkeys(orphans),
+                page_ref_bases=dict.fromkeys(orphans, 0),
+                refcount_pages=pages,
+                refcount_bases=bases,
+                superblock={"used_blocks": used - len(freed)},
+                counter_bases={"used_blocks": used},
+            )
+        )
+        return Folded(orphans, sorted(freed))
