@@ -21,11 +21,14 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: bench is a package
 
 from bench.bench_nbd import _stop, fio, make_bench_pool, progress
 

@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import nbd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: bench and tests are packages
+
 from tests import ceph_cluster
 from tests.cli import stop_pid
 
