@@ -22,9 +22,11 @@ import pytest
 from tests.faults import Fault, FaultyMeta, FaultyStore
 from tests.test_meta_owners import counts, read_counts
 from thinblock.backends import locate
+from thinblock.backends.directory import LEASES_FILE
 from thinblock.core.mapping import BlockState, Page, empty_entries, make_entry
 from thinblock.core.pool_steps import fold_orphans, recover_stale_grants, return_grant, take_grant
 from thinblock.meta.base import Grant, MetadataStore, Transaction, VolumeRow
+from thinblock.meta.filelocks import range_locked
 from thinblock.store.base import DataStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,3 +206,27 @@ def test_a_step_that_fails_below_changes_nothing_and_runs_again(
     else:
         assert inner_meta.orphans() == [] and read_counts(inner_meta)[:3] == [0, 0, 1]
     assert np.all(np.frombuffer(inner_store.pread(3 * BS, 8 * BS), dtype=np.uint8) == 0)
+
+
+def test_a_grant_is_punched_outside_the_pool_level_lock(pool: str, opened: tuple[MetadataStore, DataStore]) -> None:
+    """No data I/O under the pool-level lock: while the taker punches and syncs its
+    grant, another process's pool-level step could run (the lock byte is free)."""
+    meta, inner = opened
+    seen: list[bool] = []
+    lease = meta.claim_volume(1, "a")  # makes the leases file
+    leases = os.open(os.path.join(pool, LEASES_FILE), os.O_RDWR)
+    try:
+
+        class Watching(FaultyStore):
+            def punch(self, offset: int, length: int) -> None:
+                seen.append(range_locked(leases, 0, 1))
+                super().punch(offset, length)
+
+            def flush(self) -> None:
+                seen.append(range_locked(leases, 0, 1))
+                super().flush()
+
+        take_grant(meta, cast(Any, Watching(inner)), lease, 4)
+    finally:
+        os.close(leases)
+    assert seen == [False, False]

@@ -4,20 +4,23 @@ orphan pages. Each runs under the store's pool-level lock, is short, and is one
 guarded commit: a step that fails changes nothing in the store and may simply
 be run again.
 
-Why a grant's blocks are punched before it is committed: a block at count zero
-may still hold bytes an owner wrote but never committed (it died, or its commit
-failed and it was killed before retrying). Under the pool-level lock nobody
-else can be granted those blocks, so punching them there, durably, before the
-grant names them, keeps the zero rule (core/spacemap.py's rule 2) across owners
-without any owner's recovery scan: every block an owner allocates from a grant
-reads zero. A crash between the punch and the commit leaves punched free blocks:
-harmless.
+Why a grant's blocks are punched by the owner that took it, before it allocates
+from them: a block at count zero may still hold bytes an owner wrote but never
+committed (it died, or its commit failed and it was killed before retrying).
+Once the grant is committed nobody else can be granted those blocks, so its
+taker punches them, durably, outside the pool-level lock (no data I/O runs
+under that lock), and only then hands them out. That keeps the zero rule
+(core/spacemap.py's rule 2) across owners without any owner's recovery scan:
+every block an owner allocates from a grant reads zero. A taker that dies
+before its punch leaves a stale grant of unpunched free blocks; it is taken
+back, and the next taker punches them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 from collections import Counter
 
 import numpy as np
@@ -26,6 +29,8 @@ from thinblock.core.mapping import entry_dblock, mapped_pairs
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.meta.base import Grant, Lease, MetadataStore, Transaction
 from thinblock.store.base import DataStore
+
+log = logging.getLogger("thinblock.pool")
 
 
 @dataclasses.dataclass
@@ -51,8 +56,9 @@ def _free_mask(meta: MetadataStore, n_blocks: int) -> np.ndarray:
 
 def take_grant(meta: MetadataStore, store: DataStore, lease: Lease, blocks: int) -> Grant:
     """Up to `blocks` free blocks for lease's volume, the first run of free space
-    (shorter when the free space is fragmented), punched and synced, then granted.
-    ENOSPC, with nothing changed, when no block is free outside others' grants."""
+    (shorter when the free space is fragmented): granted under the pool-level lock,
+    then punched and synced outside it. ENOSPC, with nothing changed, when no block
+    is free outside others' grants; a failed punch or sync gives the grant back."""
     if blocks < 1:
         raise ValueError(f"a grant of {blocks} blocks")
     with meta.pool_lock():
@@ -65,11 +71,20 @@ def take_grant(meta: MetadataStore, store: DataStore, lease: Lease, blocks: int)
         start = int(starts[0])
         taken = np.flatnonzero(~free[start : start + blocks])
         count = int(taken[0]) if taken.size else min(blocks, len(free) - start)
-        store.punch(start * block_size, count * block_size)
-        store.flush()
         grant = Grant(lease.volume_id, lease.epoch, start, count)
         meta.commit(Transaction(leases=[lease], grants=[grant]))
-        return grant
+    try:
+        store.punch(start * block_size, count * block_size)
+        store.flush()
+    except OSError as exc:
+        try:
+            return_grant(meta, lease, grant)
+        except OSError as again:  # still ours, never allocated from: returned on release, or taken back
+            log.warning(
+                "grant %d+%d of volume %d not given back after a failed punch: %s", start, count, lease.volume_id, again
+            )
+        raise exc from None
+    return grant
 
 
 def return_grant(meta: MetadataStore, lease: Lease, grant: Grant) -> None:
