@@ -472,3 +472,117 @@ def test_a_rados_store_refuses_the_ownership_verbs(request: pytest.FixtureReques
     finally:
         ownership.release()
         meta.close()
+
+
+def test_pool_level_steps_nest_in_one_thread(owners: Callable[[], MetadataStore]) -> None:
+    """A step may call another (a grant that first takes back stale grants): the
+    pool-level lock is reentrant in its thread, and still excludes other owners."""
+    meta, other = owners(), owners()
+    done = threading.Event()
+    entered: list[bool] = []
+
+    def nested() -> None:
+        with meta.pool_lock(), meta.pool_lock():
+            meta.reserve_ids("volume", 1)  # takes it a third time
+        done.set()
+
+    worker = threading.Thread(target=nested)
+    worker.start()
+    worker.join(timeout=60)
+    assert done.is_set(), "nested pool-level steps deadlocked"
+
+    def outsider() -> None:
+        with other.pool_lock():
+            entered.append(True)
+
+    with meta.pool_lock():
+        with meta.pool_lock():
+            pass  # the inner step's end must not let other owners in
+        blocked = threading.Thread(target=outsider)
+        blocked.start()
+        blocked.join(timeout=0.3)  # one-sided: it must still be waiting, however long we look
+        assert entered == []
+    blocked.join(timeout=60)
+    assert entered == [True]
+
+
+def test_threads_of_one_owner_never_interleave_their_commits(owners: Callable[[], MetadataStore]) -> None:
+    """Two threads of one owner (its committer and a pool-level step) commit at once on
+    one store object, and two store objects on one pool do too: every commit is whole
+    and the shared counter sums exactly (one connection's transactions never mix)."""
+    first, second = owners(), owners()
+    lease = first.claim_volume(1, "a")
+    failures: list[str] = []
+
+    def pages(meta: MetadataStore, base_id: int) -> None:
+        for n in range(60):
+            ids = range(base_id + n * 20, base_id + n * 20 + 20)
+            used = int(meta.superblock().get("steps", 0))
+            try:
+                meta.commit(
+                    Transaction(
+                        leases=[lease] if meta is first else [],
+                        pages={i: (1, bytes(64)) for i in ids},
+                        superblock={"steps": used + 1},
+                        counter_bases={"steps": used},
+                    )
+                )
+            except OSError as exc:
+                failures.append(str(exc))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: interleavings show up in a short run
+    threads = [
+        threading.Thread(target=pages, args=(first, 1000)),
+        threading.Thread(target=pages, args=(first, 5000)),
+        threading.Thread(target=pages, args=(second, 9000)),
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert failures == []
+    assert first.superblock()["steps"] == 180
+    assert len(first.pages(range(1000, 12000))) == 180 * 20
+
+
+def test_recovery_fences_an_owner_that_lost_its_lock_but_still_runs(sqlite_pool: str) -> None:
+    """A lease whose lock is gone is dead to the pool: recovery takes its grants back
+    and, in the same commit, forgets the owner, so a process still running on it
+    (its lock lost some other way: the leases file replaced, a lost network lock)
+    is refused from then on instead of writing into blocks granted to another."""
+    from thinblock.core.pool_steps import recover_stale_grants
+    from thinblock.meta.filelocks import unlock_range
+    from thinblock.meta.sqlite import SqliteMetadata
+
+    loc = locate(sqlite_pool)
+    zombie, heir = loc.open_meta(readonly=False), loc.open_meta(readonly=False)
+    try:
+        assert isinstance(zombie, SqliteMetadata)
+        lease = zombie.claim_volume(1, "zombie")
+        grant = Grant(1, lease.epoch, 10, 4)
+        zombie.commit(Transaction(leases=[lease], grants=[grant]))
+        unlock_range(zombie._fd(), 1 + 1, 1)  # the lock is lost; the process goes on
+        assert recover_stale_grants(heir) == [grant]
+        with pytest.raises(OSError) as exc:
+            zombie.commit(Transaction(leases=[lease], refcount_pages={0: counts(1, 1, 2, 0, 0, 0, 0, 0, 0, 0, 1)}))
+        refused(exc, errno.ESTALE, "lost")
+        assert read_counts(heir, 11)[10] == 0
+        assert heir.claim_volume(1, "heir").epoch == lease.epoch + 1
+    finally:
+        zombie.close()
+        heir.close()
+
+
+def test_a_shorter_view_of_a_refcount_page_leaves_its_tail_alone() -> None:
+    """An owner whose view of the last refcount page is shorter (made before a grow)
+    changes only what it covers: the tail it does not see is not freed."""
+    from thinblock.meta.owners import refcount_page
+
+    stored = base = np.array([1, 1, 1, 1], dtype=np.uint32).tobytes()
+    new = np.array([2, 1], dtype=np.uint32).tobytes()
+    got = np.frombuffer(refcount_page(0, stored, new, base), dtype=np.uint32).tolist()
+    assert got == [2, 1, 1, 1]

@@ -99,7 +99,10 @@ def recover_stale_grants(meta: MetadataStore) -> list[Grant]:
     with meta.pool_lock():
         stale = meta.stale_grants()
         if stale:
-            meta.commit(Transaction(returned_grants=stale))
+            # Fenced in the same commit: an owner that lost its lock but still runs
+            # would otherwise go on committing into blocks granted to someone else.
+            fenced = sorted({(g.volume_id, g.epoch) for g in stale})
+            meta.commit(Transaction(returned_grants=stale, fenced=fenced))
         return stale
 
 

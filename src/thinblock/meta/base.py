@@ -137,6 +137,9 @@ class Transaction:
     counter_bases: dict[str, int] = field(default_factory=dict)  # superblock int -> value changed from
     grants: list[Grant] = field(default_factory=list)
     returned_grants: list[Grant] = field(default_factory=list)
+    # (volume id, epoch) of leases judged dead (their lock is gone): the store forgets
+    # that owner, so that a process still running on one is refused (ESTALE) from now on.
+    fenced: list[tuple[int, int]] = field(default_factory=list)
 
     def shared(self) -> bool:
         """Whether it uses any of the ownership verbs (a one-owner store refuses those)."""
@@ -147,6 +150,7 @@ class Transaction:
             or self.counter_bases
             or self.grants
             or self.returned_grants
+            or self.fenced
         )
 
 
@@ -260,15 +264,16 @@ class MetadataStore(ABC):
         return [g for g in self.grants() if not self.lease_live(g.volume_id, g.epoch)]
 
     def reserve_ids(self, kind: str, count: int) -> int:
-        """The first of `count` ids ("page" or "volume") that no owner has or will get.
-        Call under pool_lock()."""
+        """The first of `count` ids ("page" or "volume") that no owner has or will get
+        (a pool-level step: it takes pool_lock(), which a caller may hold already)."""
         if kind not in ("page", "volume") or count < 1:
             raise ValueError(f"reserve_ids({kind!r}, {count})")
         key = f"next_{kind}_id"
-        stored = self.superblock().get(key)
-        high = self.max_page_id() if kind == "page" else self.max_volume_id()
-        first = max(int(stored or 0), high + 1)
-        self.commit(Transaction(superblock={key: first + count}))
+        with self.pool_lock():
+            stored = self.superblock().get(key)
+            high = self.max_page_id() if kind == "page" else self.max_volume_id()
+            first = max(int(stored or 0), high + 1)
+            self.commit(Transaction(superblock={key: first + count}))
         return first
 
     @abstractmethod

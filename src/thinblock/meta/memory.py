@@ -47,14 +47,17 @@ class MemoryMetaState:
     leases: dict[int, tuple[str, int, int]] = dataclasses.field(default_factory=dict)
     epochs: dict[int, int] = dataclasses.field(default_factory=dict)
     grants: list[Grant] = dataclasses.field(default_factory=list)
-    pool_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    pool_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    # One lock for the state, shared by every store object on it: objects on one state
+    # stand for owners in several processes, whose commits must not interleave.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class MemoryMetadata(MetadataStore):
     def __init__(self, state: MemoryMetaState, *, readonly: bool = False) -> None:
         self.state = state
         self.readonly = readonly
-        self._lock = threading.Lock()
+        self._lock = state.lock
         self._instance = next(_instances)
 
     @classmethod
@@ -115,6 +118,7 @@ class MemoryMetadata(MetadataStore):
         with self._lock:
             s = self.state
             owners.check_leases(txn.leases, self._current)
+            fenced = {vid for vid, epoch in txn.fenced if (held := s.leases.get(vid)) is not None and held[1] == epoch}
             result = CommitResult()
             superblock = copy.deepcopy(s.superblock)
             for name, value in copy.deepcopy(txn.superblock).items():
@@ -176,6 +180,8 @@ class MemoryMetadata(MetadataStore):
             self.state.superblock, self.state.volumes, self.state.roots = superblock, volumes, roots
             self.state.pages, self.state.refcount_pages, self.state.max_page_id = pages, refcount_pages, high
             self.state.grants = grants
+            for vid in fenced:
+                del self.state.leases[vid]
             return result
 
     # ----- ownership per volume ------------------------------------------------------

@@ -54,6 +54,8 @@ def refcount_page(index: int, stored: bytes | None, new: bytes, base: bytes | No
     freed (base > 0, new 0) is still counted by another owner's commit."""
     if base is None:
         return new
+    if len(new) < len(base):  # a shorter view (the last page of a smaller pool): its tail is unchanged
+        new = new + base[len(new) :]
     n = max(len(new), len(base), len(stored or b"")) // 4
     s, b, w = (_padded(_counts(x), n) for x in (stored, base, new))
     result = s + w - b

@@ -39,7 +39,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta import owners
@@ -160,6 +160,18 @@ def _reads(method: Callable[_P, _T]) -> Callable[_P, _T]:
     return wrapper
 
 
+def _conn_reads(method: Callable[_P, _T]) -> Callable[_P, _T]:
+    """A read on the writing connection (`_reads`), under its lock (SqliteMetadata.conn_lock)."""
+    checked = _reads(method)
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        with cast(SqliteMetadata, args[0]).conn_lock:
+            return checked(*args, **kwargs)
+
+    return wrapper
+
+
 def _connect(path: str, readonly: bool, *, immutable: bool = False) -> sqlite3.Connection:
     uri = f"file:{path}?mode={'ro' if readonly else 'rw'}" + ("&immutable=1" if immutable else "")
     conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None, timeout=30)
@@ -191,7 +203,15 @@ class SqliteMetadata(MetadataStore):
         self._leases_fd = -1
         self._held: dict[int, Lease] = {}  # the leases this store object holds
         self._owner_lock = threading.Lock()  # the fd and _held
-        self._pool_lock = threading.Lock()  # pool_lock() within this process
+        self._pool_lock = threading.RLock()  # pool_lock() within this process (a step may call another)
+        self._pool_depth = 0  # pool_lock() nesting: the OFD byte is taken at the outermost only
+        # The writing connection is one per store object, shared by its threads (an
+        # owner's committer, a pool-level step, lease records): a transaction on it must
+        # never interleave with another thread's statements, or one thread's failed
+        # BEGIN would roll back the other's open transaction and leave its writes
+        # applied piecemeal. Its reads wait too, so that none sees another thread's
+        # uncommitted writes. Page reads use their own connection and never wait.
+        self.conn_lock = threading.RLock()
 
     @classmethod
     def create(cls, path: str, superblock: dict[str, object]) -> SqliteMetadata:
@@ -288,16 +308,16 @@ class SqliteMetadata(MetadataStore):
             raise
         c.execute("COMMIT")
 
-    @_reads
+    @_conn_reads
     def superblock(self) -> dict[str, Any]:
         return {k: json.loads(v) for k, v in self.conn.execute("SELECT key, value FROM superblock")}
 
-    @_reads
+    @_conn_reads
     def volumes(self) -> list[VolumeRow]:
         rows = self.conn.execute(f"SELECT {self._columns} FROM volumes ORDER BY name")
         return [VolumeRow(*row) for row in rows]
 
-    @_reads
+    @_conn_reads
     def roots(self, volume_id: int) -> dict[int, int]:
         rows = self.conn.execute("SELECT page_index, page_id FROM roots WHERE volume_id = ?", (volume_id,))
         return dict(rows)
@@ -364,15 +384,15 @@ class SqliteMetadata(MetadataStore):
         except sqlite3.DatabaseError as exc:
             raise _damaged("the pool's metadata database", exc) from None
 
-    @_reads
+    @_conn_reads
     def max_page_id(self) -> int:
         return int(self.conn.execute("SELECT COALESCE(MAX(id), 0) FROM pages").fetchone()[0])
 
-    @_reads
+    @_conn_reads
     def max_volume_id(self) -> int:
         return int(self.conn.execute("SELECT COALESCE(MAX(id), 0) FROM volumes").fetchone()[0])
 
-    @_reads
+    @_conn_reads
     def refcount_pages(self) -> dict[int, bytes]:
         return dict(self.conn.execute("SELECT idx, counts FROM refcount_pages"))
 
@@ -382,6 +402,10 @@ class SqliteMetadata(MetadataStore):
         A failure is an OSError: ENOSPC when the filesystem under the database is
         full (SQLITE_FULL), EIO otherwise (ESTALE for a lost lease); the database is
         then as before."""
+        with self.conn_lock:
+            return self._commit(txn)
+
+    def _commit(self, txn: Transaction) -> CommitResult:
         c = self.conn
         try:
             c.execute("BEGIN IMMEDIATE")
@@ -410,6 +434,10 @@ class SqliteMetadata(MetadataStore):
         return self._leases_fd
 
     def _write(self, statement: str, args: tuple[object, ...]) -> None:
+        with self.conn_lock:
+            self._write_locked(statement, args)
+
+    def _write_locked(self, statement: str, args: tuple[object, ...]) -> None:
         c = self.conn
         try:
             c.execute("BEGIN IMMEDIATE")
@@ -422,7 +450,7 @@ class SqliteMetadata(MetadataStore):
         except sqlite3.Error as exc:
             raise OSError(errno.EIO, f"metadata lease record failed: {exc}") from exc
 
-    @_reads
+    @_conn_reads
     def _owner_row(self, volume_id: int) -> tuple[str, int] | None:
         row = self.conn.execute("SELECT owner, epoch FROM volume_owners WHERE volume_id = ?", (volume_id,)).fetchone()
         return None if row is None else (str(row[0]), int(row[1]))
@@ -485,19 +513,23 @@ class SqliteMetadata(MetadataStore):
         with self._pool_lock:
             with self._owner_lock:
                 fd = self._fd()
-            lock_range(fd, 0, 1, wait=True)
+            if self._pool_depth == 0:
+                lock_range(fd, 0, 1, wait=True)
+            self._pool_depth += 1
             try:
                 yield
             finally:
-                unlock_range(fd, 0, 1)
+                self._pool_depth -= 1
+                if self._pool_depth == 0:
+                    unlock_range(fd, 0, 1)
 
-    @_reads
+    @_conn_reads
     def grants(self) -> list[Grant]:
         if not _has_table(self.conn, "grants"):
             return []
         return [Grant(*row) for row in self.conn.execute("SELECT volume_id, epoch, start, count FROM grants")]
 
-    @_reads
+    @_conn_reads
     def orphans(self) -> list[int]:
         return [pid for (pid,) in self.conn.execute("SELECT id FROM page_refs WHERE refcount = 0 ORDER BY id")]
 
@@ -596,6 +628,7 @@ def _apply_shared(c: sqlite3.Connection, txn: Transaction, result: CommitResult)
     """txn with every count that has a base turned into the value to store (stored +
     new - base, meta/owners.py), after the lease check; result gets those values."""
     owners.check_leases(txn.leases, lambda vid: _stored_owner(c, vid))
+    c.executemany("UPDATE volume_owners SET owner = '' WHERE volume_id = ? AND epoch = ?", txn.fenced)
     superblock = dict(txn.superblock)
     if txn.counter_bases:
         stored = {k: json.loads(v) for k, v in c.execute("SELECT key, value FROM superblock")}
