@@ -139,7 +139,15 @@ def test_a_commit_under_a_lost_lease_is_refused_and_changes_nothing(owners: Call
 def test_owners_changes_to_one_refcount_page_add_up(owners: Callable[[], MetadataStore]) -> None:
     a, b = owners(), owners()
     la, lb = a.claim_volume(1, "a"), b.claim_volume(2, "b")
+    a.commit(Transaction(leases=[la], grants=[Grant(1, la.epoch, 3, 1)]))
+    b.commit(Transaction(leases=[lb], grants=[Grant(2, lb.epoch, 4, 1)]))
     base = counts(1, 1, 2)
+    # A free block is taken only from one's own grant: not from another's, nor from none.
+    for taken in (counts(1, 1, 2, 0, 1), counts(1, 1, 2, 0, 0, 1)):
+        with pytest.raises(OSError) as exc:
+            a.commit(Transaction(leases=[la], refcount_pages={0: taken}, refcount_bases={0: base}))
+        refused(exc, errno.EIO, "is free, and in no grant this commit holds")
+    assert read_counts(a)[:6] == [1, 1, 2, 0, 0, 0]
     # Both made their change on the same view: a takes dblock 3 and shares 2 once more,
     # b takes dblock 4 and drops its share of 2.
     ra = a.commit(Transaction(leases=[la], refcount_pages={0: counts(1, 1, 3, 1)}, refcount_bases={0: base}))
@@ -149,6 +157,20 @@ def test_owners_changes_to_one_refcount_page_add_up(owners: Callable[[], Metadat
     # Each commit tells its owner what is committed now, the other's changes included.
     assert list(np.frombuffer(ra.refcount_pages[0], dtype=np.uint32)[:5]) == [1, 1, 3, 1, 0]
     assert list(np.frombuffer(rb.refcount_pages[0], dtype=np.uint32)[:5]) == [1, 1, 2, 1, 1]
+
+
+def test_only_its_holder_or_a_fencing_recovery_returns_a_grant(owners: Callable[[], MetadataStore]) -> None:
+    a, b = owners(), owners()
+    la, lb = a.claim_volume(1, "a"), b.claim_volume(2, "b")
+    grant = Grant(1, la.epoch, 10, 4)
+    a.commit(Transaction(leases=[la], grants=[grant]))
+    for txn in (Transaction(leases=[lb], returned_grants=[grant]), Transaction(returned_grants=[grant])):
+        with pytest.raises(OSError) as exc:
+            b.commit(txn)
+        refused(exc, errno.EIO, "only its holder returns it")
+    assert b.grants() == [grant]
+    a.commit(Transaction(leases=[la], returned_grants=[grant]))
+    assert b.grants() == []
 
 
 def test_freeing_a_dblock_another_owner_still_counts_is_refused(owners: Callable[[], MetadataStore]) -> None:
@@ -279,9 +301,10 @@ def test_reserve_ids_refuses_nonsense(owners: Callable[[], MetadataStore]) -> No
 
 
 class TwoOwners(RuleBasedStateMachine):
-    """Two owners change one refcount page on views that go stale; the store must hold
-    exactly the model's counts, and refuse exactly the commits that would free a
-    dblock the other owner still counts."""
+    """Two owners change one refcount page on views that go stale, each with a grant
+    of four dblocks; the store must hold exactly the model's counts, and refuse
+    exactly the commits that would free a dblock the other owner still counts or
+    take a free dblock outside the owner's grant."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -289,6 +312,9 @@ class TwoOwners(RuleBasedStateMachine):
         self.location.create({"block_size": 4096, "size_bytes": BLOCKS * 4096}, BLOCKS * 4096, None)
         self.stores = [self.location.open_meta(readonly=False) for _ in range(2)]
         self.leases = [meta.claim_volume(i + 1, f"owner-{i}") for i, meta in enumerate(self.stores)]
+        for i, (meta, lease) in enumerate(zip(self.stores, self.leases, strict=True)):  # dblocks 0-3, 4-7
+            meta.commit(Transaction(leases=[lease], grants=[Grant(lease.volume_id, lease.epoch, 4 * i, 4)]))
+        self.granted = [np.arange(8) // 4 == i for i in range(2)]
         self.model = np.zeros(8, dtype=np.int64)  # committed counts
         self.held = [np.zeros(8, dtype=np.int64) for _ in range(2)]  # each owner's committed references
         self.base = [np.zeros(8, dtype=np.int64) for _ in range(2)]
@@ -314,6 +340,7 @@ class TwoOwners(RuleBasedStateMachine):
         new, base = self.view[owner], self.base[owner]
         expected = self.model + new - base
         frees_shared = ((new == 0) & (base > 0) & (expected != 0)).any()
+        takes_free = ((self.model == 0) & (expected > 0) & ~self.granted[owner]).any()
         txn = Transaction(
             leases=[self.leases[owner]],
             refcount_pages={0: counts(*new.tolist())},
@@ -322,10 +349,11 @@ class TwoOwners(RuleBasedStateMachine):
         try:
             result = self.stores[owner].commit(txn)
         except OSError as exc:
-            assert frees_shared, exc
-            assert exc.errno == errno.EIO and "still referenced" in str(exc)
+            assert frees_shared or takes_free, exc
+            says = "still referenced" if frees_shared else "in no grant this commit holds"
+            assert exc.errno == errno.EIO and says in str(exc)
             return
-        assert not frees_shared
+        assert not frees_shared and not takes_free
         self.model = expected
         self.held[owner] += new - base
         committed = np.frombuffer(result.refcount_pages[0], dtype=np.uint32)[:8].astype(np.int64)
@@ -370,8 +398,8 @@ base = np.frombuffer(meta.refcount_pages()[0], dtype=np.uint32).copy()
 page = base.copy()
 ids = []
 for i in range(rounds):
-    page[10 + vid] += 1  # its own dblock
-    page[20] += 1  # one both share
+    page[100 + 40 * vid] += 1  # its own dblock, from its grant
+    page[2] += 1  # one all share
     result = meta.commit(Transaction(
         leases=[lease],
         refcount_pages={0: page.tobytes()}, refcount_bases={0: base.tobytes()},
@@ -419,7 +447,7 @@ def test_owner_processes_commit_to_one_pool_at_once(sqlite_pool: str) -> None:
     meta = locate(sqlite_pool).open_meta(readonly=True)
     try:
         got = np.frombuffer(meta.refcount_pages()[0], dtype=np.uint32)
-        assert [int(got[10 + vid]) for vid in (1, 2, 3)] == [100, 100, 100] and int(got[20]) == 300
+        assert [int(got[100 + 40 * vid]) for vid in (1, 2, 3)] == [100, 100, 100] and int(got[2]) == 2 + 300
         assert meta.page(7) == (2 + 300, b"shared page")
         assert sorted((g.volume_id, g.start) for g in meta.grants()) == [(1, 140), (2, 180), (3, 220)]
     finally:
@@ -443,8 +471,8 @@ def test_a_killed_owner_process_frees_its_volume_and_its_grants_go_stale(sqlite_
             assert meta.stale_grants() == [Grant(1, 1, 140, 10)]
             lease = meta.claim_volume(1, "me")
             assert lease.epoch == 2
-            with meta.pool_lock():  # the next pool-level step takes the grant back
-                meta.commit(Transaction(leases=[lease], returned_grants=meta.stale_grants()))
+            with meta.pool_lock():  # the next pool-level step takes the grant back, fencing its lease
+                meta.commit(Transaction(returned_grants=meta.stale_grants(), fenced=[(1, 1)]))
             assert meta.grants() == []
         finally:
             meta.close()

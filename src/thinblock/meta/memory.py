@@ -168,7 +168,10 @@ class MemoryMetadata(MetadataStore):
             refcount_pages = dict(s.refcount_pages)
             for index, blob in txn.refcount_pages.items():
                 base_blob = txn.refcount_bases.get(index)
-                refcount_pages[index] = owners.refcount_page(index, s.refcount_pages.get(index), bytes(blob), base_blob)
+                granted = None if base_blob is None else owners.granted_mask(txn, s.grants, index)
+                refcount_pages[index] = owners.refcount_page(
+                    index, s.refcount_pages.get(index), bytes(blob), base_blob, granted
+                )
                 if base_blob is not None:
                     result.refcount_pages[index] = refcount_pages[index]
             n_blocks = int(superblock.get("size_bytes", 0)) // int(superblock.get("block_size", 1) or 1)

@@ -48,10 +48,16 @@ def _padded(a: np.ndarray, n: int) -> np.ndarray:
     return a if len(a) >= n else np.concatenate([a, np.zeros(n - len(a), dtype=np.int64)])
 
 
-def refcount_page(index: int, stored: bytes | None, new: bytes, base: bytes | None) -> bytes:
+def refcount_page(
+    index: int, stored: bytes | None, new: bytes, base: bytes | None, granted: np.ndarray | None = None
+) -> bytes:
     """The refcount page to store. Without a base, new itself. With one, stored +
-    (new - base), refused if a count would go below zero or if a dblock this owner
-    freed (base > 0, new 0) is still counted by another owner's commit."""
+    (new - base), refused if a count would go below zero, if a dblock this owner
+    freed (base > 0, new 0) is still counted by another owner's commit, or if a
+    dblock at zero in the store would become counted outside the commit's own grants
+    (granted: the page's dblocks in grants of its leases), which is how a block
+    could end up in use twice. A stale base is no reason to refuse: a dblock another
+    owner counts already may gain references from anyone sharing it."""
     if base is None:
         return new
     if len(new) < len(base):  # a shorter view (the last page of a smaller pool): its tail is unchanged
@@ -69,6 +75,13 @@ def refcount_page(index: int, stored: bytes | None, new: bytes, base: bytes | No
             f"dblock {first + int(still[0])} is still referenced ({int(result[still[0]])}) by another owner:"
             " this commit may not free it"
         )
+    if granted is not None:
+        mine = _padded(granted.astype(np.int64), n).astype(bool)
+        taken = np.flatnonzero((s == 0) & (result > 0) & ~mine)
+        if taken.size:
+            raise refused(
+                f"dblock {first + int(taken[0])} is free, and in no grant this commit holds: it may not be taken"
+            )
     if result.size and int(result.max()) > 0xFFFFFFFF:
         raise refused(f"a refcount of refcount page {index} would overflow")
     return bytes(result.astype(np.uint32).tobytes())
@@ -111,11 +124,16 @@ def check_grants(
     pool, overlap no other grant, and cover only blocks at count zero as committed
     (refcount_of(start, count): the stored counts, this commit's own changes applied)."""
     after = list(held)
+    leased = {(lease.volume_id, lease.epoch) for lease in txn.leases}
     for g in txn.returned_grants:
         if g not in after:
             raise refused(f"grant {g.start}+{g.count} of volume {g.volume_id} is not held")
+        if (g.volume_id, g.epoch) not in leased and (g.volume_id, g.epoch) not in txn.fenced:
+            raise refused(
+                f"grant {g.start}+{g.count} is volume {g.volume_id}'s (epoch {g.epoch}): only its holder"
+                " returns it, or a recovery that fences its lease"
+            )
         after.remove(g)
-    leased = {(lease.volume_id, lease.epoch) for lease in txn.leases}
     for g in txn.grants:
         if g.count < 1 or g.start < 0 or g.start + g.count > n_blocks:
             raise refused(f"grant {g.start}+{g.count} lies outside the pool's {n_blocks} blocks")
@@ -131,6 +149,20 @@ def check_grants(
             raise refused(f"grant {g.start}+{g.count} covers dblock {g.start + int(busy[0])}, which is in use")
         after.append(g)
     return after
+
+
+def granted_mask(txn: Transaction, held: Iterable[Grant], index: int) -> np.ndarray:
+    """Which dblocks of refcount page `index` lie in a grant of one of txn's leases
+    (held before it, or taken by it): where its owner may allocate."""
+    leased = {(lease.volume_id, lease.epoch) for lease in txn.leases}
+    first = index * REFCOUNT_ENTRIES
+    mask = np.zeros(REFCOUNT_ENTRIES, dtype=bool)
+    for g in [*held, *txn.grants]:
+        if (g.volume_id, g.epoch) in leased:
+            lo, hi = max(g.start, first), min(g.start + g.count, first + REFCOUNT_ENTRIES)
+            if lo < hi:
+                mask[lo - first : hi - first] = True
+    return mask
 
 
 def refcounts_in(pages: dict[int, bytes], start: int, count: int) -> np.ndarray:

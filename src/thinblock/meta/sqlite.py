@@ -651,11 +651,20 @@ def _apply_shared(c: sqlite3.Connection, txn: Transaction, result: CommitResult)
             page_refcounts[pid] = result.page_refcounts[pid] = count
     result.orphans = sorted(pid for pid, count in result.page_refcounts.items() if count == 0)
     refcount_pages = dict(txn.refcount_pages)
+    held_grants = (
+        [Grant(*row) for row in c.execute("SELECT volume_id, epoch, start, count FROM grants")]
+        if txn.refcount_bases and _has_table(c, "grants")
+        else []
+    )
     for index, base_blob in txn.refcount_bases.items():
         if index in refcount_pages:
             row = c.execute("SELECT counts FROM refcount_pages WHERE idx = ?", (index,)).fetchone()
             refcount_pages[index] = owners.refcount_page(
-                index, None if row is None else row[0], bytes(refcount_pages[index]), base_blob
+                index,
+                None if row is None else row[0],
+                bytes(refcount_pages[index]),
+                base_blob,
+                owners.granted_mask(txn, held_grants, index),
             )
             result.refcount_pages[index] = refcount_pages[index]
     if txn.grants or txn.returned_grants:
