@@ -59,7 +59,7 @@ def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Locatio
             volumes=[VolumeRow(1, "a", 1 << 20, "on", 1.0), VolumeRow(2, "b", 1 << 20, "on", 1.0)],
             pages={7: (2, b"shared page")},
             refcount_pages={0: counts(1, 1, 2)},
-            superblock={"used_blocks": 3},
+            superblock={"used_blocks": 3, "snapshots_taken": 3},
         )
     )
     seed.close()
@@ -173,6 +173,22 @@ def test_only_its_holder_or_a_fencing_recovery_returns_a_grant(owners: Callable[
     assert b.grants() == []
 
 
+def test_the_store_counts_used_blocks_from_the_counts_themselves(owners: Callable[[], MetadataStore]) -> None:
+    """Dblock 2 has two references, one each: both owners drop theirs on a view that
+    says 2 -> 1, so neither sees it freed, yet the store reaches zero and used_blocks
+    must follow. Owners never send used_blocks as a change."""
+    a, b = owners(), owners()
+    la, lb = a.claim_volume(1, "a"), b.claim_volume(2, "b")
+    base = counts(1, 1, 2)
+    for meta, lease in ((a, la), (b, lb)):
+        result = meta.commit(Transaction(leases=[lease], refcount_pages={0: counts(1, 1, 1)}, refcount_bases={0: base}))
+    assert read_counts(a)[:3] == [1, 1, 0] and a.superblock()["used_blocks"] == 2
+    assert result.counters["used_blocks"] == 2
+    with pytest.raises(OSError) as exc:
+        a.commit(Transaction(leases=[la], superblock={"used_blocks": 9}, counter_bases={"used_blocks": 2}))
+    refused(exc, errno.EIO, "counted by the store")
+
+
 def test_freeing_a_dblock_another_owner_still_counts_is_refused(owners: Callable[[], MetadataStore]) -> None:
     a, b = owners(), owners()
     la, lb = a.claim_volume(1, "a"), b.claim_volume(2, "b")
@@ -201,24 +217,24 @@ def test_page_counts_and_counters_are_changes_and_orphans_are_reported(owners: C
             leases=[la],
             page_refcounts={7: 1},
             page_ref_bases={7: 2},
-            superblock={"used_blocks": 4},
-            counter_bases={"used_blocks": 3},
+            superblock={"snapshots_taken": 4},
+            counter_bases={"snapshots_taken": 3},
         )
     )
-    assert ra.page_refcounts == {7: 1} and ra.orphans == [] and ra.counters == {"used_blocks": 4}
+    assert ra.page_refcounts == {7: 1} and ra.orphans == [] and ra.counters == {"snapshots_taken": 4}
     rb = b.commit(
         Transaction(
             leases=[lb],
             page_refcounts={7: 1},
             page_ref_bases={7: 2},
-            superblock={"used_blocks": 2},
-            counter_bases={"used_blocks": 3},
+            superblock={"snapshots_taken": 2},
+            counter_bases={"snapshots_taken": 3},
         )
     )
     # Neither view reached zero, the store did: the page is an orphan for the fold.
     assert rb.page_refcounts == {7: 0} and rb.orphans == [7]
     assert a.orphans() == [7] and a.page(7) == (0, b"shared page")
-    assert a.superblock()["used_blocks"] == 3 and rb.counters == {"used_blocks": 3}
+    assert a.superblock()["snapshots_taken"] == 3 and rb.counters == {"snapshots_taken": 3}
     with pytest.raises(OSError) as exc:
         b.commit(Transaction(leases=[lb], page_refcounts={7: 1}, page_ref_bases={7: 3}))
     refused(exc, errno.EIO, "mapping page 7's refcount would go below zero")

@@ -92,6 +92,16 @@ def test_a_grant_is_free_space_punched_to_zero_and_never_given_twice(opened: tup
     assert take_grant(meta, store, b, 10) == Grant(2, b.epoch, 7, 2)
 
 
+def test_a_grant_takes_back_a_dead_owners_grant_first(pool: str, opened: tuple[MetadataStore, DataStore]) -> None:
+    meta, store = opened
+    dead = locate(pool).open_meta(readonly=False)
+    lease = dead.claim_volume(2, "dead")
+    dead.commit(Transaction(leases=[lease], grants=[Grant(2, lease.epoch, 3, BLOCKS - 3)]))  # all the free space
+    dead.close()  # its process ends: the lease goes, the grant stays
+    assert take_grant(meta, store, meta.claim_volume(1, "a"), 4).start == 3
+    assert [g.volume_id for g in meta.grants()] == [1]
+
+
 def test_a_killed_owners_grant_is_taken_back_and_its_unsaved_bytes_never_show(pool: str) -> None:
     script = (
         "import sys\n"
@@ -172,6 +182,8 @@ def test_a_step_that_fails_below_changes_nothing_and_runs_again(
 ) -> None:
     inner_meta, inner_store = opened
     meta, store = FaultyMeta(inner_meta), FaultyStore(inner_store)
+    for dblock in range(3, 11):  # bytes nobody committed, in the free blocks the grants take
+        inner_store.pwritev(dblock * BS, [JUNK])
     lease = inner_meta.claim_volume(1, "a")
     granted = take_grant(inner_meta, inner_store, lease, 4)
     if step == "recover":
@@ -205,7 +217,8 @@ def test_a_step_that_fails_below_changes_nothing_and_runs_again(
         assert after == []
     else:
         assert inner_meta.orphans() == [] and read_counts(inner_meta)[:3] == [0, 0, 1]
-    assert np.all(np.frombuffer(inner_store.pread(3 * BS, 8 * BS), dtype=np.uint8) == 0)
+    if step == "grant":  # both grants' blocks were punched by their taker
+        assert np.all(np.frombuffer(inner_store.pread(3 * BS, 8 * BS), dtype=np.uint8) == 0)
 
 
 def test_a_grant_is_punched_outside_the_pool_level_lock(pool: str, opened: tuple[MetadataStore, DataStore]) -> None:
@@ -230,3 +243,26 @@ def test_a_grant_is_punched_outside_the_pool_level_lock(pool: str, opened: tuple
     finally:
         os.close(leases)
     assert seen == [False, False]
+
+
+def test_the_fold_frees_what_it_and_an_owner_took_to_zero_together(opened: tuple[MetadataStore, DataStore]) -> None:
+    """An owner drops its reference to dblock 2 (2 -> 1 on its view) between the fold's
+    read and its commit: the fold's drop takes it to zero in the store, and the fold
+    reports it freed (from the committed counts, not from what it read)."""
+    meta, _store = opened
+    owner = meta.claim_volume(2, "b")
+    _orphaned(meta)
+
+    class OwnerCommitsFirst(FaultyMeta):
+        def commit(self, txn: Transaction) -> Any:
+            if txn.pages:  # the fold's commit: the owner's lands just before it
+                self.inner.commit(
+                    Transaction(
+                        leases=[owner], refcount_pages={0: counts(1, 1, 1)}, refcount_bases={0: counts(1, 1, 2)}
+                    )
+                )
+            return super().commit(txn)
+
+    folded = fold_orphans(cast(MetadataStore, OwnerCommitsFirst(meta)))
+    assert (folded.pages, folded.freed) == ([7], [0, 1, 2])
+    assert read_counts(meta)[:3] == [0, 0, 0] and meta.superblock()["used_blocks"] == 0

@@ -58,10 +58,12 @@ def take_grant(meta: MetadataStore, store: DataStore, lease: Lease, blocks: int)
     """Up to `blocks` free blocks for lease's volume, the first run of free space
     (shorter when the free space is fragmented): granted under the pool-level lock,
     then punched and synced outside it. ENOSPC, with nothing changed, when no block
-    is free outside others' grants; a failed punch or sync gives the grant back."""
+    is free outside others' grants; a failed punch or sync gives the grant back.
+    Dead owners' grants are taken back first (they may hold all the free space)."""
     if blocks < 1:
         raise ValueError(f"a grant of {blocks} blocks")
     with meta.pool_lock():
+        recover_stale_grants(meta)  # dead owners' grants hold free space: theirs first
         sb = meta.superblock()
         block_size = int(sb["block_size"])
         free = _free_mask(meta, int(sb["size_bytes"]) // block_size)
@@ -132,15 +134,20 @@ def fold_orphans(meta: MetadataStore) -> Folded:
                 if new[dblock - index * REFCOUNT_PAGE_ENTRIES] == 0:
                     freed.append(dblock)
             bases[index], pages[index] = base, new.astype(np.uint32).tobytes()
-        used = int(meta.superblock().get("used_blocks", 0))
-        meta.commit(
+        result = meta.commit(
             Transaction(
                 pages=dict.fromkeys(orphans),
                 page_ref_bases=dict.fromkeys(orphans, 0),
                 refcount_pages=pages,
                 refcount_bases=bases,
-                superblock={"used_blocks": used - len(freed)},
-                counter_bases={"used_blocks": used},
             )
         )
+        # What the store holds now, owners' changes since the read included: a dblock
+        # their drops and the fold's took to zero together is freed too.
+        freed = [
+            d
+            for d in drops
+            if (got := result.refcount_pages.get(d // REFCOUNT_PAGE_ENTRIES)) is not None
+            and int(np.frombuffer(got, dtype=np.uint32)[d % REFCOUNT_PAGE_ENTRIES]) == 0
+        ]
         return Folded(orphans, sorted(freed))

@@ -166,12 +166,15 @@ class MemoryMetadata(MetadataStore):
             if len(names) != len(set(names)):
                 raise OSError(errno.EIO, "metadata commit failed: two volumes would share a name")
             refcount_pages = dict(s.refcount_pages)
+            used_change = 0
             for index, blob in txn.refcount_pages.items():
                 base_blob = txn.refcount_bases.get(index)
                 granted = None if base_blob is None else owners.granted_mask(txn, s.grants, index)
                 refcount_pages[index] = owners.refcount_page(
                     index, s.refcount_pages.get(index), bytes(blob), base_blob, granted
                 )
+                if base_blob is not None:
+                    used_change += owners.nonzero_change(s.refcount_pages.get(index), refcount_pages[index])
                 if base_blob is not None:
                     result.refcount_pages[index] = refcount_pages[index]
             n_blocks = int(superblock.get("size_bytes", 0)) // int(superblock.get("block_size", 1) or 1)
@@ -180,6 +183,9 @@ class MemoryMetadata(MetadataStore):
             )
             result.orphans = sorted(pid for pid in result.page_refcounts if result.page_refcounts[pid] == 0)
             high = max([s.max_page_id, *txn.pages])
+            if txn.refcount_bases:
+                superblock[owners.USED] = owners.used_after(superblock.get(owners.USED), used_change)
+                result.counters[owners.USED] = int(superblock[owners.USED])
             self.state.superblock, self.state.volumes, self.state.roots = superblock, volumes, roots
             self.state.pages, self.state.refcount_pages, self.state.max_page_id = pages, refcount_pages, high
             self.state.grants = grants

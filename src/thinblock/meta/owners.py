@@ -87,6 +87,29 @@ def refcount_page(
     return bytes(result.astype(np.uint32).tobytes())
 
 
+USED = "used_blocks"  # kept by the store itself in shared commits (used_after)
+
+
+def nonzero_change(stored: bytes | None, result: bytes) -> int:
+    """How many more dblocks are counted (nonzero) in result than in stored: what a
+    refcount page's change does to the pool's used blocks. Derived here, from the
+    counts themselves, because no owner sees a block reach zero through the sum of
+    several owners' changes (each drops one of two references on its own view)."""
+    n = max(len(result), len(stored or b"")) // 4
+    before, after = (_padded(_counts(x), n) for x in (stored, result))
+    return int(np.count_nonzero(after)) - int(np.count_nonzero(before))
+
+
+def used_after(stored: object, change: int) -> int:
+    """The pool's used blocks after a shared commit whose refcount pages changed it by change."""
+    if not isinstance(stored, int | None):
+        raise refused(f"superblock {USED} is not a counter")
+    result = int(stored or 0) + change
+    if result < 0:
+        raise refused(f"superblock {USED} would go below zero")
+    return result
+
+
 def page_count(page_id: int, stored: int | None, new: int, base: int | None, *, deleting: bool) -> int:
     """A mapping page's refcount to store: new without a base, else stored + (new -
     base). A page this commit deletes must reach zero; one with a base must exist."""
@@ -106,6 +129,8 @@ def counter(key: str, stored: object, new: object, base: int | None) -> object:
     """A superblock value to store: new, or for a counter with a base, stored + (new - base)."""
     if base is None:
         return new
+    if key == USED:
+        raise refused(f"superblock {USED} is counted by the store in shared commits, not sent as a change")
     if not isinstance(new, int) or not isinstance(stored, int | None):
         raise refused(f"superblock {key} is not a counter")
     result = int(stored or 0) + new - base

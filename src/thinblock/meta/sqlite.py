@@ -656,6 +656,7 @@ def _apply_shared(c: sqlite3.Connection, txn: Transaction, result: CommitResult)
         if txn.refcount_bases and _has_table(c, "grants")
         else []
     )
+    used_change = 0
     for index, base_blob in txn.refcount_bases.items():
         if index in refcount_pages:
             row = c.execute("SELECT counts FROM refcount_pages WHERE idx = ?", (index,)).fetchone()
@@ -666,7 +667,12 @@ def _apply_shared(c: sqlite3.Connection, txn: Transaction, result: CommitResult)
                 base_blob,
                 owners.granted_mask(txn, held_grants, index),
             )
+            used_change += owners.nonzero_change(None if row is None else row[0], refcount_pages[index])
             result.refcount_pages[index] = refcount_pages[index]
+    if txn.refcount_bases:
+        used = c.execute("SELECT value FROM superblock WHERE key = ?", (owners.USED,)).fetchone()
+        superblock[owners.USED] = owners.used_after(None if used is None else json.loads(used[0]), used_change)
+        result.counters[owners.USED] = int(superblock[owners.USED])  # type: ignore[call-overload]
     if txn.grants or txn.returned_grants:
         held = [Grant(*row) for row in c.execute("SELECT volume_id, epoch, start, count FROM grants")]
         sb = {k: json.loads(v) for k, v in c.execute("SELECT key, value FROM superblock")}
