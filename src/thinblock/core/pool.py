@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from thinblock.backends import Location, Ownership, locate
 from thinblock.core.commit import Committer
 from thinblock.core.mapping import PAGE_ENTRIES
+from thinblock.core.pool_steps import grant_figures
 from thinblock.core.registry import STAGING_PREFIX, VolumeRegistry
 from thinblock.core.reservation import target_blocks
 from thinblock.core.space import SpaceAccounts
@@ -696,6 +697,7 @@ class Pool:
                 **self.host_figures(),
                 "block_size": self.block_size,
                 **self.volumes.totals.figures(self.block_size),
+                **grant_figures(self.meta, self.block_size),
                 **self.policy.settings(),
             }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import logging
 from collections import Counter
 
@@ -27,7 +28,9 @@ import numpy as np
 
 from thinblock.core.mapping import entry_dblock, mapped_pairs
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
+from thinblock.errors import ThinblockError
 from thinblock.meta.base import Grant, Lease, MetadataStore, Transaction
+from thinblock.meta.owners import refcounts_in
 from thinblock.store.base import DataStore
 
 log = logging.getLogger("thinblock.pool")
@@ -37,6 +40,47 @@ log = logging.getLogger("thinblock.pool")
 class Folded:
     pages: list[int]  # orphan pages deleted
     freed: list[int]  # dblocks their deletion brought to count zero
+
+
+def grant_figures(meta: MetadataStore, block_size: int) -> dict[str, int]:
+    """`pool status`'s figures of grants: the space owners hold in them, and how much of
+    it no block uses yet (zero for a store with one owner per pool, which has none)."""
+    try:
+        grants = meta.grants()
+    except ThinblockError:
+        grants = []
+    unused = 0
+    if grants:  # the counts are read only when some owner holds a grant
+        stored = meta.refcount_pages()
+        unused = sum(int(np.count_nonzero(refcounts_in(stored, g.start, g.count) == 0)) for g in grants)
+    return {
+        "granted_bytes": sum(g.count for g in grants) * block_size,
+        "granted_unused_bytes": unused * block_size,
+    }
+
+
+def grant_problems(meta: MetadataStore, n_blocks: int, volume_ids: set[int]) -> list[str]:
+    """What `pool check` finds wrong with the grants: one outside the pool, two that
+    overlap, one for a volume that does not exist (none for a one-owner store)."""
+    try:
+        grants = sorted(meta.grants(), key=lambda g: g.start)
+    except ThinblockError:
+        return []
+    problems = []
+    for g in grants:
+        if g.count < 1 or g.start < 0 or g.start + g.count > n_blocks:
+            problems.append(
+                f"grant {g.start}+{g.count} of volume {g.volume_id} lies outside the pool's {n_blocks} blocks"
+            )
+        if g.volume_id not in volume_ids:
+            problems.append(f"grant {g.start}+{g.count} is held for volume {g.volume_id}, which does not exist")
+    for before, after in itertools.pairwise(grants):
+        if after.start < before.start + before.count:
+            problems.append(
+                f"grants {before.start}+{before.count} (volume {before.volume_id}) and {after.start}+{after.count}"
+                f" (volume {after.volume_id}) overlap: a block could be allocated twice"
+            )
+    return problems
 
 
 def _free_mask(meta: MetadataStore, n_blocks: int) -> np.ndarray:

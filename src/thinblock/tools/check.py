@@ -27,6 +27,7 @@ from thinblock.backends import Location, locate
 from thinblock.core.mapped import Mapped, mapped_entries, positions
 from thinblock.core.mapping import PAGE_ENTRIES, BlockState, entry_dblock, entry_state, entry_valid, mapped_pairs
 from thinblock.core.pool import check_data_size
+from thinblock.core.pool_steps import grant_problems
 from thinblock.core.reservation import set_aside_blocks
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
@@ -400,4 +401,5 @@ def _check(meta: MetadataStore) -> list[str]:
     if sb.get("used_blocks") != used:
         problems.append(f"superblock records {sb.get('used_blocks')} used blocks, {used} are referenced")
     problems.extend(_check_exclusive(tables, dblock_refs, n_blocks, int(sb.get("sharing_epoch") or 0)))
+    problems.extend(grant_problems(meta, n_blocks, {row.id for row in meta.volumes()}))
     return problems

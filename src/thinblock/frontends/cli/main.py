@@ -83,6 +83,11 @@ def _human_status(status: dict[str, Any]) -> str:
         + f", metadata slack {format_size(status['metadata_slack_bytes'])}"
         + (f"; COMMITS FAILING: {status['commit_failure']}" if status.get("commit_failure") else "")
     )
+    if status.get("granted_bytes"):  # only once owners per volume hold grants
+        lines.append(
+            f"granted to volume owners: {format_size(status['granted_bytes'])},"
+            f" {format_size(status['granted_unused_bytes'])} of it unused"
+        )
     if status["volume_count"] or status["snapshot_count"]:
         lines.append(
             f"{status['volume_count']} volume(s) and {status['snapshot_count']} snapshot(s) map"
