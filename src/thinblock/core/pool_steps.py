@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import itertools
 import logging
 from collections import Counter
 
@@ -74,12 +73,16 @@ def grant_problems(meta: MetadataStore, n_blocks: int, volume_ids: set[int]) -> 
             )
         if g.volume_id not in volume_ids:
             problems.append(f"grant {g.start}+{g.count} is held for volume {g.volume_id}, which does not exist")
-    for before, after in itertools.pairwise(grants):
-        if after.start < before.start + before.count:
+    reach = grants[0] if grants else None  # the grant reaching furthest so far
+    for after in grants[1:]:
+        assert reach is not None
+        if after.start < reach.start + reach.count:
             problems.append(
-                f"grants {before.start}+{before.count} (volume {before.volume_id}) and {after.start}+{after.count}"
+                f"grants {reach.start}+{reach.count} (volume {reach.volume_id}) and {after.start}+{after.count}"
                 f" (volume {after.volume_id}) overlap: a block could be allocated twice"
             )
+        if after.start + after.count > reach.start + reach.count:
+            reach = after
     return problems
 
 
@@ -169,14 +172,11 @@ def fold_orphans(meta: MetadataStore) -> Folded:
         stored = meta.refcount_pages()
         bases: dict[int, bytes] = {}
         pages: dict[int, bytes] = {}
-        freed: list[int] = []
         for index in sorted({d // REFCOUNT_PAGE_ENTRIES for d in drops}):
             base = stored.get(index, bytes(4 * REFCOUNT_PAGE_ENTRIES))
             new = np.frombuffer(base, dtype=np.uint32).astype(np.int64)
             for dblock in (d for d in drops if d // REFCOUNT_PAGE_ENTRIES == index):
                 new[dblock - index * REFCOUNT_PAGE_ENTRIES] -= drops[dblock]
-                if new[dblock - index * REFCOUNT_PAGE_ENTRIES] == 0:
-                    freed.append(dblock)
             bases[index], pages[index] = base, new.astype(np.uint32).tobytes()
         result = meta.commit(
             Transaction(
