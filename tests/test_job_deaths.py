@@ -255,6 +255,60 @@ def test_sigterm_and_sighup_cancel_an_import_like_sigint(tmp_path: Path, sig: in
     _check(pool)
 
 
+def test_a_signal_in_a_local_job_waits_for_its_next_safe_point() -> None:
+    """A job run in the command's own process holds the pool in its main thread, so
+    the handler only takes the signal; check() (each progress report, each stream
+    read) raises it. Before, the handler raised at whatever bytecode the main thread
+    was on: inside the pool's code too."""
+    from thinblock.frontends.cli.signals import Interrupted, job_signals
+
+    reached = []
+    with pytest.raises(Interrupted) as stopped, job_signals() as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler has run by now (a sleep runs pending handlers)
+        reached.append("past the signal")
+        signals.checked(lambda done, total: reached.append(f"progress {done}/{total}"))(1, 2)
+        reached.append("past the check")
+    assert stopped.value.signum == signal.SIGTERM
+    assert reached == ["past the signal", "progress 1/2"]
+
+
+def test_an_exception_right_after_a_commit_claims_its_turn_leaves_no_commit_waiting(tmp_path: Path) -> None:
+    """A KeyboardInterrupt may land between any two calls of the main thread. One
+    right after a commit claimed its turn (here: the clock read that follows the
+    claim) used to leave the turn taken, and every later commit, the one at close
+    too, waited for it forever: the import that hung in CI after SIGTERM."""
+    path = str(tmp_path / "pool")
+    thinblock("pool", "create", path, "--size", "64M")
+    with Pool.open(path, autocommit=False) as pool:
+        pool.create_volume("v", MiB)
+        clock = time.perf_counter
+        calls = [0]
+
+        def interrupted_once() -> float:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise KeyboardInterrupt
+            return clock()
+
+        time.perf_counter = interrupted_once
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.commit()
+        finally:
+            time.perf_counter = clock
+        later = threading.Thread(target=pool.commit, daemon=True)
+        later.start()
+        later.join(60)  # a commit takes milliseconds; a turn never given back, for ever
+        stuck = later.is_alive()
+        if stuck:  # give the turn back by hand, so that the pool can close and the test fail
+            with pool.committer.lock:
+                pool.committer._committing = False
+                pool.committer._commit_idle.notify_all()
+        assert not stuck, "the next commit waits for a turn nobody gives back"
+    assert _names(path) == ["v"]
+
+
 def _rbd_image_with_a_snapshot() -> bytes:
     """An "rbd image v2" stream of two diffs, as `rbd export --export-format 2` writes
     for an image with one snapshot: the first ends at snapshot s1 (the stream's first

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s
-from thinblock.admin.jobs import run_job
+from thinblock.admin.jobs import Check, run_job
 from thinblock.admin.verbs import run_verb
 from thinblock.backends import locate
 from thinblock.core.pool import Pool
@@ -41,16 +41,17 @@ class LocalAdmin:
     def call(self, verb: str, **args: Any) -> Any:
         return run_verb(self.pool, verb, args)
 
-    def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
+    def job(self, verb: str, fds: list[int], progress: ProgressFn | None, *, check: Check = None, **args: Any) -> Any:
         """While a job runs here, this process holds the pool as a server would: it
         commits in the background, and it offers the control socket, so that other
         commands get through meanwhile (`export-diff POOL ... - | import-diff - POOL
-        ...` on one pool: the second command's job runs in the first's process)."""
+        ...` on one pool: the second command's job runs in the first's process).
+        check is called at the job's safe points (cli/signals.py): it raises to stop it."""
         self.pool.start_committer()
         server: ControlServer | None = None
         try:
             server = ControlServer(self.pool)
-            return run_job(self.pool, verb, args, list(fds), progress or no_progress)
+            return run_job(self.pool, verb, args, list(fds), progress or no_progress, check)
         finally:
             if server is not None:
                 server.drain()

@@ -104,7 +104,7 @@ def _export(
     vol = visible(pool, name)
     sink: RandomSink | StreamWriter
     if dest_kind == "stream" or (dest_kind == "file" and format == "rbd"):
-        sink = StreamWriter(fds[0], dest)
+        sink = StreamWriter(fds[0], dest, check)
     elif dest_kind == "file":
         sink = FileSink(fds[0], dest, vol.size_bytes, fresh=fresh)
     elif dest_kind == "nbd":
@@ -126,7 +126,7 @@ def _export_diff(
     version: int = 1,
 ) -> dict[str, Any]:
     _fds("export-diff", fds, 1)
-    with contextlib.closing(StreamWriter(fds[0], dest)) as out:
+    with contextlib.closing(StreamWriter(fds[0], dest, check)) as out:
         return diffs.export_diff(pool, name, from_snap, out, progress, version=version)
 
 

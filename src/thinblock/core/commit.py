@@ -104,40 +104,48 @@ class Committer:
     def between_commits(self, read: Callable[[MetadataStore], _T]) -> _T:
         """Run read on the metadata store while no commit runs or starts (a dump sees
         one committed state); requests go on meanwhile, only commits wait."""
-        with self.lock:
-            while self._committing:
-                self._commit_idle.wait()
-            self._committing = True
+        claimed = False
         try:
+            with self.lock:
+                while self._committing:
+                    self._commit_idle.wait()
+                self._committing = claimed = True
             return read(self.meta)
         finally:
-            with self.lock:
-                self._committing = False
-                self._commit_idle.notify_all()
+            if claimed:
+                self._give_turn_back()
 
     def commit(self) -> None:
         """Make everything completed so far durable: data first, then the metadata
         that points at it, atomically (docs/architecture.md's flush). Raises CommitError (ENOSPC
         when the layer below is full, else EIO) and changes nothing in memory if it
         fails; what it would have written stays pending."""
-        with self.lock:
-            while self._committing:
-                self._commit_idle.wait()
-            if self.closed.is_set():
-                return
-            self._committing = True
-        started = time.perf_counter()
+        # The turn is claimed inside the try that gives it back: an exception between
+        # the two (a Ctrl-C lands at any bytecode) would leave every later commit,
+        # the one at close too, waiting for it forever.
+        claimed = False
         try:
-            self._commit_once()
-        except BaseException:
-            self.stats.commit_failed(time.perf_counter() - started)
-            raise
-        else:
+            with self.lock:
+                while self._committing:
+                    self._commit_idle.wait()
+                if self.closed.is_set():
+                    return
+                self._committing = claimed = True
+            started = time.perf_counter()
+            try:
+                self._commit_once()
+            except BaseException:
+                self.stats.commit_failed(time.perf_counter() - started)
+                raise
             self.stats.committed(time.perf_counter() - started)
         finally:
-            with self.lock:
-                self._committing = False
-                self._commit_idle.notify_all()
+            if claimed:
+                self._give_turn_back()
+
+    def _give_turn_back(self) -> None:
+        with self.lock:
+            self._committing = False
+            self._commit_idle.notify_all()
 
     def _commit_once(self) -> None:
         with self.lock:

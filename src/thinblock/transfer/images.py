@@ -177,9 +177,10 @@ class FileSink:
 
 
 class StreamReader:
-    """A stream read front to back (a pipe, standard input), in chunks. While it waits
-    for the writer, `check` is called every second: it raises to give up (the command
-    that asked for the job went away)."""
+    """A stream read front to back (a pipe, standard input), in chunks. check, when
+    given, is called after each read and every second while the reader waits for
+    the writer: it raises to give up (the command that asked for the job went away,
+    or a signal stopped it: cli/signals.py)."""
 
     def __init__(self, fd: int, name: str, check: Callable[[], None] | None = None) -> None:
         self.fd, self.name = fd, name
@@ -192,9 +193,12 @@ class StreamReader:
         poller = select.poll()
         poller.register(self.fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         while left:
-            while self.check is not None and not poller.poll(1000):
-                self.check()
+            if self.check is not None:
+                while not poller.poll(1000):
+                    self.check()
             got = os.read(self.fd, left)
+            if self.check is not None:
+                self.check()
             if not got:
                 break
             parts.append(got)
@@ -206,16 +210,29 @@ class StreamReader:
 
 
 class StreamWriter:
-    """A stream written front to back (a pipe, standard output, a file)."""
+    """A stream written front to back (a pipe, standard output, a file). check, as
+    for StreamReader: after each write, and every second while the reader stalls."""
 
-    def __init__(self, fd: int, name: str) -> None:
+    def __init__(self, fd: int, name: str, check: Callable[[], None] | None = None) -> None:
         self.fd, self.name = fd, name
+        self.check = check
+        self.poller: select.poll | None = None
+        if check is not None:
+            self.poller = select.poll()
+            self.poller.register(fd, select.POLLOUT | select.POLLERR)
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         try:
             while view:
+                if self.poller is not None and self.check is not None:
+                    while not self.poller.poll(1000):
+                        self.check()
+                # A signal ends a blocked write early with what it wrote (PEP 475
+                # retries only one that wrote nothing): the check after it then stops.
                 view = view[os.write(self.fd, view) :]
+                if self.check is not None:
+                    self.check()
         except BrokenPipeError:
             raise OutputClosed(f"the reader of {self.name} went away") from None
 

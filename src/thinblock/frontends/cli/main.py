@@ -245,18 +245,20 @@ def cmd_pool_repair(args: argparse.Namespace) -> int:
     from thinblock.frontends.cli.signals import job_signals
     from thinblock.tools.dump import repair
 
-    # SIGTERM and SIGHUP stop repair as Ctrl-C does: cleanly, not where it stands.
-    with job_signals(), progress_bar("repair: reading mappings", wanted(args), unit=" pages") as bar:
-        result = repair(args.pool, bar, accept_rollback=args.accept_rollback)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"repaired {args.pool}: rebuilt refcounts and free space for {result['volumes']} volume(s)")
-        print(f"the old metadata is kept in {result['backup']}")
-        for sentence in result["lost"]:
-            print(f"  lost: {sentence}")
-        if not result["lost"]:
-            print("every mapping was saved")
+    # SIGTERM and SIGHUP stop repair as Ctrl-C does: cleanly, at its next progress
+    # report (cli/signals.py), not where it stands.
+    with job_signals() as signals, progress_bar("repair: reading mappings", wanted(args), unit=" pages") as bar:
+        result = repair(args.pool, signals.checked(bar), accept_rollback=args.accept_rollback)
+        # A signal taken once the writing began let it finish: it is raised after this.
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(f"repaired {args.pool}: rebuilt refcounts and free space for {result['volumes']} volume(s)")
+            print(f"the old metadata is kept in {result['backup']}")
+            for sentence in result["lost"]:
+                print(f"  lost: {sentence}")
+            if not result["lost"]:
+                print("every mapping was saved")
     return 0
 
 

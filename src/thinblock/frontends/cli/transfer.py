@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from thinblock.admin.access import open_admin, wait_s
+from thinblock.admin.access import LocalAdmin, open_admin, wait_s
 from thinblock.admin.jobs import close_fds
 from thinblock.errors import ThinblockError
 from thinblock.formats.rbd import IMAGE_V2
@@ -43,10 +43,13 @@ def _job(args: argparse.Namespace, label: str, verb: str, fds: list[int], **job_
             job_signals() as signals,
             progress_bar("recovering free space", show) as recovering,
             progress_bar(label, show) as bar,
-            open_admin(args.pool, progress=recovering) as admin,
+            open_admin(args.pool, progress=signals.checked(recovering)) as admin,
         ):
             handed = True  # the job owns the files from here on, and closes them
             try:
+                if isinstance(admin, LocalAdmin):  # the job runs here: signals wait for its safe points
+                    return admin.job(verb, fds, signals.checked(bar), check=signals.check, **job_args)
+                signals.go_asynchronous()  # a server runs it: this process only waits on a socket
                 return admin.job(verb, fds, bar, **job_args)
             finally:
                 signals.defer()
