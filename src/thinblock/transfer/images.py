@@ -176,6 +176,12 @@ class FileSink:
         os.close(self.fd)
 
 
+def _until_ready(poller: select.poll, check: Callable[[], None]) -> None:
+    """Wait until the stream can be read or written, calling check every second."""
+    while not poller.poll(1000):
+        check()
+
+
 class StreamReader:
     """A stream read front to back (a pipe, standard input), in chunks. check, when
     given, is called after each read and every second while the reader waits for
@@ -194,8 +200,7 @@ class StreamReader:
         poller.register(self.fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         while left:
             if self.check is not None:
-                while not poller.poll(1000):
-                    self.check()
+                _until_ready(poller, self.check)
             got = os.read(self.fd, left)
             if self.check is not None:
                 self.check()
@@ -226,8 +231,7 @@ class StreamWriter:
         try:
             while view:
                 if self.poller is not None and self.check is not None:
-                    while not self.poller.poll(1000):
-                        self.check()
+                    _until_ready(self.poller, self.check)
                 # A signal ends a blocked write early with what it wrote (PEP 475
                 # retries only one that wrote nothing): the check after it then stops.
                 view = view[os.write(self.fd, view) :]
