@@ -439,3 +439,56 @@ def test_admission_rules_alone() -> None:
     assert certificate_identity({"subject": ((("commonName", "a"),), (("organizationName", "o"),))}) == (
         "commonName=a,organizationName=o"
     )
+
+
+# ----- the status thread's turns and REQ_ONE's walk, alone ---------------------------------
+
+
+def test_status_queue_takes_connections_in_turn() -> None:
+    """One connection's queued walks delay another's by one walk each, not all of them."""
+    from thinblock.frontends.nbd.status import StatusQueue
+
+    queue = StatusQueue()
+    ran: list[str] = []
+    started, release = threading.Event(), threading.Event()
+
+    def job(name: str, hold: bool = False) -> None:
+        if hold:
+            started.set()
+            release.wait(30)
+        ran.append(name)
+
+    a, b = object(), object()
+    queue.submit(a, lambda: job("a0", hold=True))
+    assert started.wait(30)  # a0 runs; everything below queues behind it
+    for name in ("a1", "a2", "a3"):
+        queue.submit(a, lambda name=name: job(name))  # type: ignore[misc]
+    queue.submit(b, lambda: job("b1"))
+    release.set()
+    queue.shutdown()
+    assert ran == ["a0", "a1", "b1", "a2", "a3"]
+
+
+def test_req_one_walks_only_as_far_as_the_first_extent(tmp_path: Path) -> None:
+    """qemu sets REQ_ONE on every block status: the walk must stop near the first
+    extent's end, not cover a whole mapping page (4.6 ms a request before)."""
+    from thinblock.frontends.nbd.status import REQ_ONE_BLOCKS, bounded_status
+
+    pool = Pool.create(str(tmp_path / "pool"), 64 * MiB, block_size=BLOCK)
+    try:
+        vol = pool.create_volume("disk", 32 * MiB)
+        for i in range(0, 2048, 2):  # one mapping page full of alternating extents
+            vol.write(i * BLOCK, b"d" * BLOCK)
+        asked: list[int] = []
+
+        def walk(name: str, offset: int, length: int) -> list[tuple[int, int]]:
+            asked.append(length)
+            return [(n, 0 if state.name == "DATA" else 3) for n, state in vol.block_status(offset, length)]
+
+        got = bounded_status(walk, {1: "base:allocation"}, [vol], 0, vol.size_bytes, req_one=True, pace=False)
+        assert got == [(1, [(BLOCK, 0)])]
+        assert sum(asked) <= REQ_ONE_BLOCKS * BLOCK
+        whole = bounded_status(walk, {1: "base:allocation"}, [vol], 0, vol.size_bytes, pace=False)
+        assert whole[0][1][:3] == [(BLOCK, 0), (BLOCK, 3), (BLOCK, 0)]  # without REQ_ONE: every extent
+    finally:
+        pool.close()

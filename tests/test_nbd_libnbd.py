@@ -108,6 +108,9 @@ def test_out_of_range_and_bad_flags(served: Server) -> None:
     with pytest.raises(nbd.Error) as info:
         h.zero(BS, 0, nbd.CMD_FLAG_DF)  # DF is not a zero flag
     assert info.value.errnum == errno.EINVAL
+    with pytest.raises(nbd.Error) as info:  # a reply needs one descriptor, and none has length 0
+        h.block_status(0, 0, lambda *_: 0)
+    assert info.value.errnum == errno.EINVAL
     assert h.pread(10, 0) == bytes(10)  # the connection still works
     h.shutdown()
 

@@ -100,6 +100,7 @@ def test_export_name_then_requests_and_validation() -> None:
     assert len(out) == 8 + 2 + 124
     size, flags = struct.unpack_from(">QH", out)
     assert size == 4096 and flags & c.FLAG_READ_ONLY and not flags & c.FLAG_SEND_TRIM
+    assert not flags & c.FLAG_SEND_DF  # the spec: only where structured replies were negotiated
     conn.receive_data(struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_WRITE, 7, 0, 3) + b"abc")
     req = conn.next_event()
     assert isinstance(req, Request) and req.payload == b"abc" and req.cookie == 7

@@ -514,14 +514,9 @@ class ServerConnection:
         return None
 
     def _transmission_flags(self, export: ExportInfo) -> int:
-        flags = (
-            c.FLAG_HAS_FLAGS
-            | c.FLAG_SEND_FLUSH
-            | c.FLAG_SEND_FUA
-            | c.FLAG_CAN_MULTI_CONN
-            | c.FLAG_SEND_CACHE
-            | c.FLAG_SEND_DF
-        )
+        flags = c.FLAG_HAS_FLAGS | c.FLAG_SEND_FLUSH | c.FLAG_SEND_FUA | c.FLAG_CAN_MULTI_CONN | c.FLAG_SEND_CACHE
+        if self.neg.structured:  # the spec: DF only where structured replies were negotiated
+            flags |= c.FLAG_SEND_DF
         if export.read_only:
             flags |= c.FLAG_READ_ONLY
         else:
@@ -597,6 +592,9 @@ class ServerConnection:
             return (c.EOVERFLOW if self.neg.structured else c.EINVAL), f"read of {req.length} bytes is too large"
         if req.command == c.CMD_BLOCK_STATUS and not self.neg.contexts:
             return c.EINVAL, "no metadata context was negotiated"
+        if req.command == c.CMD_BLOCK_STATUS and not req.length:
+            # A reply must carry at least one descriptor, and none describes zero bytes.
+            return c.EINVAL, "block status of zero bytes"
         return None
 
     # ----- replies ----------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import queue
@@ -51,7 +52,7 @@ from thinblock.frontends.nbd.protocol import (
     StartTLS,
     Transmission,
 )
-from thinblock.frontends.nbd.status import bounded_status
+from thinblock.frontends.nbd.status import StatusQueue, bounded_status
 from thinblock.iovec import IOV_MAX, write_all
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.logtext import shown
@@ -459,8 +460,8 @@ class NBDServer:
         self.executor = ThreadPoolExecutor(
             max_workers=max(WORKERS, min(depth, MAX_IN_FLIGHT)), thread_name_prefix="thinblock-nbd-worker"
         )
-        # Block status walks, every client's, one at a time and paced (status.py).
-        self.status_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thinblock-nbd-status")
+        # Block status walks, every client's, one at a time, paced, in turn (status.py).
+        self.status_queue = StatusQueue()
         self.listeners: list[socket.socket] = []
         self.unix_paths: list[tuple[str, int]] = []
         self.threads: list[threading.Thread] = []
@@ -471,10 +472,6 @@ class NBDServer:
         self.budget = ByteBudget(SERVER_BUDGET_BYTES)
         self.large_budget = ByteBudget(LARGE_BUDGET_BYTES)
         self.stats = ServerStats()  # connections admitted and refused (metrics)
-
-    def executor_for(self, req: Request) -> ThreadPoolExecutor:
-        """BLOCK_STATUS goes to the one paced status thread, everything else to the workers."""
-        return self.status_executor if req.command == c.CMD_BLOCK_STATUS else self.executor
 
     def listen_unix(self, path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None) -> None:
         """Listen at path (mode 0600 unless shared with a group), replacing a dead
@@ -625,7 +622,7 @@ class NBDServer:
                 session.hang_up(both=True)  # a client that reads no replies must not hold up the stop
                 session.join()
         self.executor.shutdown(wait=True)
-        self.status_executor.shutdown(wait=True)
+        self.status_queue.shutdown()
 
 
 class Session:
@@ -663,6 +660,7 @@ class Session:
         self.queued = 0  # replies handed to the writer thread and not yet sent
         self.inline_sends = True  # until TLS starts: an SSL socket is written by the writer only
         self.lost_grant: str | None = None  # why a reloaded --tls-authz ended this connection
+        self.peer_gone = False  # the client closed or the connection broke: queued walks are skipped
         self.slot: Slot | None = None  # its place under the admission rules (limits.py)
 
     # ----- what the admission rules ask of an occupant (limits.Occupant) ------------
@@ -740,6 +738,7 @@ class Session:
             reason = f"negotiation timed out ({limits.idle_s:g} s of silence or {limits.handshake_s:g} s in all)"
             log.warning("%s: %s", self.name, reason)
         except (OSError, ssl.SSLError) as exc:
+            self.peer_gone = True
             reason = f"connection lost: {exc}"
         finally:
             with self.pending_done:
@@ -785,10 +784,12 @@ class Session:
                 if target is not None:
                     with target:  # released before the buffer is handed on (and trimmed)
                         n = self.sock.recv_into(target)
+                    self.peer_gone = not n
                     conn.received_into(n)
                     continue
                 wanted = conn.wanted()  # read a write payload alone, so it is not copied
                 n = self.sock.recv_into(view[: min(len(view), wanted)] if wanted else view)
+                self.peer_gone = not n
                 conn.receive_data(view[:n])
             elif isinstance(event, PayloadPending):
                 # Reserve memory for the payload before reading it: over budget, this
@@ -817,7 +818,10 @@ class Session:
                     self._work(event, cost, inline=True)  # no thread handoff for small requests
                 else:
                     self._flush_batch()
-                    self.server.executor_for(event).submit(self._work, event, cost)
+                    if event.command == c.CMD_BLOCK_STATUS:  # the one paced status thread
+                        self.server.status_queue.submit(self, functools.partial(self._work, event, cost))
+                    else:
+                        self.server.executor.submit(self._work, event, cost)
             elif isinstance(event, StartTLS):
                 assert self.server.ssl_context is not None
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
@@ -1008,6 +1012,9 @@ class Session:
             return [conn.error_reply(req.cookie, c.EIO, "the volume behind this export was removed")]
         if req.command == c.CMD_BLOCK_STATUS and (context := self._context_refused()) is not None:
             return [conn.error_reply(req.cookie, c.EPERM, f"metadata context {context} is no longer granted")]
+        if req.command == c.CMD_BLOCK_STATUS and self.peer_gone:
+            # Nobody reads the answer: the walk would only hold up other clients' turns.
+            return [conn.error_reply(req.cookie, c.ESHUTDOWN, "the client has gone")]
         try:
             return execute(conn, export, req)
         except OpError as exc:
