@@ -348,6 +348,23 @@ def test_attach_and_mkfs_on_a_served_pool(env: Path) -> None:
     sh("e2fsck", "-fn", thinblock("attach", pool, "fresh").stdout.strip())
 
 
+def test_a_server_given_a_relative_pool_path_removes_its_sockets(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FUSE mount a server hosts chdir()s its process to /: the sockets it made at a
+    relative path must still be removed when it stops."""
+    from tests.nbd_server import Server
+
+    make_pool(env, ("vm", "1G"))
+    monkeypatch.chdir(env)
+    server = Server("pool")
+    try:
+        assert (env / "pool" / "control.sock").exists()
+        thinblock("detach", thinblock("attach", "pool", "vm").stdout.strip())
+    finally:
+        server.stop()
+    assert not (env / "pool" / "control.sock").exists()
+    assert "Traceback" not in server.log.read_text()
+
+
 def test_stopping_a_server_detaches_the_devices_on_its_mount(env: Path) -> None:
     """A served pool's attached devices do not outlive the server: it detaches them."""
     from tests.nbd_server import Server

@@ -336,3 +336,15 @@ def test_listen_errors_name_the_socket_and_the_port(pool_dir: str, tmp_path: Pat
     proc = tb("serve", pool_dir, "--socket", str(precious), ok=False)
     assert f"unix socket {precious}: something other than a socket is there" in proc.stderr
     assert precious.read_text() == "keep me"
+
+
+def test_double_dash_ends_options_and_leftovers_are_usage_errors(pool_dir: str) -> None:
+    """Only mkfs hands what follows "--" on (to mkfs.TYPE); elsewhere "--" ends the
+    options as usual, and words no command takes are a usage error, with nothing done."""
+    proc = thinblock("volume", "create", pool_dir, "zz", "--size", "1M", "--", "extra", check=False)
+    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+    assert "zz" not in thinblock("volume", "list", pool_dir).stdout
+    thinblock("volume", "create", pool_dir, "zz", "--size", "1M")
+    assert json.loads(thinblock("volume", "info", pool_dir, "--json", "--", "zz").stdout)["name"] == "zz"
+    proc = thinblock("volume", "list", pool_dir, "--", "--json", check=False)
+    assert proc.returncode == 2 and "unrecognized arguments: --json" in proc.stderr

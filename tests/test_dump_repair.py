@@ -144,3 +144,26 @@ def test_repair_reports_what_it_cannot_save(tmp_path: Path) -> None:
     after = contents(pool)
     assert after["b"] == bytes(len(data["b"]))  # what was lost reads zeros, never stale data
     assert {k: v for k, v in after.items() if k != "b"} == {k: v for k, v in data.items() if k != "b"}
+
+
+def test_dump_to_a_file_refuses_what_it_would_destroy(tmp_path: Path) -> None:
+    """pool dump -o: an existing file needs --force, the pool's own files are refused
+    even with it, and a bad path is one sentence; none of them changes anything."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    thinblock("volume", "create", pool, "v", "--size", "1M")
+    out = tmp_path / "dump.txt"
+    out.write_text("keep me")
+    for target, extra, said in (
+        (out, [], "exists: pass --force"),
+        (tmp_path / "nowhere" / "d", [], "No such file or directory"),
+        (Path(pool) / "metadata.sqlite", ["--force"], "inside pool"),
+        (Path(pool) / "new-file", [], "inside pool"),
+    ):
+        proc = thinblock("pool", "dump", pool, "-o", str(target), *extra, check=False)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert out.read_text() == "keep me"
+    assert not (Path(pool) / "new-file").exists()
+    assert "v" in thinblock("volume", "list", pool).stdout  # the pool's metadata is intact
+    thinblock("pool", "dump", pool, "-o", str(out), "--force")
+    assert "volume" in out.read_text() and (out.stat().st_mode & 0o777) == 0o600

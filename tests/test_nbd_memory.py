@@ -128,3 +128,29 @@ def test_largest_requests_of_the_reference_client(tmp_path: Path) -> None:
         magic, error, cookie = struct.unpack(">IIQ", s.recv(16, socket.MSG_WAITALL))
         assert (error, cookie) == (0, 6) and s.recv(4096, socket.MSG_WAITALL) == data[3 * MiB : 3 * MiB + 4096]
         s.close()
+
+
+def test_a_write_payload_that_stalls_half_way_is_cut_off(tmp_path: Path) -> None:
+    """Six clients that announce 32 MiB writes, send 10 bytes and stop hold the memory
+    every large request needs: each is disconnected after --payload-timeout seconds of
+    silence, and another client's 2 MiB writes then go through."""
+    with served_pool(tmp_path, "1G", {"disk": "512M"}, "--payload-timeout", "1") as server:
+        stalled = []
+        for i in range(6):
+            s = _raw(server)
+            s.settimeout(60)  # the test's own bound: far beyond the server's second
+            s.recv(18, socket.MSG_WAITALL)
+            s.sendall(FLAGS + struct.pack(">QII", c.IHAVEOPT, c.OPT_EXPORT_NAME, 4) + b"disk")
+            assert len(s.recv(10, socket.MSG_WAITALL)) == 10
+            s.sendall(_req(c.CMD_WRITE, i * 32 * MiB, 32 * MiB, i) + b"x" * 10)
+            stalled.append(s)
+        for s in stalled:
+            assert s.recv(1) == b""  # the server hung up
+            s.close()
+        h = connect(server)
+        data = os.urandom(2 * MiB)
+        for i in range(4):
+            h.pwrite(data, 256 * MiB + i * len(data))
+        assert h.pread(len(data), 256 * MiB) == data
+        h.shutdown()
+    assert server.log.read_text().count("closed (a write's payload stalled") == 6

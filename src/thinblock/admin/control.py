@@ -67,7 +67,9 @@ class ControlServer:
         """extra_verbs: what only this process can do (a server hosting FUSE mounts)."""
         self.pool = pool
         self.extra_verbs = extra_verbs or {}
-        self.path = os.path.join(pool.location.runtime_dir(), CONTROL_SOCKET)
+        # Absolute: a FUSE mount this process hosts chdir()s to /, and the socket must
+        # still be found to be removed at the end.
+        self.path = os.path.abspath(os.path.join(pool.location.runtime_dir(), CONTROL_SOCKET))
         # We hold the pool lock, so a socket left here is a dead server's: replace it.
         # Only the pool's owner may connect (0600).
         self._stopping = threading.Event()

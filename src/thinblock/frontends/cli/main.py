@@ -217,15 +217,35 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
 
 
 def cmd_pool_dump(args: argparse.Namespace) -> None:
+    from thinblock.frontends.cli.dest import open_destination
     from thinblock.tools.dump import format_text
 
-    dump = admin_call(args.pool, "pool_dump")
-    text = json.dumps(dump, indent=1) + "\n" if args.json else format_text(dump)
-    if args.output:
-        with open(args.output, "w") as f:
+    output = args.output
+    # Even with --force: a dump written into a pool's directory could replace one of its files.
+    inside = output and os.path.isdir(args.pool) and os.path.realpath(args.pool)
+    if inside and os.path.realpath(os.path.dirname(os.path.abspath(output))) == inside:
+        raise UsageError(f"{output} is inside pool {args.pool}'s directory: write the dump somewhere else")
+    # Checked before the dump is taken: a refused destination costs nothing.
+    dest = open_destination(output, force=args.force, mode=None) if output else None
+    fd_open = dest is not None
+    try:
+        dump = admin_call(args.pool, "pool_dump")
+        text = json.dumps(dump, indent=1) + "\n" if args.json else format_text(dump)
+        if dest is None:
+            sys.stdout.write(text)
+            return
+        fd_open = False
+        with os.fdopen(dest.fd, "w") as f:  # a new file, renamed over FILE once complete
             f.write(text)
-    else:
-        sys.stdout.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        dest.commit()
+    except BaseException:
+        if dest is not None:
+            if fd_open:
+                os.close(dest.fd)
+            dest.discard()
+        raise
 
 
 def cmd_pool_restore(args: argparse.Namespace) -> None:
@@ -468,7 +488,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args.max_connections_per_address,
         args.max_connections_per_identity,
     )
-    if min(counts) < 1 or args.handshake_timeout <= 0 or args.idle_timeout <= 0:
+    if min(counts) < 1 or min(args.handshake_timeout, args.idle_timeout, args.payload_timeout) <= 0:
         raise UsageError("the --max-* limits must be at least 1, and the timeouts more than 0 seconds")
     limits = Limits(
         args.max_connections,
@@ -477,6 +497,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_negotiating_per_address=args.max_negotiating_per_address,
         max_connections_per_address=args.max_connections_per_address,
         max_connections_per_identity=args.max_connections_per_identity,
+        payload_idle_s=args.payload_timeout,
     )
     location = locate(args.pool)
     socket_path = os.path.abspath(args.socket or os.path.join(location.runtime_dir(), NBD_SOCKET))
@@ -789,6 +810,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(pool_sub, "dump", cmd_pool_dump, "write the metadata in a neutral, versioned text (or JSON) form")
     p.add_argument("--json", action="store_true", help="JSON instead of the line-oriented text")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite FILE if it exists")
     p = add(pool_sub, "restore", cmd_pool_restore, "rebuild the metadata from a dump (pool must not be in use)")
     p.add_argument("file", metavar="FILE", help="a file written by 'pool dump' (text or --json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
@@ -920,6 +942,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout", type=float, default=10.0, metavar="S", help="silence allowed while negotiating (default 10)"
     )
     p.add_argument(
+        "--payload-timeout",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="silence allowed in the middle of a write's payload before the client is disconnected (default 20)",
+    )
+    p.add_argument(
         "--takeover", action="store_true", help="rados: pools: fence off the live holder and serve (see docs/ceph.md)"
     )
     p.add_argument(
@@ -979,10 +1008,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_PIPE
 
 
+def _runs_a_program(argv: list[str]) -> bool:
+    """Whether the command is mkfs, which passes the arguments after "--" to mkfs.TYPE:
+    its first word naming a command is the command (options' values never do here)."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return next((word for word in argv if word in commands), None) == "mkfs"
+
+
 def _run(argv: list[str]) -> int:
-    # Everything after "--" belongs to the program thinblock runs (mkfs), not to us.
+    # For mkfs, everything after "--" belongs to the program it runs; for every other
+    # command "--" only ends the options, and what follows is checked like the rest.
     extra: list[str] = []
-    if "--" in argv:
+    if "--" in argv and _runs_a_program(argv[: argv.index("--")]):
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     try:

@@ -422,6 +422,10 @@ class Limits:
     max_connections: int = 256
     handshake_s: float = 30.0  # from connect to the first request, TLS included
     idle_s: float = 10.0  # silence allowed between two negotiation messages
+    # Silence allowed in the middle of a write's payload: the memory reserved for it
+    # may be what other clients' large requests wait for, so a sender that stops
+    # half-way is disconnected rather than allowed to hold it forever.
+    payload_idle_s: float = 20.0
     max_negotiating_per_address: int = AdmissionLimits.max_negotiating_per_address
     max_connections_per_address: int = AdmissionLimits.max_connections_per_address
     max_connections_per_identity: int = AdmissionLimits.max_connections_per_identity
@@ -477,6 +481,7 @@ class NBDServer:
         """Listen at path (mode 0600 unless shared with a group), replacing a dead
         server's socket there; anything else there is refused (listen.bind_unix)."""
         sock = bind_unix(path, mode=mode, gid=gid)
+        path = os.path.abspath(path)  # removed at the end even after a FUSE thread's chdir("/")
         self.unix_paths.append((path, os.stat(path).st_ino))
         self._listen(sock)
 
@@ -646,6 +651,7 @@ class Session:
         self.slots = ByteBudget(MAX_IN_FLIGHT)  # requests in flight, one unit each
         self.budget = ByteBudget(CONNECTION_BUDGET_BYTES)
         self.reserved = 0  # bytes taken for a write payload announced and not yet a Request
+        self._payload_timed = False  # the socket's timeout is payload_idle_s (in a payload)
         self.replies: queue.SimpleQueue[tuple[list[bytes], list[int]] | None] = queue.SimpleQueue()
         self.batch: list[bytes] = []  # replies of inline requests, sent together
         self.batch_costs: list[int] = []
@@ -735,7 +741,13 @@ class Session:
             reason = f"protocol error: {exc}"
             log.warning("%s: %s", self.name, reason)
         except TimeoutError:
-            reason = f"negotiation timed out ({limits.idle_s:g} s of silence or {limits.handshake_s:g} s in all)"
+            if self.reserved:
+                reason = (
+                    f"a write's payload stalled ({limits.payload_idle_s:g} s without a byte): closed to free"
+                    " the memory it held"
+                )
+            else:
+                reason = f"negotiation timed out ({limits.idle_s:g} s of silence or {limits.handshake_s:g} s in all)"
             log.warning("%s: %s", self.name, reason)
         except (OSError, ssl.SSLError) as exc:
             self.peer_gone = True
@@ -779,6 +791,9 @@ class Session:
                     if remaining <= 0:
                         raise TimeoutError
                     self.sock.settimeout(min(self.server.limits.idle_s, remaining))
+                elif bool(self.reserved) != self._payload_timed:  # a payload begins or ends
+                    self._payload_timed = bool(self.reserved)
+                    self.sock.settimeout(self.server.limits.payload_idle_s if self.reserved else None)
                 self._flush_batch()  # before waiting for the client: its replies go out now
                 target = conn.receive_buffer()  # a large write payload: straight into its buffer
                 if target is not None:
