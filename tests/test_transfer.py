@@ -379,6 +379,93 @@ def test_malformed_truncated_and_mismatched_diffs_change_nothing(tmp_path: Path)
     thinblock("pool", "check", pool)
 
 
+def test_a_diff_starts_only_from_a_snapshot_of_its_own_volume(tmp_path: Path) -> None:
+    """--from-snap s1 for vm@s2 is vm's s1 (vm@s1, or a snapshot s1 taken of vm), never
+    another volume's snapshot that happens to be called s1: a diff from that, written as
+    "s1", applied cleanly to a copy's vm@s1 and left it silently wrong. A from-snapshot
+    of another volume (or of the snapshot a clone came from) is refused in one sentence
+    with nothing written, and import-diff resolves the 'f' record the same way."""
+    px, py = str(tmp_path / "pX"), str(tmp_path / "pY")
+    thinblock("pool", "create", px, "--size", "256M")
+    thinblock("pool", "create", py, "--size", "256M")
+    img1, img2 = tmp_path / "img1.raw", tmp_path / "img2.raw"
+    img1.write_bytes(os.urandom(16 * MiB))
+    img2.write_bytes(os.urandom(8 * MiB) + bytes(8 * MiB))  # zeros where img1 has data
+    thinblock("import", str(img1), px, "vm")
+    thinblock("snapshot", "create", px, "vm@s1")
+    thinblock("import", str(img2), px, "other")
+    thinblock("snapshot", "create", px, "other", "s1")  # a snapshot called just s1, of other
+    thinblock("snapshot", "create", px, "other@s1")
+    thinblock("import", str(img2), px, "vm", "--force")
+    thinblock("snapshot", "create", px, "vm@s2")
+    base, inc = tmp_path / "base.diff", tmp_path / "inc.diff"
+    thinblock("export-diff", px, "vm@s1", str(base))
+    thinblock("volume", "create", py, "vm", "--size", "16M")
+    thinblock("import-diff", str(base), py, "vm")
+    result = json.loads(thinblock("export-diff", px, "--from-snap", "s1", "vm@s2", str(inc), "--json").stdout)
+    thinblock("import-diff", str(inc), py, "vm")
+    assert export_bytes(py, "vm@s2") == img2.read_bytes()
+    assert (result["from_snap"], result["to_snap"]) == ("s1", "s2")
+    assert result["zero_bytes"] == 8 * MiB  # from vm@s1: img1's second half became zeros
+
+    names = volume_names(px)
+
+    def refused(says: str, *args: str) -> None:
+        out = tmp_path / "refused.diff"
+        proc = thinblock("export-diff", px, *args, str(out), check=False)
+        assert proc.returncode == 1, (args, proc.stdout, proc.stderr)
+        assert says in proc.stderr and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert not out.exists()  # nothing written
+        assert volume_names(px) == names
+
+    # Another volume's snapshot, by its full name or as the only s1 there is.
+    refused("snapshot other@s1 was taken of volume other, not of volume vm", "--from-snap", "other@s1", "vm@s2")
+    thinblock("volume", "create", px, "w", "--size", "16M")
+    thinblock("snapshot", "create", px, "w@t")
+    names = volume_names(px)
+    refused("snapshot s1 was taken of volume other, not of volume w", "--from-snap", "s1", "w@t")
+    # A clone's history starts at its own snapshots: the one it was cloned from is its origin's.
+    thinblock("volume", "clone", px, "vm@s2", "cl")
+    thinblock("snapshot", "create", px, "cl@c1")
+    names = volume_names(px)
+    refused("snapshot vm@s2 was taken of volume vm, not of volume cl", "--from-snap", "vm@s2", "cl@c1")
+    refused("volume cl has no snapshot 's2'", "--from-snap", "s2", "cl@c1")
+    # Two snapshots of vm that a diff would both call s3: which one a copy holds is unknown.
+    thinblock("snapshot", "create", px, "vm", "s3")
+    thinblock("snapshot", "create", px, "vm@s3")
+    names = volume_names(px)
+    refused("snapshots s3 and vm@s3 of volume vm would both be 's3'", "--from-snap", "s3", "vm")
+    # A renamed snapshot is still vm's (lineage is by id), under the name it has now,
+    # and that name is what import-diff then looks for.
+    thinblock("snapshot", "rename", px, "vm@s1", "keep")
+    result = json.loads(
+        thinblock("export-diff", px, "--from-snap", "keep", "vm@s2", str(inc), "--force", "--json").stdout
+    )
+    assert result["from_snap"] == "keep"
+    proc = thinblock("import-diff", str(inc), py, "vm", check=False)
+    assert proc.returncode == 1 and "volume vm has no snapshot 'keep'" in proc.stderr, proc.stderr
+
+    # import-diff: a copy's c@s1 that was taken of another volume is not c's s1.
+    thinblock("volume", "create", py, "q", "--size", "16M")
+    thinblock("snapshot", "create", py, "q@s1")
+    thinblock("volume", "create", py, "c", "--size", "16M")
+    thinblock("snapshot", "rename", py, "q@s1", "c@s1")
+    before = volume_names(py)
+    diff = tmp_path / "s1-s2.diff"
+    thinblock("export-diff", px, "--from-snap", "vm@s2", "vm", str(diff))  # a diff from s2; rename s2 -> s1 in it
+    stream = diff.read_bytes()
+    from_record = b"f" + struct.pack("<I", 2) + b"s2"
+    assert from_record in stream
+    diff.write_bytes(stream.replace(from_record, b"f" + struct.pack("<I", 2) + b"s1", 1))
+    proc = thinblock("import-diff", str(diff), py, "c", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "snapshot c@s1 was taken of volume q, not of volume c" in proc.stderr, proc.stderr
+    assert volume_names(py) == before
+    assert export_bytes(py, "c") == bytes(16 * MiB)
+    thinblock("pool", "check", px)
+    thinblock("pool", "check", py)
+
+
 def test_a_killed_import_diff_leaves_the_volume_as_it_was(tmp_path: Path) -> None:
     """SIGKILL in the middle: the staging volume is gone at the next open, the volume unchanged."""
     pool = str(tmp_path / "pool")

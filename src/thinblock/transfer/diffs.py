@@ -46,18 +46,48 @@ def diff_name(pool: Pool, snap: Volume) -> str:
     return snap.name
 
 
-def find_snapshot(pool: Pool, vol: Volume, name: str, *, exact_first: bool) -> Volume | None:
-    """A snapshot of vol known in a diff as `name`: VOLUME@name, or a snapshot called
-    name (taken of vol, unless exact_first: the name a user typed is taken as it is)."""
-    exact = pool.visible_volume(name)
-    qualified = pool.visible_volume(f"{vol.name}@{name}")
-    if exact is not None and exact.row.kind == "snapshot" and exact_first:
-        return exact
-    if qualified is not None and qualified.row.kind == "snapshot":
-        return qualified
-    if exact is not None and exact.row.kind == "snapshot" and exact.row.origin_id == vol.row.id:
-        return exact
-    return None
+def find_snapshot(pool: Pool, image: Volume, name: str, why: str) -> Volume:
+    """The snapshot of image that a diff calls `name`, as rbd finds an image's snapshot:
+    image@name, or a snapshot called name. Either way it must have been taken of image
+    itself (its origin_id, which renames keep): a snapshot of another volume, of a
+    snapshot, or the one image was cloned from holds another history, and a diff from
+    it would be applied to image's copies as if it were image's, silently wrong. The
+    name written for it (diff_name) must be no other snapshot's of image, or a copy
+    could hold that one under it. Both ends of a diff resolve names this way:
+    export-diff's --from-snap and import-diff's 'f' record. Otherwise ThinblockError,
+    in one sentence; `why` ends the one for a name not found."""
+    with pool.lock:
+        named = [pool.visible_volume(n) for n in (name, f"{image.name}@{name}")]
+        snaps = [v for v in named if v is not None and v.row.kind == "snapshot"]
+        ours = [v for v in snaps if v.row.origin_id == image.row.id]
+        if not ours and snaps:
+            origin = pool.volume_by_id(snaps[0].row.origin_id)
+            of = f"{origin.row.kind} {origin.name}" if origin is not None else "a volume since removed"
+            raise ThinblockError(
+                f"snapshot {snaps[0].name} was taken of {of}, not of {image.row.kind} {image.name}: a diff goes from a"
+                " snapshot of a volume to a later state of that same volume, as an rbd diff's are of one image"
+            )
+        if not ours:
+            raise ThinblockError(
+                f"{image.row.kind} {image.name} has no snapshot {name!r} (looked for {image.name}@{name} and a snapshot"
+                f" {name} taken of {image.name}) in pool {pool.path}{why}"
+            )
+        base = ours[0]
+        short = diff_name(pool, base)
+        twins = sorted(
+            v.name
+            for v in pool.visible().values()
+            if v is not base
+            and v.row.kind == "snapshot"
+            and v.row.origin_id == image.row.id
+            and diff_name(pool, v) == short
+        )
+        if twins:
+            raise ThinblockError(
+                f"snapshots {base.name} and {twins[0]} of {image.row.kind} {image.name} would both be {short!r} in an rbd"
+                " diff, so a copy could hold either under that name: rename one"
+            )
+        return base
 
 
 def export_diff(
@@ -73,11 +103,7 @@ def export_diff(
         image = named if named.row.kind == "volume" else pool.volume_by_id(named.row.origin_id) or named
         base = None
         if from_snap is not None:
-            base = find_snapshot(pool, image, from_snap, exact_first=True)
-            if base is None:
-                raise ThinblockError(
-                    f"no snapshot {from_snap!r} (nor {image.name}@{from_snap}) in pool {pool.path} to diff from"
-                )
+            base = find_snapshot(pool, image, from_snap, " to diff from")
         if base is not None:
             extents = [(o, n, not zero) for o, n, zero in changed_extents(base, vol)]
         else:
@@ -230,12 +256,7 @@ def import_diff(
         bound_size(size, max_size_bytes, f"the rbd diff's image size (resizing volume {name})")
     base = None
     if decoder.from_snap is not None:
-        base = find_snapshot(pool, vol, decoder.from_snap, exact_first=False)
-        if base is None:
-            raise ThinblockError(
-                f"volume {name} has no snapshot {decoder.from_snap!r} (looked for {name}@{decoder.from_snap} and a"
-                f" snapshot {decoder.from_snap} of {name}): the diff starts from it"
-            )
+        base = find_snapshot(pool, vol, decoder.from_snap, ": the diff starts from it")
         changed = sum(n for _, n in changed_ranges(base, vol))
         if changed and not force:
             raise ThinblockError(
