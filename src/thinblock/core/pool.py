@@ -26,7 +26,7 @@ from thinblock.core.commit import Committer
 from thinblock.core.mapping import PAGE_ENTRIES
 from thinblock.core.pool_steps import grant_figures
 from thinblock.core.registry import STAGING_PREFIX, VolumeRegistry
-from thinblock.core.reservation import target_blocks
+from thinblock.core.reservation import replaced_id, target_blocks
 from thinblock.core.space import SpaceAccounts
 from thinblock.core.space_policy import SpacePolicy, parse_low_water
 from thinblock.core.spacemap import SpaceMap
@@ -246,6 +246,10 @@ class Pool:
         )
         for vol in self.volumes.values():
             self.accounts.retally_set_aside(vol)
+        for vol in list(self.volumes.values()):  # a staging volume left behind (dropped at open)
+            replaced = self.volume_by_id(replaced_id(vol.row))
+            if replaced is not None:
+                self.accounts.stand_in(vol, replaced)
         # dblocks of ZEROED blocks that a failed write may have reached: they may not
         # read zero below, so the next write into one writes the whole block.
         self.unclean_zeroed: set[int] = set()
@@ -626,7 +630,8 @@ class Pool:
             if other.row.origin_id == vol.row.id:  # lineage ends here; the blocks stay shared
                 other.row.origin_id = None
                 self.txn.mark_volume_dirty(other)
-                dependents.append({"name": other.name, "kind": other.row.kind, "origin": None})
+                if not other.name.startswith(STAGING_PREFIX):  # the pool's own: a job's, no one's dependent
+                    dependents.append({"name": other.name, "kind": other.row.kind, "origin": None})
         self.txn.forget_volume(vol)
         return dependents
 
@@ -739,9 +744,9 @@ class Pool:
         accounts = self.accounts
         with self.lock:
             vol = self.volume(name, kind="volume")
-            owned = vol.fresh_exclusive()
-            target = max(0, target_blocks(reserve_bytes, vol.size_bytes, self.block_size) - owned)
-            accounts.check_reservable(vol, target if reserve_bytes else 0, "reserve space for")
+            for owner in (vol, *vol.replacements):  # exact counts: the decision may fail
+                owner.fresh_exclusive()
+            accounts.check_reservable(vol, accounts.set_aside(vol, reserve_bytes), "reserve space for")
             vol.row.reserve_bytes = reserve_bytes
             accounts.retally_set_aside(vol)
             self.txn.mark_volume_dirty(vol)

@@ -8,10 +8,20 @@ mapped ranges `thinblock:guaranteed` (docs/allocation.md). A snapshot shares
 everything the volume owned, so it raises the set-aside to R and is refused
 when the pool cannot hold that (core/snapshot.py). The pool's accounts
 (core/space.py), the volume, snapshots, rollback and `pool check` all ask here.
+
+A volume's replacement counts as the volume: import (and import-diff) build a
+volume's new contents in a hidden staging volume that takes its place in one
+commit (core/snapshot.py adopt), and until then the blocks that staging volume
+owns alone count toward the reservation of the volume it replaces, so the
+replacement may allocate into that volume's set-aside (and shrinks it as it
+does), never into another volume's. Whichever of the two is kept, the set-aside
+left covers it: the one that goes frees its blocks. The link is the staging
+row's origin (replaced_id).
 """
 
 from __future__ import annotations
 
+from thinblock.core.registry import STAGING_PREFIX
 from thinblock.meta.base import RESERVE_FULL, VolumeRow
 
 
@@ -26,13 +36,25 @@ def row_target(row: VolumeRow, block_size: int) -> int:
     return target_blocks(row.reserve_bytes, row.size_bytes, block_size)
 
 
-def set_aside_blocks(row: VolumeRow, block_size: int, exclusive: int | None = None) -> int:
+def set_aside_blocks(
+    row: VolumeRow, block_size: int, exclusive: int | None = None, *, replacement_blocks: int = 0
+) -> int:
     """What the pool holds aside for row: its target less what it owns alone (the kept
-    exclusive count unless another is given; a lower bound only over-reserves)."""
+    exclusive count unless another is given; a lower bound only over-reserves) and
+    less what the staging volumes that will replace it own alone (replacement_blocks)."""
     if not row.reserve_bytes:
         return 0
-    owned = row.exclusive_blocks if exclusive is None else exclusive
+    owned = (row.exclusive_blocks if exclusive is None else exclusive) + replacement_blocks
     return max(0, row_target(row, block_size) - owned)
+
+
+def replaced_id(row: VolumeRow) -> int | None:
+    """The id of the volume a staging volume will replace (its origin), whose
+    reservation its blocks count toward; None for every other row (a staged snapshot
+    replaces nothing: its blocks go when it does)."""
+    if row.kind != "volume" or not row.name.startswith(STAGING_PREFIX):
+        return None
+    return row.origin_id
 
 
 def covers_every_block(row: VolumeRow, block_size: int) -> bool:

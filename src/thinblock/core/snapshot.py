@@ -64,7 +64,9 @@ def stage(pool: Pool, source: Volume, purpose: str, *, kind: str = "volume") -> 
     """A hidden volume (or read-only snapshot) sharing source's contents, for work that
     must not show until it is done (import-diff) or must read one moment (export of a
     live volume). It is taken between requests, as a snapshot is, and weighed against
-    source's reservation the same way. Its name starts with STAGING_PREFIX, which user
+    source's reservation the same way. A staged volume will replace source (adopt), so
+    the blocks it gains count toward source's reservation (core/reservation.py); a
+    staged snapshot replaces nothing. Its name starts with STAGING_PREFIX, which user
     names cannot; one left behind by a crash is removed when the pool is next opened.
     Committed."""
     with source.ranges.hold_all(exclusive=False), pool.lock:
@@ -72,6 +74,8 @@ def stage(pool: Pool, source: Volume, purpose: str, *, kind: str = "volume") -> 
             raise ThinblockError(f"no volume {source.name!r} in pool {pool.path}")
         _weigh(pool, source, purpose)
         staged = share_into(pool, source, pool.staging_name(purpose), kind, staging=True)
+        if kind == "volume":
+            pool.accounts.stand_in(staged, source)
     try:
         pool.commit()
     except BaseException:
@@ -83,15 +87,22 @@ def stage(pool: Pool, source: Volume, purpose: str, *, kind: str = "volume") -> 
     return staged
 
 
-def stage_empty(pool: Pool, purpose: str, size_bytes: int, detect_zeroes: str) -> Volume:
+def stage_empty(
+    pool: Pool, purpose: str, size_bytes: int, detect_zeroes: str, replacing: Volume | None = None
+) -> Volume:
     """A hidden, empty volume for a job that builds a volume's whole contents (import):
     it shows under its real name only when `publish_staged` (or `adopt`) says so, so
     a job that dies leaves nothing that looks like a volume. Like every staging
     volume, one left behind is removed when the pool is next opened. Not committed:
-    the job's own writes and commits carry it."""
+    the job's own writes and commits carry it. replacing: the existing volume it will
+    replace (adopt), whose reservation its blocks count toward (core/reservation.py),
+    so an import that fits the volume's set-aside never fails for want of space."""
     validate_volume_size(size_bytes)
     with pool.lock:
-        return pool.add_volume(pool.staging_name(purpose), size_bytes, detect_zeroes, staging=True)
+        staged = pool.add_volume(pool.staging_name(purpose), size_bytes, detect_zeroes, staging=True)
+        if replacing is not None:
+            pool.accounts.stand_in(staged, replacing)
+        return staged
 
 
 def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:

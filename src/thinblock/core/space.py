@@ -7,6 +7,7 @@ changed) or lets the caller take the blocks from the space map.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import threading
@@ -72,20 +73,46 @@ class SpaceAccounts:
 
     # ----- reservations (the rule: core/reservation.py) ------------------------------
     # The exclusive count is a lower bound (core/exclusive.py), which only over-reserves;
-    # decisions that could fail recount the stale ones first (refresh_reserved).
+    # decisions that could fail recount the stale ones first (refresh_reserved). A staging
+    # volume that will replace a volume (Volume.replaces, set by stand_in) owns its
+    # blocks toward that volume's reservation and may allocate from its set-aside.
 
     def reserve_target(self, vol: Volume) -> int:
         return row_target(vol.row, self.block_size)
 
-    def set_aside(self, vol: Volume) -> int:
-        return set_aside_blocks(vol.row, self.block_size)
+    def set_aside(self, vol: Volume, reserve_bytes: int | None = None) -> int:
+        """What the pool holds aside for vol (were its reservation reserve_bytes, if given)."""
+        row = vol.row if reserve_bytes is None else dataclasses.replace(vol.row, reserve_bytes=reserve_bytes)
+        replacing = sum(staged.row.exclusive_blocks for staged in vol.replacements)
+        return set_aside_blocks(row, self.block_size, replacement_blocks=replacing)
 
     def reserved_blocks(self) -> int:
         return self.reserved_total
 
+    def own_set_aside(self, vol: Volume) -> int:
+        """The part of the reserved total vol may allocate from: its own set-aside, and a
+        staging volume's the one of the volume it replaces."""
+        replaced = vol.replaces
+        return vol.set_aside_counted + (replaced.set_aside_counted if replaced is not None else 0)
+
+    def stand_in(self, staging: Volume, vol: Volume) -> None:
+        """staging (hidden) will replace vol: its blocks count toward vol's reservation
+        from now on (call under the pool lock, in the hold that added staging). The link
+        is staging's origin, so `pool check` and a reopened pool see it too; it ends
+        when either goes."""
+        if vol.removed:
+            return
+        if staging.row.origin_id != vol.row.id:
+            staging.row.origin_id = vol.row.id
+            self.txn.mark_volume_dirty(staging)
+        staging.replaces = vol
+        vol.replacements.append(staging)
+        self.retally_set_aside(vol)
+
     def retally_set_aside(self, vol: Volume) -> None:
         """vol's reservation, size or exclusive count changed, or it went: the pool's
-        reserved total follows (O(1), so the allocation gate never sums volumes)."""
+        reserved total follows (O(1), so the allocation gate never sums volumes). For a
+        staging volume, the volume it replaces is counted again."""
         counted = 0 if vol.removed else self.set_aside(vol)
         self.reserved_total += counted - vol.set_aside_counted
         vol.set_aside_counted = counted
@@ -93,6 +120,16 @@ class SpaceAccounts:
             self.reserved_volumes.add(vol)
         else:
             self.reserved_volumes.discard(vol)
+        replaced = vol.replaces
+        if vol.removed:
+            for staged in vol.replacements:  # what replaced it replaces nothing now
+                staged.replaces = None
+            vol.replacements = []
+            if replaced is not None:
+                vol.replaces = None
+                replaced.replacements.remove(vol)
+        if replaced is not None:
+            self.retally_set_aside(replaced)
 
     def set_exclusive(self, vol: Volume, count: int, *, exact: bool = True) -> None:
         """vol's exclusive count as just established: exact now (stamped with the current
@@ -108,6 +145,8 @@ class SpaceAccounts:
         before = self.reserved_total
         for vol in list(self.reserved_volumes):
             vol.fresh_exclusive()
+            for staged in list(vol.replacements):
+                staged.fresh_exclusive()
         return self.reserved_total != before
 
     def check_reservable(self, vol: Volume, new_set_aside: int, what: str, freed: int = 0, why: str = "") -> None:
@@ -158,7 +197,8 @@ class SpaceAccounts:
     def check_space(self, n_blocks: int, vol: Volume | None = None) -> None:
         """Ensure n_blocks can be allocated now for vol, or raise NoSpaceError (nothing changed).
 
-        vol may use its own set-aside; everyone else's stays untouched. While commits
+        vol may use its own set-aside (a staging volume also the one of the volume it
+        replaces); everyone else's stays untouched. While commits
         fail, or while the host is full (the metadata slack is out), nothing new is
         allocated: the open transaction must not grow beyond what one commit can write."""
         failure = self._commit_failure()
@@ -169,7 +209,7 @@ class SpaceAccounts:
             raise NoSpaceError(
                 f"the host filesystem under pool {self.path} is full: new space is refused until freed space returns"
             )
-        others = self.reserved_total - (vol.set_aside_counted if vol is not None else 0)
+        others = self.reserved_total - (self.own_set_aside(vol) if vol is not None else 0)
         if n_blocks <= self.space.allocatable_blocks - others:
             return
         if others and self.refresh_reserved():  # stale counts over-reserve: recount, then decide

@@ -115,6 +115,11 @@ class Volume:
         # Totals, and what its reservation adds to the pool's reserved total.
         self.tallied = False
         self.set_aside_counted = 0
+        # A staging volume that will replace another (import, import-diff) and the staging
+        # volumes replacing this one: their blocks count toward this one's reservation
+        # (core/reservation.py; linked by SpaceAccounts.stand_in).
+        self.replaces: Volume | None = None
+        self.replacements: list[Volume] = []
         self.users = 0  # open NBD connections and FUSE handles: removal/rollback wait for none
         self.ranges = RangeLock()  # requests in flight hold their blocks here (see _mutate)
 
@@ -220,7 +225,7 @@ class Volume:
                 exclusive += 1  # a fresh dblock, in a page this volume alone holds
             if exclusive:
                 self.row.exclusive_blocks += exclusive
-                if self.row.reserve_bytes:
+                if self.row.reserve_bytes or self.replaces is not None:
                     self.pool.accounts.retally_set_aside(self)
         self.pool.txn.page_changed(self, page_index, page)
 
@@ -677,7 +682,7 @@ class Volume:
             self.pool.volumes.totals.zeroed_blocks += n
             self.pool.volumes.totals.pinned_blocks += n
         row.exclusive_blocks += n  # fresh dblocks in a page this volume alone holds
-        if row.reserve_bytes:
+        if row.reserve_bytes or self.replaces is not None:
             self.pool.accounts.retally_set_aside(self)
         self.pool.txn.page_changed(self, page_index, page)
 
@@ -752,11 +757,13 @@ class Volume:
         it cannot cover is refused (create_snapshot). A block the volume holds alone
         today is no guarantee without it, because a snapshot may share it at any
         moment, after which its next write needs a fresh block. Mapped blocks only;
-        read-only volumes take no writes, so nothing is reported guaranteed there.
+        read-only volumes take no writes, so nothing is reported guaranteed there. Nor
+        while an import into the volume runs: its staging volume draws on the same
+        reservation (core/reservation.py).
         """
         self._check(offset, length, write=False)
         with self.pool.lock:
-            covered = self.fully_reserved()
+            covered = self.fully_reserved() and not self.replacements
         if not covered:
             return [(length, False)] if length else []
         return Runs((n, state is not BlockState.UNMAPPED) for n, state in self.block_status(offset, length)).pairs()

@@ -78,7 +78,9 @@ class VolumeRow:
     zeroed_blocks: int = 0
     pinned_blocks: int = 0
     kind: str = "volume"  # or "snapshot" (read-only)
-    origin_id: int | None = None  # the volume a snapshot was taken of, the snapshot a clone came from
+    # The volume a snapshot was taken of, the snapshot a clone came from; for a staging
+    # volume of an import or import-diff, the volume it will replace (core/reservation.py).
+    origin_id: int | None = None
     reserve_bytes: int = 0  # RESERVE_FULL follows the size
     low_water: float | None = None  # percent of the size left unmapped
     on_low_water: str | None = None

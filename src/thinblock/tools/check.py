@@ -28,7 +28,7 @@ from thinblock.core.mapped import Mapped, mapped_entries, positions
 from thinblock.core.mapping import PAGE_ENTRIES, BlockState, entry_dblock, entry_state, entry_valid, mapped_pairs
 from thinblock.core.pool import check_data_size
 from thinblock.core.pool_steps import grant_problems
-from thinblock.core.reservation import set_aside_blocks
+from thinblock.core.reservation import replaced_id, set_aside_blocks
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, VolumeRow
@@ -333,9 +333,17 @@ def _check_lineage_and_reservations(
         t.root_volume[rows], weights=owned_per_page[t.root_page[rows]], minlength=len(t.vol_ids)
     ).astype(np.int64)
     index = {int(vid): i for i, vid in enumerate(t.vol_ids)}
+    # A staging volume's blocks count toward the volume it will replace (same rule).
+    replacing: dict[int, int] = {}
+    for row in volumes.values():
+        replaced = replaced_id(row)
+        if replaced is not None and row.id in index:
+            replacing[replaced] = replacing.get(replaced, 0) + int(owned[index[row.id]])
     reserved = 0
     for row in reserving:
-        reserved += set_aside_blocks(row, block_size, exclusive=int(owned[index[row.id]]))
+        reserved += set_aside_blocks(
+            row, block_size, exclusive=int(owned[index[row.id]]), replacement_blocks=replacing.get(row.id, 0)
+        )
     if reserved > free:
         problems.append(f"reservations set aside {reserved} blocks but only {free} are free")
     return problems

@@ -13,7 +13,7 @@ from thinblock.core.pool import SECTOR_BYTES, Pool
 from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.snapshot import adopt, publish_staged, stage_empty
 from thinblock.core.volume import Volume
-from thinblock.errors import ThinblockError
+from thinblock.errors import NoSpaceError, ThinblockError
 from thinblock.progress import ProgressFn
 from thinblock.sizes import format_size
 from thinblock.transfer.common import (
@@ -74,7 +74,8 @@ def import_image(
             " hold it exactly"
         )
     created = vol is None
-    staged = stage_empty(pool, "import", size, vol.row.detect_zeroes if vol is not None else "on")
+    held = 0 if vol is None else vol.mapped_blocks * pool.block_size  # kept until the swap
+    staged = stage_empty(pool, "import", size, vol.row.detect_zeroes if vol is not None else "on", vol)
     try:
         if stream:
             assert isinstance(source, StreamReader)
@@ -86,10 +87,15 @@ def import_image(
             publish_staged(pool, [(staged, name)])
         else:
             adopt(pool, name, staged, None)
-    except BaseException:
+    except BaseException as exc:
         if not staged.removed and staged.name.startswith(STAGING_PREFIX):
             with contextlib.suppress(Exception):
                 pool.remove_volume(staged.name)
+        if isinstance(exc, NoSpaceError) and held:
+            raise NoSpaceError(
+                f"{exc.strerror}: volume {name} keeps its old contents ({format_size(held)} mapped) until the"
+                " import is complete, so the pool needs room for both"
+            ) from exc
         raise
     return {"volume": name, "size_bytes": size, "created": created, **figures, "seconds": elapsed(start)}
 
