@@ -70,6 +70,27 @@ def test_rename_keeps_contents_settings_and_lineage(pool_dir: str) -> None:
     tb("pool", "check", pool_dir)
 
 
+def test_a_volume_rename_carries_its_snapshots_named_after_it(pool_dir: str) -> None:
+    """rbd renames an image with its snapshots: vm@s1 becomes web@s1 (only snapshots taken
+    of vm and named vm@...); one whose new name is taken refuses the whole rename."""
+    tb("volume", "create", pool_dir, "vm", "--size", "1M")
+    tb("volume", "create", pool_dir, "other", "--size", "1M")
+    tb("snapshot", "create", pool_dir, "vm@s1")
+    tb("snapshot", "create", pool_dir, "vm", "plain")
+    tb("snapshot", "create", pool_dir, "other", "vm@x")  # named like vm's, taken of other: stays
+    tb("snapshot", "create", pool_dir, "other", "web@s1")
+    proc = tb("volume", "rename", pool_dir, "vm", "web", ok=False)
+    assert "'web@s1' already exists" in proc.stderr
+    assert sorted(listing(pool_dir)) == ["other", "plain", "vm", "vm@s1", "vm@x", "web@s1"]
+    tb("snapshot", "remove", pool_dir, "web@s1")
+    out = json.loads(tb("volume", "rename", pool_dir, "vm", "web", "--json").stdout)
+    assert out["snapshots"] == [{"old_name": "vm@s1", "name": "web@s1"}]
+    vols = listing(pool_dir)
+    assert sorted(vols) == ["other", "plain", "vm@x", "web", "web@s1"]
+    assert vols["web@s1"]["origin"] == "web" and vols["vm@x"]["origin"] == "other"
+    tb("pool", "check", pool_dir)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

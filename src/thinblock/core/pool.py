@@ -610,12 +610,29 @@ class Pool:
                 raise ThinblockError(f"{kind} {name} is already called {new_name}")
             self.check_new_name(new_name, kind)
             self.refuse_if_busy(vol, "rename")
-            del self.volumes[name]
-            vol.row.name = new_name
-            self.volumes[new_name] = vol
-            self.txn.mark_volume_dirty(vol)
+            # As rbd's snapshots go with their image: a volume's snapshots named VOLUME@SNAP
+            # (taken of it) become NEW@SNAP, all checked before anything is renamed.
+            carried = [
+                (snap, new_name + snap.name[len(name) :])
+                for snap in self.volumes.values()
+                if kind == "volume"
+                and snap.row.kind == "snapshot"
+                and snap.row.origin_id == vol.row.id
+                and snap.name.startswith(f"{name}@")
+            ]
+            for snap, snap_name in carried:
+                self.check_new_name(snap_name, "snapshot")
+                self.refuse_if_busy(snap, "rename")
+            for item, item_name in [(vol, new_name), *carried]:
+                del self.volumes[item.name]
+                item.row.name = item_name
+                self.volumes[item_name] = item
+                self.txn.mark_volume_dirty(item)
         self.commit()
-        return {"kind": kind, "old_name": name, "name": new_name}
+        result: dict[str, Any] = {"kind": kind, "old_name": name, "name": new_name}
+        if carried:
+            result["snapshots"] = [{"old_name": name + n[len(new_name) :], "name": n} for _s, n in carried]
+        return result
 
     def drop_volume(self, vol: Volume) -> list[dict[str, Any]]:
         """Take vol out of the pool (call under the pool lock, with its range held): its

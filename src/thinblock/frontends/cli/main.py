@@ -344,7 +344,14 @@ def cmd_volume_resize(args: argparse.Namespace) -> None:
 
 def _rename(args: argparse.Namespace, kind: str) -> None:
     info = admin_call(args.pool, "volume_rename", name=args.name, new_name=args.new_name, kind=kind)
-    _emit(args, info, lambda i: f"renamed {kind} {i['old_name']} to {i['name']}")
+    _emit(
+        args,
+        info,
+        lambda i: "\n".join(
+            [f"renamed {kind} {i['old_name']} to {i['name']}"]
+            + [f"renamed snapshot {s['old_name']} to {s['name']}" for s in i.get("snapshots", [])]
+        ),
+    )
 
 
 def cmd_volume_rename(args: argparse.Namespace) -> None:
