@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -382,3 +383,123 @@ def test_stopping_a_server_detaches_the_devices_on_its_mount(env: Path) -> None:
     assert not bound & set(devices), bound
     assert json.loads(thinblock("attach", "--list", "--json").stdout) == []
     assert not any("fuse.thinblock" in line for line in Path("/proc/mounts").read_text().splitlines())
+
+
+def _size(dev: str) -> int:
+    return int(sh("blockdev", "--getsize64", dev).stdout)
+
+
+def _can_resize_ext4_online() -> bool:
+    """ext4's online resize needs CAP_SYS_RESOURCE, which some containers drop from root."""
+    caps = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("CapEff:"))
+    return bool(int(caps.split()[1], 16) >> 24 & 1)  # CAP_SYS_RESOURCE = 24
+
+
+def _grow_filesystem(fs: str, dev: str, mnt: Path) -> None:
+    """Grow the filesystem on dev, mounted at mnt, to the device's size: online (xfs_growfs,
+    resize2fs); ext4 without CAP_SYS_RESOURCE offline, unmounted and mounted again."""
+    if fs == "xfs":
+        sh("xfs_growfs", str(mnt))
+    elif _can_resize_ext4_online():
+        sh("resize2fs", dev)
+    else:
+        sh("umount", str(mnt))
+        sh("e2fsck", "-fy", dev)
+        sh("resize2fs", dev)
+        sh("mount", dev, str(mnt))
+
+
+@pytest.mark.parametrize("fs", ["ext4", "xfs"])
+@pytest.mark.parametrize("served", [False, True], ids=["fuse-daemon", "served"])
+def test_growing_an_attached_volume_grows_its_device_at_once(env: Path, served: bool, fs: str) -> None:
+    """`volume resize` of an attached volume makes its loop device show the new size at
+    once (no `losetup -c`), so the mounted filesystem can grow, whether the pool's FUSE
+    daemon or a `thinblock serve` hosts the mount; shrinking stays refused."""
+    from tests.nbd_server import Server
+
+    pool = make_pool(env, ("vm", "320M"), size="1G")  # mkfs.xfs wants 300M at least
+    server = Server(pool) if served else None
+    mnt = env / "mnt"
+    mnt.mkdir()
+    try:
+        dev = thinblock("attach", pool, "vm").stdout.strip()
+        assert _size(dev) == 320 * MiB
+        sh(*(["mke2fs", "-q", "-t", "ext4", "-F"] if fs == "ext4" else ["mkfs.xfs", "-q", "-f"]), dev)
+        sh("mount", dev, str(mnt))
+        try:
+            data = os.urandom(3 * MiB)
+            (mnt / "f").write_bytes(data)
+            before = os.statvfs(mnt)
+            grown = thinblock("volume", "resize", pool, "vm", "--size", "512M")
+            assert "warning" not in grown.stderr, grown.stderr
+            assert _size(dev) == 512 * MiB  # at once: no losetup -c
+            (fuse_mnt,) = (env / "run").glob("*/mnt")
+            assert os.stat(fuse_mnt / "vm").st_size == 512 * MiB  # the FUSE file too
+            _grow_filesystem(fs, dev, mnt)
+            after = os.statvfs(mnt)
+            assert after.f_blocks * after.f_frsize >= before.f_blocks * before.f_frsize + 150 * MiB
+            assert (mnt / "f").read_bytes() == data
+            thinblock("volume", "resize", pool, "vm", "--size", "640M")  # and again
+            assert _size(dev) == 640 * MiB
+            shrink = thinblock("volume", "resize", pool, "vm", "--size", "320M", "--allow-shrink", check=False)
+            assert shrink.returncode == 1 and "open by" in shrink.stderr, shrink.stderr
+            assert _size(dev) == 640 * MiB
+        finally:
+            sh("umount", str(mnt))
+        sh(*(["e2fsck", "-fn"] if fs == "ext4" else ["xfs_repair", "-n"]), dev)
+        thinblock("detach", dev)
+    finally:
+        if server is not None:
+            server.stop()
+    assert volume(pool, "vm")["size_bytes"] == 640 * MiB
+    assert thinblock("pool", "check", pool).returncode == 0
+
+
+def test_a_device_that_does_not_follow_a_resize_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop half on its own, on a plain file: a device grows with its file; one that
+    cannot be told is a warning naming `losetup -c DEV`, not an error."""
+    from thinblock.frontends.fuse import loopsize
+
+    img = tmp_path / "file.img"
+    with open(img, "wb") as f:
+        f.truncate(64 * MiB)
+    dev = sh("losetup", "--find", "--show", "--direct-io=on", str(img)).stdout.strip()
+    try:
+        os.truncate(img, 96 * MiB)
+        assert loopsize.loops_on(str(img)) == [dev]
+        assert loopsize.follow_size(str(img), 96 * MiB) == []
+        assert _size(dev) == 96 * MiB
+        os.truncate(img, 128 * MiB)
+
+        def refuse(device: str) -> None:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+
+        monkeypatch.setattr(loopsize, "set_capacity", refuse)
+        (warning,) = loopsize.follow_size(str(img), 128 * MiB)
+        assert f"run 'losetup -c {dev}'" in warning and "not permitted" in warning and "128M" in warning, warning
+        assert _size(dev) == 96 * MiB
+    finally:
+        sh("losetup", "-d", dev)
+
+
+def test_a_failing_size_watcher_leaves_the_resize_done(tmp_path: Path) -> None:
+    from thinblock.core.pool import Pool
+
+    told: list[tuple[str, int]] = []
+
+    def tells(name: str, size_bytes: int) -> list[str]:
+        told.append((name, size_bytes))
+        return ["first"]
+
+    def fails(name: str, size_bytes: int) -> list[str]:
+        raise OSError(errno.EIO, "no device")
+
+    with Pool.create(str(tmp_path / "pool"), 64 * MiB) as pool:
+        pool.create_volume("vm", 16 * MiB)
+        pool.size_watchers += [tells, fails]
+        warnings = pool.resize_volume("vm", 32 * MiB)
+        assert warnings[0] == "first" and "telling its devices failed" in warnings[1], warnings
+        assert pool.resize_volume("vm", 32 * MiB) == []  # the same size: nobody is told
+        assert told == [("vm", 32 * MiB)]
+    with Pool.open(str(tmp_path / "pool")) as pool:
+        assert pool.volume("vm").size_bytes == 32 * MiB

@@ -85,9 +85,9 @@ VERBS: dict[str, Callable[..., Any]] = {
         pool.create_volume(name, size_bytes, detect_zeroes=detect_zeroes)
     ),
     "volume_remove": lambda pool, name, kind=None: pool.remove_volume(name, kind=kind),
-    "volume_resize": lambda pool, name, size_bytes, allow_shrink=False: pool.resize_volume(
-        name, size_bytes, allow_shrink=allow_shrink
-    ),
+    "volume_resize": lambda pool, name, size_bytes, allow_shrink=False: {
+        "warnings": pool.resize_volume(name, size_bytes, allow_shrink=allow_shrink)
+    },
     "volume_rename": lambda pool, name, new_name, kind: pool.rename_volume(name, new_name, kind=kind),
     "volume_set": _volume_set,
     "volume_clone": lambda pool, snapshot, name: pool.volume_info(clone(pool, snapshot, name)),

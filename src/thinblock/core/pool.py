@@ -254,6 +254,10 @@ class Pool:
         # read zero below, so the next write into one writes the whole block.
         self.unclean_zeroed: set[int] = set()
         self.warnings: list[str] = []  # for the person who opened it (pool create, grow)
+        # Told (name, new size) once a volume's new size is committed, with no lock held:
+        # whoever shows the volumes elsewhere (a FUSE mount and the loop devices on its
+        # files, fuse/fs.py). What each returns are warnings for the command that resized.
+        self.size_watchers: list[Callable[[str, int], list[str]]] = []
         if not sb.get("clean", True):
             self.committer.recover_free_space(progress)
         # An older pool is upgraded by this first commit (SQLite migrated its tables on
@@ -659,11 +663,14 @@ class Pool:
                 " (NBD connections or an attached loop device)"
             )
 
-    def resize_volume(self, name: str, size_bytes: int, *, allow_shrink: bool = False) -> None:
+    def resize_volume(self, name: str, size_bytes: int, *, allow_shrink: bool = False) -> list[str]:
         """Grow a volume, or shrink it (discarding the cut-off part) when allow_shrink
-        and no client has it open: like rbd resize, a shrink must be asked for."""
+        and no client has it open: like rbd resize, a shrink must be asked for. Then the
+        size watchers are told (an attached loop device grows, as a mapped rbd image
+        does); what they could not do is returned as warnings, the resize stands."""
         validate_volume_size(size_bytes)
         with self.quiesced(name, kind="volume") as vol:
+            old_bytes = vol.size_bytes
             with self.lock:
                 if size_bytes < vol.size_bytes:
                     if not allow_shrink:
@@ -678,6 +685,21 @@ class Pool:
                     accounts.check_reservable(vol, accounts.set_aside(vol) + extra, "grow")
             vol.resize_held(size_bytes)
         self.commit()
+        return self.tell_size_watchers(name, size_bytes) if size_bytes != old_bytes else []
+
+    def tell_size_watchers(self, name: str, size_bytes: int) -> list[str]:
+        """Tell the size watchers a volume is now size_bytes; their warnings. A watcher
+        that fails is a warning too: the resize is done and committed by now."""
+        warnings: list[str] = []
+        for watcher in list(self.size_watchers):
+            try:
+                warnings += watcher(name, size_bytes)
+            except Exception as exc:
+                log.exception("telling %s of volume %s's new size failed", watcher, name)
+                warnings.append(
+                    f"volume {name} is now {format_size(size_bytes)}, but telling its devices failed: {exc}"
+                )
+        return warnings
 
     def set_detect_zeroes(self, name: str, mode: str) -> None:
         if mode not in DETECT_ZEROES:

@@ -338,8 +338,11 @@ def cmd_volume_remove(args: argparse.Namespace) -> None:
 
 
 def cmd_volume_resize(args: argparse.Namespace) -> None:
-    admin_call(args.pool, "volume_resize", name=args.name, size_bytes=args.size, allow_shrink=args.allow_shrink)
+    result = admin_call(
+        args.pool, "volume_resize", name=args.name, size_bytes=args.size, allow_shrink=args.allow_shrink
+    )
     print(f"volume {args.name} is now {format_size(args.size)}")
+    _warn((result or {}).get("warnings", []))  # an attached device that did not follow: losetup -c
 
 
 def _rename(args: argparse.Namespace, kind: str) -> None:

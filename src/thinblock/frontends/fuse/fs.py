@@ -9,12 +9,18 @@ file handle's Export (frontends/export.py):
     statfs              -> pool space (the loop driver offers discard only when statfs works)
 
 The daemon only ever does I/O on the pool's data file, never on its own FUSE
-files or loop devices, so it cannot deadlock on itself.
+files or loop devices, so it cannot deadlock on itself. After a resize (a
+control-socket verb, on another thread, with no pool lock held) it tells the
+kernel the file's new size (fuse_invalidate_path: the attributes it caches for
+attr_timeout) and the loop devices on the file theirs (fuse/loopsize.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
+import logging
 import os
 import stat
 import threading
@@ -29,7 +35,10 @@ from thinblock.core.pool import Pool
 from thinblock.core.volume import Volume
 from thinblock.errors import OpError
 from thinblock.frontends.export import Export, errno_of
+from thinblock.frontends.fuse.loopsize import follow_size
 from thinblock.paths import safe_name_problem
+
+log = logging.getLogger("thinblock.fuse")
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -38,23 +47,71 @@ SEEK_DATA = 3
 SEEK_HOLE = 4
 MAX_IO_BYTES = 1 << 20
 
+# libfuse3's fuse_invalidate_path (since 3.1), which mfusepy 3.1.1 does not wrap: the
+# kernel drops what it caches of a path's attributes, so the next stat asks us.
+_libfuse = getattr(mfusepy, "_libfuse", None)
+_invalidate_path = getattr(_libfuse, "fuse_invalidate_path", None)
+if _invalidate_path is not None:
+    _invalidate_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    _invalidate_path.restype = ctypes.c_int
+
 
 class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
     """A flat directory: one regular file per volume of the pool."""
 
     use_ns = True
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, mountpoint: str | None = None) -> None:
         self.pool = pool
+        self.mountpoint = mountpoint  # resolved; None: no loop devices are told of resizes
         self.started = time.time_ns()
         self._handles: dict[int, Export] = {}  # open file handles
         self._handles_lock = threading.Lock()
         self._next_fh = 0
+        self._fuse: int | None = None  # libfuse's struct fuse, from init until destroy
+        self._fuse_lock = threading.Lock()
 
     def init_with_config(self, conn: Any, config: Any) -> None:
         # 1 MiB requests (libfuse asks the kernel for max_pages to match).
         if conn is not None:
             conn.max_write = MAX_IO_BYTES
+        if _libfuse is not None:
+            with self._fuse_lock:
+                self._fuse = _libfuse.fuse_get_context().contents.fuse
+        if self.mountpoint is not None:
+            self.pool.size_watchers.append(self.volume_resized)
+
+    def destroy(self, path: str) -> None:
+        self.forget_pool_watch()
+        with self._fuse_lock:
+            self._fuse = None  # freed once this returns
+
+    def forget_pool_watch(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.pool.size_watchers.remove(self.volume_resized)
+
+    def volume_resized(self, name: str, size_bytes: int) -> list[str]:
+        """A size watcher (Pool.size_watchers): the volume's file and every loop device
+        on it show size_bytes; warnings for devices that do not."""
+        if self.mountpoint is None or safe_name_problem(name) is not None:
+            return []
+        path = os.path.join(self.mountpoint, name)
+
+        def refresh() -> None:
+            self._invalidate(name)
+            os.stat(path)  # the kernel takes the new size from our getattr
+
+        self._invalidate(name)  # even with no device on it: a stat shows the new size at once
+        warnings = follow_size(path, size_bytes, refresh)
+        for warning in warnings:
+            log.warning("%s", warning)
+        return warnings
+
+    def _invalidate(self, name: str) -> None:
+        with self._fuse_lock:
+            if self._fuse is not None and _invalidate_path is not None:
+                # -ENOENT when the kernel holds nothing of the file: nothing to drop.
+                _invalidate_path(self._fuse, ("/" + name).encode())
 
     def _volume(self, path: str) -> Volume:
         name = path.lstrip("/")
@@ -204,16 +261,21 @@ FUSE_MAX_THREADS = 16
 
 def mount(pool: Pool, mountpoint: str, *, foreground: bool = True) -> None:
     """Serve the pool's volumes at mountpoint until unmounted (blocks)."""
-    _FUSE(
-        VolumeFS(pool),
-        mountpoint,
-        foreground=foreground,
-        fsname="thinblock",
-        subtype="thinblock",
-        direct_io=True,
-        default_permissions=True,
-        # Both given explicitly: left unset, libfuse 3.14 hands its loop the unset idle
-        # limit (-1) and logs "Ignoring invalid max threads value" at every mount.
-        max_threads=FUSE_MAX_THREADS,
-        max_idle_threads=FUSE_MAX_THREADS,
-    )
+    mountpoint = os.path.realpath(mountpoint)  # as the kernel names a loop device's backing file
+    fs = VolumeFS(pool, mountpoint)
+    try:
+        _FUSE(
+            fs,
+            mountpoint,
+            foreground=foreground,
+            fsname="thinblock",
+            subtype="thinblock",
+            direct_io=True,
+            default_permissions=True,
+            # Both given explicitly: left unset, libfuse 3.14 hands its loop the unset idle
+            # limit (-1) and logs "Ignoring invalid max threads value" at every mount.
+            max_threads=FUSE_MAX_THREADS,
+            max_idle_threads=FUSE_MAX_THREADS,
+        )
+    finally:
+        fs.forget_pool_watch()  # however the mount ended
