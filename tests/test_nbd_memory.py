@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import struct
 import threading
@@ -130,10 +131,11 @@ def test_largest_requests_of_the_reference_client(tmp_path: Path) -> None:
         s.close()
 
 
-def test_a_write_payload_that_stalls_half_way_is_cut_off(tmp_path: Path) -> None:
-    """Six clients that announce 32 MiB writes, send 10 bytes and stop hold the memory
-    every large request needs: each is disconnected after --payload-timeout seconds of
-    silence, and another client's 2 MiB writes then go through."""
+def test_a_write_payload_that_stalls_half_way_is_cut_off_when_others_wait(tmp_path: Path) -> None:
+    """Six clients that announce 32 MiB writes, send 10 bytes and stop hold all the memory
+    large requests share. While nobody waits for it they may stay silent (a frozen
+    client finishes its write later); once another client's 2 MiB writes wait, a sender
+    silent for --payload-timeout seconds is cut off, and those writes go through."""
     with served_pool(tmp_path, "1G", {"disk": "512M"}, "--payload-timeout", "1") as server:
         stalled = []
         for i in range(6):
@@ -144,13 +146,28 @@ def test_a_write_payload_that_stalls_half_way_is_cut_off(tmp_path: Path) -> None
             assert len(s.recv(10, socket.MSG_WAITALL)) == 10
             s.sendall(_req(c.CMD_WRITE, i * 32 * MiB, 32 * MiB, i) + b"x" * 10)
             stalled.append(s)
-        for s in stalled:
-            assert s.recv(1) == b""  # the server hung up
-            s.close()
-        h = connect(server)
+        time.sleep(3)  # three payload timeouts, with nobody waiting: nobody is cut off
+        assert not select.select(stalled, [], [], 0)[0]
+        first = stalled[0]
+        first.sendall(b"y" * (32 * MiB - 10))  # the frozen client wakes up and finishes
+        assert struct.unpack(">IIQ", first.recv(16, socket.MSG_WAITALL)) == (c.SIMPLE_REPLY_MAGIC, 0, 0)
+        first.sendall(_req(c.CMD_WRITE, 0, 32 * MiB, 9) + b"x" * 10)  # and stalls again
         data = os.urandom(2 * MiB)
-        for i in range(4):
-            h.pwrite(data, 256 * MiB + i * len(data))
-        assert h.pread(len(data), 256 * MiB) == data
-        h.shutdown()
-    assert server.log.read_text().count("closed (a write's payload stalled") == 6
+        done: list[bool] = []
+
+        def victim() -> None:
+            h = connect(server)
+            for i in range(4):
+                h.pwrite(data, 256 * MiB + i * len(data))
+            done.append(h.pread(len(data), 256 * MiB) == data)
+            h.shutdown()
+
+        writer = threading.Thread(target=victim)
+        writer.start()
+        writer.join(60)
+        assert done == [True]
+        cut = [s for s in stalled if select.select([s], [], [], 0)[0] and s.recv(1) == b""]
+        assert cut  # at least one sender was cut off for the victim
+        for s in stalled:
+            s.close()
+    assert server.log.read_text().count("closed (a write's payload stalled") >= len(cut)

@@ -956,7 +956,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=20.0,
         metavar="S",
-        help="silence allowed in the middle of a write's payload before the client is disconnected (default 20)",
+        help="silence allowed in a write's payload while other clients wait for memory (default 20)",
     )
     p.add_argument(
         "--takeover", action="store_true", help="rados: pools: fence off the live holder and serve (see docs/ceph.md)"

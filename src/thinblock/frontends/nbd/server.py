@@ -349,6 +349,13 @@ def cipher_policy(ctx: ssl.SSLContext) -> None:
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE | ssl.OP_NO_RENEGOTIATION
 
 
+PAYLOAD_POLL_S = 1.0  # how often a reader in a write's payload looks whether it stalls others
+
+
+class _PayloadStalled(Exception):
+    """A write's payload went silent while other clients waited for memory (Limits.payload_idle_s)."""
+
+
 class ByteBudget:
     """A count of bytes in flight with a ceiling; acquire blocks while it is reached.
 
@@ -374,6 +381,11 @@ class ByteBudget:
                 self._waiting -= 1
             self.used_bytes += n_bytes
             return True
+
+    @property
+    def waited_for(self) -> bool:
+        """Whether some acquire() is waiting for bytes to be released."""
+        return self._waiting > 0
 
     def try_acquire(self, n_bytes: int) -> bool:
         """Take n_bytes if that needs no wait."""
@@ -422,9 +434,10 @@ class Limits:
     max_connections: int = 256
     handshake_s: float = 30.0  # from connect to the first request, TLS included
     idle_s: float = 10.0  # silence allowed between two negotiation messages
-    # Silence allowed in the middle of a write's payload: the memory reserved for it
-    # may be what other clients' large requests wait for, so a sender that stops
-    # half-way is disconnected rather than allowed to hold it forever.
+    # Silence allowed in the middle of a write's payload while other clients wait for
+    # memory: what was reserved for the payload may be what they wait for, so a sender
+    # that stopped half-way is then disconnected rather than allowed to hold it forever.
+    # While nobody waits it may stay silent (a frozen client: a paused container).
     payload_idle_s: float = 20.0
     max_negotiating_per_address: int = AdmissionLimits.max_negotiating_per_address
     max_connections_per_address: int = AdmissionLimits.max_connections_per_address
@@ -476,6 +489,10 @@ class NBDServer:
         self.budget = ByteBudget(SERVER_BUDGET_BYTES)
         self.large_budget = ByteBudget(LARGE_BUDGET_BYTES)
         self.stats = ServerStats()  # connections admitted and refused (metrics)
+
+    def memory_wanted(self) -> bool:
+        """Whether a client's request waits for the server's memory budgets."""
+        return self.budget.waited_for or self.large_budget.waited_for
 
     def listen_unix(self, path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None) -> None:
         """Listen at path (mode 0600 unless shared with a group), replacing a dead
@@ -651,7 +668,8 @@ class Session:
         self.slots = ByteBudget(MAX_IN_FLIGHT)  # requests in flight, one unit each
         self.budget = ByteBudget(CONNECTION_BUDGET_BYTES)
         self.reserved = 0  # bytes taken for a write payload announced and not yet a Request
-        self._payload_timed = False  # the socket's timeout is payload_idle_s (in a payload)
+        self._payload_timed = False  # in a write's payload: the socket wakes every PAYLOAD_POLL_S
+        self._payload_heard = 0.0  # when a byte of the payload last came
         self.replies: queue.SimpleQueue[tuple[list[bytes], list[int]] | None] = queue.SimpleQueue()
         self.batch: list[bytes] = []  # replies of inline requests, sent together
         self.batch_costs: list[int] = []
@@ -741,13 +759,13 @@ class Session:
             reason = f"protocol error: {exc}"
             log.warning("%s: %s", self.name, reason)
         except TimeoutError:
-            if self.reserved:
-                reason = (
-                    f"a write's payload stalled ({limits.payload_idle_s:g} s without a byte): closed to free"
-                    " the memory it held"
-                )
-            else:
-                reason = f"negotiation timed out ({limits.idle_s:g} s of silence or {limits.handshake_s:g} s in all)"
+            reason = f"negotiation timed out ({limits.idle_s:g} s of silence or {limits.handshake_s:g} s in all)"
+            log.warning("%s: %s", self.name, reason)
+        except _PayloadStalled:
+            reason = (
+                f"a write's payload stalled ({limits.payload_idle_s:g} s without a byte while other clients"
+                " waited for memory): closed to free the memory it held"
+            )
             log.warning("%s: %s", self.name, reason)
         except (OSError, ssl.SSLError) as exc:
             self.peer_gone = True
@@ -793,17 +811,18 @@ class Session:
                     self.sock.settimeout(min(self.server.limits.idle_s, remaining))
                 elif bool(self.reserved) != self._payload_timed:  # a payload begins or ends
                     self._payload_timed = bool(self.reserved)
-                    self.sock.settimeout(self.server.limits.payload_idle_s if self.reserved else None)
+                    self._payload_heard = time.monotonic()
+                    self.sock.settimeout(PAYLOAD_POLL_S if self.reserved else None)
                 self._flush_batch()  # before waiting for the client: its replies go out now
                 target = conn.receive_buffer()  # a large write payload: straight into its buffer
                 if target is not None:
                     with target:  # released before the buffer is handed on (and trimmed)
-                        n = self.sock.recv_into(target)
+                        n = self._recv_into(target)
                     self.peer_gone = not n
                     conn.received_into(n)
                     continue
                 wanted = conn.wanted()  # read a write payload alone, so it is not copied
-                n = self.sock.recv_into(view[: min(len(view), wanted)] if wanted else view)
+                n = self._recv_into(view[: min(len(view), wanted)] if wanted else view)
                 self.peer_gone = not n
                 conn.receive_data(view[:n])
             elif isinstance(event, PayloadPending):
@@ -867,6 +886,23 @@ class Session:
                 )
             elif isinstance(event, Closed):
                 return event.reason
+
+    def _recv_into(self, buf: memoryview) -> int:
+        """recv_into, except that in a write's payload the socket wakes every
+        PAYLOAD_POLL_S: silent for payload_idle_s while other clients wait for memory,
+        the sender is cut off (_PayloadStalled); otherwise it may go on waiting."""
+        while True:
+            try:
+                n = self.sock.recv_into(buf)
+            except TimeoutError:
+                if not self._payload_timed:
+                    raise  # negotiation's own timeouts
+                silent = time.monotonic() - self._payload_heard
+                if silent >= self.server.limits.payload_idle_s and self.server.memory_wanted():
+                    raise _PayloadStalled from None
+                continue
+            self._payload_heard = time.monotonic()
+            return n
 
     def _authorise(self) -> None:
         """Under --tls-authz, the client's view of the exports is its certificate's grant
