@@ -170,4 +170,42 @@ def test_a_write_payload_that_stalls_half_way_is_cut_off_when_others_wait(tmp_pa
         assert cut  # at least one sender was cut off for the victim
         for s in stalled:
             s.close()
-    assert server.log.read_text().count("closed (a write's payload stalled") >= len(cut)
+    assert server.log.read_text().count("closed (its write's payload stalled") >= len(cut)
+
+
+def test_a_client_that_reads_no_replies_is_cut_off_when_others_wait(tmp_path: Path) -> None:
+    """Clients that send 32 MiB READs and never read the replies hold the memory large
+    requests share. While nobody waits they keep their connections (a frozen client
+    reads later); once another client's 2 MiB reads wait, the silent readers are cut
+    off after --payload-timeout seconds, and those reads go through."""
+    with served_pool(tmp_path, "1G", {"disk": "512M"}, "--payload-timeout", "1") as server:
+        silent = []
+        for i in range(6):  # 6 x 32 MiB: the whole large-request budget, nobody waits yet
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(server.socket)
+            s.settimeout(60)
+            s.recv(18, socket.MSG_WAITALL)
+            s.sendall(FLAGS + struct.pack(">QII", c.IHAVEOPT, c.OPT_EXPORT_NAME, 4) + b"disk")
+            assert len(s.recv(10, socket.MSG_WAITALL)) == 10
+            s.sendall(_req(c.CMD_READ, i * 32 * MiB, 32 * MiB, 1))
+            silent.append(s)
+        time.sleep(3)  # three timeouts with nobody waiting: nobody is cut off
+        log = server.log.read_text()
+        assert "reading its replies stalled" not in log, log
+        done: list[bool] = []
+
+        def victim() -> None:
+            h = connect(server)
+            for i in range(4):
+                assert h.pread(2 * MiB, 256 * MiB + i * 2 * MiB) == bytes(2 * MiB)
+            done.append(True)
+            h.shutdown()
+
+        reader = threading.Thread(target=victim)
+        reader.start()
+        reader.join(60)
+        assert done == [True]
+        for s in silent:
+            s.close()
+    assert "reading its replies stalled" in server.log.read_text()

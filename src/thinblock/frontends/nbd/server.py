@@ -353,7 +353,8 @@ PAYLOAD_POLL_S = 1.0  # how often a reader in a write's payload looks whether it
 
 
 class _PayloadStalled(Exception):
-    """A write's payload went silent while other clients waited for memory (Limits.payload_idle_s)."""
+    """A client stalled (a write's payload, or reading its replies) while other clients
+    waited for memory (Limits.payload_idle_s)."""
 
 
 class ByteBudget:
@@ -761,11 +762,8 @@ class Session:
         except TimeoutError:
             reason = f"negotiation timed out ({limits.idle_s:g} s of silence or {limits.handshake_s:g} s in all)"
             log.warning("%s: %s", self.name, reason)
-        except _PayloadStalled:
-            reason = (
-                f"a write's payload stalled ({limits.payload_idle_s:g} s without a byte while other clients"
-                " waited for memory): closed to free the memory it held"
-            )
+        except _PayloadStalled as exc:
+            reason = f"{exc}: closed to free the memory it held"
             log.warning("%s: %s", self.name, reason)
         except (OSError, ssl.SSLError) as exc:
             self.peer_gone = True
@@ -812,7 +810,6 @@ class Session:
                 elif bool(self.reserved) != self._payload_timed:  # a payload begins or ends
                     self._payload_timed = bool(self.reserved)
                     self._payload_heard = time.monotonic()
-                    self.sock.settimeout(PAYLOAD_POLL_S if self.reserved else None)
                 self._flush_batch()  # before waiting for the client: its replies go out now
                 target = conn.receive_buffer()  # a large write payload: straight into its buffer
                 if target is not None:
@@ -888,21 +885,28 @@ class Session:
                 return event.reason
 
     def _recv_into(self, buf: memoryview) -> int:
-        """recv_into, except that in a write's payload the socket wakes every
+        """recv_into, except that in a write's payload the wait for its bytes looks every
         PAYLOAD_POLL_S: silent for payload_idle_s while other clients wait for memory,
-        the sender is cut off (_PayloadStalled); otherwise it may go on waiting."""
-        while True:
-            try:
-                n = self.sock.recv_into(buf)
-            except TimeoutError:
-                if not self._payload_timed:
-                    raise  # negotiation's own timeouts
-                silent = time.monotonic() - self._payload_heard
-                if silent >= self.server.limits.payload_idle_s and self.server.memory_wanted():
-                    raise _PayloadStalled from None
-                continue
+        the sender is cut off (_PayloadStalled); otherwise it may go on waiting. (A poll,
+        not a socket timeout: that would also bound the workers' sends on the socket.)"""
+        if self._payload_timed:
+            self._stalled_unless(select.POLLIN, "its write's payload")
             self._payload_heard = time.monotonic()
-            return n
+        return self.sock.recv_into(buf)
+
+    def _stalled_unless(self, event: int, what: str) -> None:
+        """Wait until the socket is ready for event; raise _PayloadStalled if it stays
+        silent for payload_idle_s while other clients wait for memory."""
+        sock = self.sock
+        if event == select.POLLIN and isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return  # decrypted bytes are waiting already
+        poller = select.poll()
+        poller.register(sock.fileno(), event)
+        since = time.monotonic()
+        limit = self.server.limits.payload_idle_s
+        while not poller.poll(PAYLOAD_POLL_S * 1000):
+            if time.monotonic() - since >= limit and self.server.memory_wanted():
+                raise _PayloadStalled(f"{what} stalled ({limit:g} s while other clients waited for memory)")
 
     def _authorise(self) -> None:
         """Under --tls-authz, the client's view of the exports is its certificate's grant
@@ -1049,7 +1053,24 @@ class Session:
         if isinstance(sock, ssl.SSLSocket):
             sock.sendall(b"".join(bufs))
             return
-        write_all(sock.sendmsg, bufs)
+        if self.writer is None or threading.current_thread() is not self.writer:
+            write_all(sock.sendmsg, bufs)  # negotiation: bounded by its own timeouts
+            return
+        write_all(self._send_some, bufs)
+
+    def _send_some(self, views: list[memoryview]) -> int:
+        """The writer's sendmsg: a client that reads none of its replies for payload_idle_s
+        while other clients wait for memory is cut off, since its replies hold that memory."""
+        while True:
+            try:
+                return self.sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                pass
+            try:
+                self._stalled_unless(select.POLLOUT, "reading its replies")
+            except _PayloadStalled as exc:
+                log.warning("%s: closing: %s", self.name, exc)
+                raise OSError(errno.ETIMEDOUT, str(exc)) from None
 
     def _reply(self, req: Request) -> list[bytes]:
         conn = self.conn
