@@ -245,6 +245,13 @@ def test_sighup_reloads_the_authorisation_list(server: Server, clients: dict[str
     log = wait_for_log(server.log, "reloading --tls-authz failed, the previous rules stay in force:")
     assert f"--tls-authz {authz} is not UTF-8 text (byte 0xff at offset 21)" in log
     assert admin.pread(4096, 0) == b"a" * 4096
+    # A FIFO put in its place: refused at once, not waited on (SIGTERM would wait too).
+    authz.unlink()
+    os.mkfifo(authz)
+    server.proc.send_signal(signal.SIGHUP)
+    log = wait_for_log(server.log, f"--tls-authz {authz} is not a regular file")
+    assert admin.pread(4096, 0) == b"a" * 4096
+    authz.unlink()
     with pytest.raises(nbd.Error):
         handle(server, clients["backup"], "disk")
 

@@ -367,6 +367,8 @@ def test_config_max_connections_from_the_file_applies(tmp_path: Path) -> None:
         ("insecure = 1\n", "insecure must be true or false, not 1"),
         ('log-level = "loud"\n', "log-level must be one of 'debug', 'info', 'warning', 'error', not 'loud'"),
         ("socket = [1, 2]\n", "socket must be a string, not [1, 2]"),
+        # TOML's 0o620 is the number 400, which would be taken as the octal mode 0400.
+        ("socket-mode = 0o620\n", 'socket-mode must be a string such as "0660" (an octal mode), not 400'),
         ("max-connections = \n", "is not valid TOML"),
         ('config = "other.toml"\n', "unknown setting 'config'"),
         (None, "does not exist"),

@@ -310,7 +310,16 @@ class SqliteMetadata(MetadataStore):
 
     @_conn_reads
     def superblock(self) -> dict[str, Any]:
-        return {k: json.loads(v) for k, v in self.conn.execute("SELECT key, value FROM superblock")}
+        out = {}
+        for key, value in self.conn.execute("SELECT key, value FROM superblock"):
+            try:
+                out[key] = json.loads(value)
+            except (ValueError, TypeError):
+                raise CorruptionError(
+                    f"the pool's metadata database is damaged: superblock entry {key!r} is not a value"
+                    " thinblock wrote; restore it from a dump with 'thinblock pool restore'"
+                ) from None
+        return out
 
     @_conn_reads
     def volumes(self) -> list[VolumeRow]:
@@ -533,6 +542,7 @@ class SqliteMetadata(MetadataStore):
     def orphans(self) -> list[int]:
         return [pid for (pid,) in self.conn.execute("SELECT id FROM page_refs WHERE refcount = 0 ORDER BY id")]
 
+    @_conn_reads
     def integrity_problems(self) -> list[str]:
         rows = self.conn.execute("PRAGMA integrity_check").fetchall()
         problems = [] if rows == [("ok",)] else [f"sqlite integrity: {row[0]}" for row in rows[:20]]

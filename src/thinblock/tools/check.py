@@ -36,11 +36,21 @@ from thinblock.privacy import open_to_others
 from thinblock.store.owned import inspect
 
 
+def superblock_problem(sb: dict[str, Any]) -> str | None:
+    """Why the superblock's block size or pool size cannot be measured in, or None:
+    every check below divides by one and counts in the other."""
+    block_size, size_bytes = sb.get("block_size"), sb.get("size_bytes")
+    for key, value in (("block size", block_size), ("pool size", size_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return f"superblock {key} {value!r} is not a positive number of bytes"
+    return None
+
+
 def check_metadata(meta: MetadataStore) -> list[str]:
     """All problems found in the metadata (an empty list when it is consistent)."""
     try:
         return _check(meta)
-    except (CorruptionError, ValueError, KeyError, TypeError) as exc:
+    except (CorruptionError, ValueError, KeyError, TypeError, ArithmeticError) as exc:
         return [f"metadata cannot be read: {exc}"]
 
 
@@ -67,9 +77,12 @@ def check_data_store(locator: str | Location, meta: MetadataStore) -> list[str]:
     missing tail as zeros)."""
     try:
         sb = meta.superblock()
-        size_bytes, block_size = int(sb["size_bytes"]), int(sb["block_size"])
-    except (CorruptionError, KeyError, ValueError, TypeError) as exc:
+    except CorruptionError as exc:
         return [f"superblock cannot be read: {exc}"]
+    problem = superblock_problem(sb)
+    if problem is not None:
+        return [problem]
+    size_bytes, block_size = int(sb["size_bytes"]), int(sb["block_size"])
     problems = []
     if size_bytes <= 0 or size_bytes % block_size:
         problems.append(f"superblock pool size {size_bytes} is not a positive multiple of the block size {block_size}")
@@ -97,6 +110,8 @@ def check_generation(locator: str | Location, meta: MetadataStore) -> tuple[dict
     location = locate(locator)
     try:
         sb = meta.superblock()
+        if superblock_problem(sb) is not None:  # said by check_data_store; no header is measured by it
+            return {"metadata": None, "data_store": None}, []
         figures: dict[str, Any] = {
             "pool_uuid": sb.get("pool_uuid"),
             "metadata": int(sb.get("transaction_id") or 0),
@@ -109,6 +124,8 @@ def check_generation(locator: str | Location, meta: MetadataStore) -> tuple[dict
         why = inspect(store, sb, location.data_owner(), location.name, location.data_name(sb))
     except OSError as exc:
         return figures, [f"the data store's owner header cannot be read: {exc.strerror or exc}"]
+    except (CorruptionError, ValueError, TypeError, KeyError) as exc:  # a damaged superblock's values
+        return figures, [f"the data store's owner header cannot be checked: {exc}"]
     finally:
         store.close()
     if store.header is not None:
@@ -180,8 +197,10 @@ def _check_roots(t: _Tables, block_size: int) -> list[str]:
     )
     ok_volume = np.isin(t.roots[:, 0], t.vol_ids)
     beyond = ok_volume & (t.roots[:, 1] >= (limits[t.root_volume] if len(limits) else 0))
+    beyond |= t.roots[:, 1] < 0
+    tail = _entries_past_the_end(t, block_size)
     if bool(ok_volume.all()) and not beyond.any() and bool(t.root_ok.all()):
-        return []
+        return tail
     problems = []  # something is wrong: the detailed walk names it, row by row
     present = set(t.page_ids.tolist())
     for volume_id, page_index, page_id in t.roots.tolist():
@@ -189,10 +208,38 @@ def _check_roots(t: _Tables, block_size: int) -> list[str]:
             problems.append(f"root table entry for missing volume id {volume_id}")
             continue
         row = t.volumes[volume_id]
-        if page_index * PAGE_ENTRIES * block_size >= row.size_bytes:
+        if page_index < 0:
+            problems.append(f"volume {row.name}: mapping page at index {page_index} lies before its start")
+        elif page_index * PAGE_ENTRIES * block_size >= row.size_bytes:
             problems.append(f"volume {row.name}: mapping page at index {page_index} lies beyond its size")
         if page_id not in present:
             problems.append(f"volume {row.name}: page index {page_index} points at missing mapping page {page_id}")
+    return problems + tail
+
+
+def _entries_past_the_end(t: _Tables, block_size: int) -> list[str]:
+    """Blocks mapped past a volume's end, in the page that holds its last block: a later
+    grow would show their old bytes. Only those pages are looked at (one per volume)."""
+    if not len(t.roots) or not len(t.page_ids):
+        return []
+    sizes = np.array([-(-t.volumes[int(v)].size_bytes // block_size) for v in t.vol_ids], dtype=np.int64)
+    ok = t.root_ok & (t.roots[:, 1] >= 0)
+    blocks = np.zeros(len(t.roots), dtype=np.int64)  # of each row's page, inside its volume
+    blocks[ok] = sizes[t.root_volume[ok]] - t.roots[ok, 1] * PAGE_ENTRIES
+    rows = np.flatnonzero(ok & (blocks > 0) & (blocks < PAGE_ENTRIES))
+    starts = np.searchsorted(t.mapped.page, np.arange(len(t.page_ids) + 1))  # entries come page by page
+    problems = []
+    for r in rows.tolist():
+        volume_id, page_index, page = int(t.roots[r, 0]), int(t.roots[r, 1]), int(t.root_page[r])
+        row = t.volumes[volume_id]
+        slots = t.mapped.slot[starts[page] : starts[page + 1]]
+        past = slots[slots >= blocks[r]]
+        if past.size:
+            first = page_index * PAGE_ENTRIES + int(past.min())
+            problems.append(
+                f"volume {row.name}: {past.size} block(s) are mapped past its end (the first at block {first}):"
+                " growing it would show their old bytes"
+            )
     return problems
 
 
@@ -386,12 +433,13 @@ def _check(meta: MetadataStore) -> list[str]:
     if integrity:
         return integrity
     sb = meta.superblock()
+    problem = superblock_problem(sb)
+    if problem is not None:
+        return [problem]  # nothing below can be measured in such blocks
     block_size = int(sb["block_size"])
     size_bytes = int(sb["size_bytes"])
-    if block_size <= 0 or block_size & (block_size - 1):
+    if block_size & (block_size - 1):
         problems.append(f"superblock block size {block_size} is not a power of two")
-        if block_size <= 0:
-            return problems  # nothing below can be measured in such blocks
     n_blocks = size_bytes // block_size
     if sb.get("page_entries") != PAGE_ENTRIES:
         problems.append(f"superblock says {sb.get('page_entries')} entries per page, expected {PAGE_ENTRIES}")

@@ -55,6 +55,9 @@ def _value(path: str, action: argparse.Action, value: Any) -> Any:
     return _one(path, action, value)
 
 
+OCTAL_MODES = ("socket_mode", "mode")  # options read as octal text: a TOML number is refused
+
+
 def _one(path: str, action: argparse.Action, value: Any) -> Any:
     key = _key_name(action)
     kind = action.type
@@ -69,6 +72,9 @@ def _one(path: str, action: argparse.Action, value: Any) -> Any:
     elif kind is None or kind is str:
         if isinstance(value, float):
             raise UsageError(f"{path}: {key} must be a string, not {value!r}")
+        if action.dest in OCTAL_MODES and not isinstance(value, str):
+            # TOML reads 0o620 as the number 400, which would then be taken as octal 400.
+            raise UsageError(f'{path}: {key} must be a string such as "0660" (an octal mode), not {value!r}')
         converted = str(value)
     elif callable(kind) and kind is not int:
         try:

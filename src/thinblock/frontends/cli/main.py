@@ -191,7 +191,8 @@ def cmd_pool_check(args: argparse.Namespace) -> int:
         for _attempt in range(5):
             before = meta.superblock().get("transaction_id")
             generation, owner_problems = check_generation(args.pool, meta)
-            problems = check_metadata(meta) + check_data_store(args.pool, meta) + owner_problems
+            # One sentence once: a damaged superblock is what several checks trip on.
+            problems = list(dict.fromkeys(check_metadata(meta) + check_data_store(args.pool, meta) + owner_problems))
             if not problems or meta.superblock().get("transaction_id") == before:
                 break
         warnings = check_privacy(args.pool, meta)

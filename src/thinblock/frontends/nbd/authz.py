@@ -84,7 +84,9 @@ class Authz:
         """Read and check the file; a warning if others could rewrite it. Any problem is
         a ThinblockError of one sentence (at start: exit 1; on reload: old rules kept)."""
         try:
-            with open(path, "rb") as f:
+            # O_NONBLOCK: a FIFO put there must not hang the open (and with it SIGHUP's
+            # reload and every later signal); the S_ISREG check below refuses it.
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
                 st = os.fstat(f.fileno())
                 if not stat.S_ISREG(st.st_mode):
                     raise ThinblockError(f"--tls-authz {path} is not a regular file")
