@@ -248,3 +248,32 @@ def test_an_rbd_image_stream_is_bounded_by_max_size(tmp_path: Path) -> None:
     assert _names(pool) == ["big"]
     thinblock("import", str(stream), pool, "copy")
     assert _names(pool) == ["big", "copy"]
+
+
+def test_an_image_someone_else_could_rewrite_is_refused(tmp_path: Path) -> None:
+    """qemu-nbd reopens the image after the checks; a file another user can still write
+    could be swapped in place for one naming a host file (a probe did it with a clean
+    image turned into one with data_file=<a 0600 secret> while the import ran). So an
+    image, or a backing file, writable by anyone but the importer is refused."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    base, image = tmp_path / "base.raw", tmp_path / "top.qcow2"
+    base.write_bytes(b"b" * MiB)
+    base.chmod(0o644)
+    _qemu_img("create", "-q", "-f", "qcow2", "-b", str(base), "-F", "raw", str(image))
+    image.chmod(0o666)
+    refused = _run("import", str(image), pool, "v", "--allow-backing")  # (its first line names the chain)
+    assert refused.returncode == 1 and "rewritten by its group or other users (mode 0666)" in refused.stderr
+    image.chmod(0o644)
+    os.chown(image, 65534, -1)
+    refused = _run("import", str(image), pool, "v", "--allow-backing")
+    assert refused.returncode == 1 and "rewritten by its owner (uid 65534)" in refused.stderr
+    os.chown(image, os.geteuid(), -1)
+    base.chmod(0o646)  # the backing file too: qemu reopens it the same way
+    refused = _run("import", str(image), pool, "v", "--allow-backing")
+    assert refused.returncode == 1 and f"{base} can be rewritten" in refused.stderr
+    assert _names(pool) == []
+    base.chmod(0o644)
+    assert _run("import", str(image), pool, "v", "--allow-backing", "--no-progress").returncode == 0
+    assert _names(pool) == ["v"]
+    thinblock("pool", "check", pool)

@@ -17,6 +17,9 @@ sees the file and refusing backing and data files; so does this module:
    protocol), and `"backing": null`. `qemu-img info` then checks again, and gives the
    virtual size, which is bounded before anything starts; `qemu-img check` errors
    (a truncated image) refuse the import unless force.
+   The files must be writable by the importer alone (refuse_changeable): qemu-nbd
+   reopens them after these checks, and a file rewritten in place in between
+   could name what the checks never saw.
 3. The active L1 table says which regions can hold data at all, so a small image
    claiming 256 TiB asks qemu-nbd's block status about its few allocated regions
    only, not about every GiB of the rest.
@@ -29,6 +32,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import struct
 import subprocess
 import sys
@@ -248,12 +252,36 @@ class Checked:
     files: list[str]  # what the import reads: the image, then its backing chain
 
 
+def refuse_changeable(fd: int, name: str) -> None:
+    """Refuse an image file someone else could rewrite while it is imported. The checks
+    read the file's bytes as they are now, but qemu-nbd opens it again afterwards
+    (/dev/fd/N reopens the inode), and follows whatever header it holds then: one
+    rewritten in place between the two could name a data file the checks never saw.
+    Only the importer (or root) may be able to write it: its owner, with no group
+    or other write permission."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return
+    if st.st_uid != os.geteuid():
+        who = f"its owner (uid {st.st_uid})"
+    elif st.st_mode & 0o022:
+        who = "its group or other users (mode " + f"{stat.S_IMODE(st.st_mode):04o})"
+    else:
+        return
+    raise ThinblockError(
+        f"{name} can be rewritten by {who} while it is imported, and qemu would then read what it says"
+        " instead of what was checked: copy it to a file only you can write (cp, then chmod go-w) and import that"
+    )
+
+
 def check_image(fds: list[int], formats: list[str], name: str, files: list[str]) -> Checked:
     """Header, qemu-img info and qemu-img check of the image open at fds[0] (and its
     backing chain at the others, when allowed): one sentence for anything unsafe or
     damaged (damage is let through with force)."""
     if not formats or formats[0] != "qcow2" or any(f not in LAYER_FORMATS for f in formats):
         raise ThinblockError(f"a qcow2 import reads a qcow2 image on top of qcow2 or raw layers, not {formats}")
+    for fd, layer in zip(fds, files, strict=True):
+        refuse_changeable(fd, layer)
     header = read_header(fds[0], name)
     refuse_unsafe(header, name, backing_allowed=len(fds) > 1)
     for fd, fmt, layer in zip(fds[1:], formats[1:], files[1:], strict=True):
