@@ -191,3 +191,20 @@ def connect(conffile: str | None = None, client_id: str | None = None) -> Cluste
         if cluster is None:
             cluster = _CLUSTERS[key] = Cluster(conffile, client_id)
         return cluster
+
+
+def disconnect_all() -> None:
+    """Shut down every connection this process made, once its command is done: a
+    librados handle still connected when the process exits may abort it ("terminate
+    called without an active exception", seen once at the end of a `pool repair`),
+    as its threads are torn down by exit rather than joined."""
+    with _CLUSTERS_LOCK:
+        clusters = list(_CLUSTERS.values())
+        _CLUSTERS.clear()
+    for cluster in clusters:
+        try:
+            for io in cluster._ioctxs.values():
+                io.close()
+            cluster.rados.shutdown()
+        except Exception as exc:  # at the very end: a sentence in the log, never a traceback
+            log.warning("closing the Ceph connection failed: %s", exc)

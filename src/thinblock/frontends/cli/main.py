@@ -1009,7 +1009,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _run(list(sys.argv[1:] if argv is None else argv))
+        try:
+            return _run(list(sys.argv[1:] if argv is None else argv))
+        finally:
+            # As the program (not a caller passing argv, which may use its connections on):
+            # its Ceph connections end with its command.
+            cluster = sys.modules.get("thinblock.ceph.cluster")  # loaded only by rados: pools
+            if cluster is not None and argv is None:
+                cluster.disconnect_all()
     except (BrokenPipeError, OutputClosed):
         # The reader went away (| head -1), of what this process printed or of a job's
         # stream (written here or by the server running the job): stop quietly, as
