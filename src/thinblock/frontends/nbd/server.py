@@ -669,8 +669,6 @@ class Session:
         self.slots = ByteBudget(MAX_IN_FLIGHT)  # requests in flight, one unit each
         self.budget = ByteBudget(CONNECTION_BUDGET_BYTES)
         self.reserved = 0  # bytes taken for a write payload announced and not yet a Request
-        self._payload_timed = False  # in a write's payload: the socket wakes every PAYLOAD_POLL_S
-        self._payload_heard = 0.0  # when a byte of the payload last came
         self.replies: queue.SimpleQueue[tuple[list[bytes], list[int]] | None] = queue.SimpleQueue()
         self.batch: list[bytes] = []  # replies of inline requests, sent together
         self.batch_costs: list[int] = []
@@ -807,9 +805,6 @@ class Session:
                     if remaining <= 0:
                         raise TimeoutError
                     self.sock.settimeout(min(self.server.limits.idle_s, remaining))
-                elif bool(self.reserved) != self._payload_timed:  # a payload begins or ends
-                    self._payload_timed = bool(self.reserved)
-                    self._payload_heard = time.monotonic()
                 self._flush_batch()  # before waiting for the client: its replies go out now
                 target = conn.receive_buffer()  # a large write payload: straight into its buffer
                 if target is not None:
@@ -889,9 +884,8 @@ class Session:
         PAYLOAD_POLL_S: silent for payload_idle_s while other clients wait for memory,
         the sender is cut off (_PayloadStalled); otherwise it may go on waiting. (A poll,
         not a socket timeout: that would also bound the workers' sends on the socket.)"""
-        if self._payload_timed:
+        if self.reserved:  # memory is held for a write's payload, announced and not complete
             self._stalled_unless(select.POLLIN, "its write's payload")
-            self._payload_heard = time.monotonic()
         return self.sock.recv_into(buf)
 
     def _stalled_unless(self, event: int, what: str) -> None:
