@@ -34,6 +34,7 @@ from tests.nbd_server import Server
 from tests.test_power_cut import PowerCutRig
 from thinblock import Pool
 from thinblock.backends import locate
+from thinblock.sizes import parse_size
 from thinblock.store.base import FilterStore
 from thinblock.tools.check import check_metadata
 
@@ -139,7 +140,9 @@ def _wait_for(path: Path, proc: subprocess.Popen[str], stale: tuple[int, int] | 
 
 def _import_stream(pool: str, name: str, *extra: str) -> None:
     proc, writer = _start(["import", "-", pool, name, "--size", VOLUME, "--no-progress", *extra])
-    _feed(writer, _stream(STREAM_BYTES), STREAM_BYTES)
+    # The stream holds the whole volume (a short one is refused): its data, then zeros.
+    whole = parse_size(VOLUME)
+    _feed(writer, iter([*_stream(STREAM_BYTES), bytes(whole - STREAM_BYTES)]), whole)
     os.close(writer)
     _out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "Traceback" not in err, err
@@ -465,7 +468,7 @@ def test_a_fifo_with_no_writer_is_refused_in_bounded_time(tmp_path: Path) -> Non
     assert _names(pool) == []
     # With a writer, a FIFO is a stream like -.
     feeder = subprocess.Popen(["sh", "-c", f"head -c {4 * MiB} /dev/zero | tr '\\0' 'A' > {fifo}"])
-    thinblock("import", str(fifo), pool, "v", "--size", "8M")
+    thinblock("import", str(fifo), pool, "v", "--size", "4M")
     feeder.wait(30)
     assert json.loads(thinblock("volume", "list", pool, "--json").stdout)[0]["data_bytes"] == 4 * MiB
 

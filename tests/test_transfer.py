@@ -189,6 +189,25 @@ def test_import_refusals_change_nothing(tmp_path: Path) -> None:
     refused("import", str(src), pool, "v@s", says="is a snapshot: import into a volume")
     assert export_bytes(pool, "v") == before
     assert volume_names(pool) == ["small", "v", "v@s"]
+    # A stream that ends before the volume does (its producer died half way) is not
+    # taken as whole with zeros after it: into a new volume or over an existing one.
+    cut = tmp_path / "cut.raw"
+    cut.write_bytes(image[: SIZE // 2])
+    for target, extra in (("new", ("--size", str(SIZE))), ("v", ("--force",))):
+        with open(cut, "rb") as stdin:
+            proc = subprocess.run(
+                [sys.executable, "-m", "thinblock", "import", "-", pool, target, *extra],
+                stdin=stdin,
+                capture_output=True,
+                text=True,
+                env=ENV,
+                timeout=120,
+            )
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"the stream ended after {SIZE // 2} bytes, short of the volume's" in proc.stderr, proc.stderr
+        assert proc.stderr.count("\n") == 1, proc.stderr
+    assert export_bytes(pool, "v") == before
+    assert volume_names(pool) == ["small", "v", "v@s"]
     # --force overwrites, and the source's holes become zeros in the volume.
     thinblock("import", str(src), pool, "v", "--force")
     assert export_bytes(pool, "v") == image

@@ -173,6 +173,16 @@ def _import_stream(vol: Volume, source: StreamReader, size: int, progress: Progr
             zeros[0] += zero
 
     run_all(copy, pieces())
+    if read < size:
+        # A pipe that ends early most often means its producer failed half way
+        # (xz -dc, curl, ssh), and a shell pipeline reports only our exit status: taking
+        # the rest as zeros would pass off a cut image as whole, and the swap would throw
+        # away what an existing volume held. Files must match the volume's size too.
+        raise ThinblockError(
+            f"the stream ended after {read} bytes, short of the volume's {format_size(size)} ({size} bytes):"
+            " nothing was imported; a stream must hold the whole volume (for a smaller image, import it"
+            f" with --size {read} and then grow the volume with 'volume resize')"
+        )
     tell.end()
     return {"read_bytes": read, "written_bytes": behind.written, "zero_bytes_skipped": zeros[0]}
 
