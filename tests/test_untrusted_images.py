@@ -27,6 +27,7 @@ import pytest
 
 from tests.cli import ROOT
 from tests.nbd_server import Server, served_pool, thinblock
+from thinblock.formats import rbd
 
 MiB = 1 << 20
 SECRET = b"TOP-SECRET-HOST-BYTES-" * 4096  # 88 KiB that must never reach a volume
@@ -276,4 +277,20 @@ def test_an_image_someone_else_could_rewrite_is_refused(tmp_path: Path) -> None:
     base.chmod(0o644)
     assert _run("import", str(image), pool, "v", "--allow-backing", "--no-progress").returncode == 0
     assert _names(pool) == ["v"]
+    thinblock("pool", "check", pool)
+
+
+def test_an_rbd_image_stream_that_takes_a_snapshot_twice_is_refused(tmp_path: Path) -> None:
+    """Two diffs that both end at snapshot s1 (the second starting from it): refused as
+    a malformed stream, in one sentence, with nothing made."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    enc = rbd.DiffEncoder(2)
+    first = enc.header() + enc.size(MiB) + enc.to_snap("s1") + enc.end()
+    again = enc.header() + enc.from_snap("s1") + enc.to_snap("s1") + enc.size(MiB) + enc.end()
+    head = enc.header() + enc.from_snap("s1") + enc.size(MiB) + enc.end()
+    stream = tmp_path / "twice.rbd"
+    stream.write_bytes(rbd.image_header(diffs=3) + first + again + head)
+    _refused(_run("import", str(stream), pool, "v"), "it takes snapshot 's1' twice")
+    assert _names(pool) == []
     thinblock("pool", "check", pool)

@@ -371,6 +371,10 @@ def import_rbd_image(
                 if snap is not None:
                     if vol is None:
                         raise rbd.StreamError("malformed rbd image stream: a snapshot of an image with no size")
+                    if any(real == f"{name}@{snap}" for _, real in made):
+                        raise rbd.StreamError(
+                            f"malformed rbd image stream at byte {decoder.offset}: it takes snapshot {snap!r} twice"
+                        )
                     with pool.lock:
                         pool.check_new_name(f"{name}@{snap}", "snapshot")
                     made.append((stage(pool, vol, "import-snap", kind="snapshot"), f"{name}@{snap}"))
