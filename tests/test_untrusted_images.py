@@ -13,8 +13,10 @@ rbd image streams that would resize or grow a volume.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -292,5 +294,35 @@ def test_an_rbd_image_stream_that_takes_a_snapshot_twice_is_refused(tmp_path: Pa
     stream = tmp_path / "twice.rbd"
     stream.write_bytes(rbd.image_header(diffs=3) + first + again + head)
     _refused(_run("import", str(stream), pool, "v"), "it takes snapshot 's1' twice")
+    assert _names(pool) == []
+    thinblock("pool", "check", pool)
+
+
+def test_a_qcow2_image_qemu_cannot_read_whole_is_refused_in_its_words(tmp_path: Path) -> None:
+    """A compressed cluster whose bytes are garbage: qemu-img check finds nothing, and
+    qemu-nbd drops the connection at the read. The import fails in one sentence that
+    says what qemu-nbd said (not libnbd's 'server disconnected'), and makes nothing."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    raw, image = tmp_path / "text.raw", tmp_path / "c.qcow2"
+    raw.write_bytes(base64.b64encode(random.Random(7).randbytes(3 * MiB)))  # compressible, not much
+    os.truncate(raw, 8 * MiB)
+    _qemu_img("convert", "-c", "-f", "raw", "-O", "qcow2", str(raw), str(image))
+    with open(image, "r+b") as f:
+        # The start of the sixth cluster's deflate stream, found through L1 and L2
+        # (qcow2 spec): 0xff there is a block of the reserved type, which zlib refuses.
+        head = f.read(48)
+        cluster_bits, l1_at = struct.unpack(">I", head[20:24])[0], struct.unpack(">Q", head[40:48])[0]
+        f.seek(l1_at)
+        l2_at = struct.unpack(">Q", f.read(8))[0] & 0x00FF_FFFF_FFFF_FE00
+        f.seek(l2_at + 5 * 8)
+        entry = struct.unpack(">Q", f.read(8))[0]
+        assert entry & (1 << 62), "the cluster is compressed"
+        f.seek(entry & ((1 << (62 - (cluster_bits - 8))) - 1))
+        f.write(b"\xff" * 16)
+    _refused(
+        _run("import", str(image), pool, "v", "--no-progress"),
+        f"qemu-nbd could not read {image}: reading from file failed: Input/output error",
+    )
     assert _names(pool) == []
     thinblock("pool", "check", pool)

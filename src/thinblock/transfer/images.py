@@ -307,8 +307,14 @@ class _Nbd:
         if write and self.h.is_read_only():
             raise ThinblockError(f"NBD export {name} is read-only")
         self.flight: list[tuple[int, Any, Any]] = []  # (cookie, buffer, what it is for)
+        # The server's own account of a failure, when we started it (qemu-nbd for
+        # qcow2), as a whole clause: libnbd alone can only say that the connection went.
+        self.explain: Callable[[], str] | None = None
 
     def error(self, what: str, exc: Any) -> OSError:
+        said = self.explain() if self.explain is not None else ""
+        if said:
+            return OSError(exc.errno or errno.EIO, said)
         return OSError(exc.errno or errno.EIO, f"NBD {what} on {self.name} failed: {exc.string}")
 
     def reap(self, below: int) -> list[Any]:

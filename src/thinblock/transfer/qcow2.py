@@ -367,31 +367,59 @@ class Qcow2Source(NbdSource):
         # opened the image); Python's own children never inherit them (close_fds).
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in image.fds]
         remap = dict(zip(image.fds, moved, strict=True))
-        # qemu-nbd's stderr goes to a file of ours, so that a failure is told as its
-        # own words in one sentence (libnbd alone says only that the socket closed).
-        with tempfile.TemporaryFile() as err:
-            err_fd = fcntl.fcntl(err.fileno(), fcntl.F_DUPFD, 10)
-            moved.append(err_fd)
-            qemu = ["qemu-nbd", "--read-only", spec([remap[fd] for fd in image.fds], image.formats)]
-            argv = [sys.executable, "-I", "-S", "-c", _STDERR_TO_FD, str(err_fd), *qemu]
-            try:
-                super().__init__(name, lambda h: h.connect_systemd_socket_activation(argv), feature=QCOW2_IMPORT)
-            except ThinblockError:
-                err.seek(0)
-                said = _qemu_nbd_said(
-                    err.read(4096).decode(errors="replace"),
-                    dict(zip(moved[: len(image.fds)], image.files, strict=True)),
-                )
-                if not said:
-                    raise
-                raise ThinblockError(f"qemu-nbd cannot serve {name}: {said}") from None
-            finally:
-                for fd in moved:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+        # qemu-nbd's stderr goes to a file of ours, kept for the source's life, so that
+        # a failure (to start, or to read the image later) is told in its own words in
+        # one sentence (libnbd alone says only that the socket closed).
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
+        self._files = dict(zip(moved, image.files, strict=True))
+        err_fd = fcntl.fcntl(self._err.fileno(), fcntl.F_DUPFD, 10)
+        moved.append(err_fd)
+        qemu = ["qemu-nbd", "--read-only", spec([remap[fd] for fd in image.fds], image.formats)]
+        argv = [sys.executable, "-I", "-S", "-c", _STDERR_TO_FD, str(err_fd), *qemu]
+        try:
+            super().__init__(name, lambda h: h.connect_systemd_socket_activation(argv), feature=QCOW2_IMPORT)
+        except ThinblockError:
+            said = self._qemu_said()
+            self._err.close()
+            if not said:
+                raise
+            raise ThinblockError(f"qemu-nbd cannot serve {name}: {said}") from None
+        except BaseException:
+            self._err.close()
+            raise
+        finally:
+            for fd in moved:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.conn.explain = self._read_failure
         if self.size_bytes != image.size_bytes:
             self.close()
             raise ThinblockError(f"qemu-nbd serves {name} as {self.size_bytes} bytes, not its virtual size: refused")
+
+    def _qemu_said(self) -> str:
+        """What qemu-nbd wrote on its stderr so far, as one clause (empty: nothing)."""
+        return _qemu_nbd_said(self._stderr(), self._files)
+
+    def _stderr(self) -> str:
+        # pread: qemu-nbd's stderr shares this file's offset, which a seek would move
+        # under its next write.
+        return os.pread(self._err.fileno(), 4096, 0).decode(errors="replace")
+
+    def _read_failure(self) -> str:
+        """Why a request failed, in qemu-nbd's words: it writes them before it drops the
+        connection, which is how libnbd sees the failure."""
+        lines = [line for line in self._stderr().splitlines() if line.strip()]
+        if not lines:
+            return ""
+        # The first line is the cause; the ones after it are the broken pipes it left.
+        said = _qemu_nbd_said(lines[0], self._files)
+        for noise in ("Disconnect client, due to: ", "Failed to send reply: "):
+            said = said.removeprefix(noise)
+        return f"qemu-nbd could not read {self.name}: {said}"
+
+    def close(self) -> None:
+        super().close()
+        self._err.close()
 
     def extents(self) -> Iterator[tuple[int, int, bool]]:
         pos = 0
