@@ -9,9 +9,11 @@ import socket
 import ssl
 import struct
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import nbd
 import pytest
 
 from tests.nbd_server import Server, thinblock
@@ -236,3 +238,47 @@ def test_slow_client_does_not_stall_others(pool: str) -> None:
     finally:
         stalled.close()
         server.stop()
+
+
+def test_a_tls_client_that_reads_no_replies_is_cut_off_when_others_wait(tmp_path: Path, certs: Path) -> None:
+    """As over a plain socket (test_nbd_memory): TLS clients that send 32 MiB READs and
+    read none of the replies hold the memory large requests share; once another client's
+    2 MiB reads wait, they are cut off after --payload-timeout seconds, and those reads
+    go through. Before, a TLS writer blocked in sendall for good, holding the memory."""
+    path = str(tmp_path / "big")
+    thinblock("pool", "create", path, "--size", "1G")
+    thinblock("volume", "create", path, "disk", "--size", "512M")
+    tls = ("--tls-cert", str(certs / "server-cert.pem"), "--tls-key", str(certs / "server-key.pem"))
+    server = Server(path, "--listen", "0", *tls, "--payload-timeout", "1")
+    try:
+        port = int(server.tcp_uri("disk").rsplit(":", 1)[1].split("/")[0])
+        ctx = client_context(certs / "ca-cert.pem")
+        silent = []
+        for i in range(6):  # 6 x 32 MiB: the whole large-request budget
+            client = TLSClient(port, ctx)
+            replies = client.ask(c.OPT_GO, name_request("disk"))
+            assert replies[-1][0] == c.REP_ACK, replies
+            client.sock.sendall(struct.pack(">IHHQQI", c.REQUEST_MAGIC, 0, c.CMD_READ, 1, i * 32 * MiB, 32 * MiB))
+            silent.append(client)
+        done: list[bool] = []
+
+        def victim() -> None:
+            h = nbd.NBD()
+            h.set_tls(nbd.TLS_REQUIRE)
+            h.set_tls_certificates(str(certs))
+            h.connect_uri(f"nbds://localhost:{port}/disk")
+            for i in range(4):
+                assert h.pread(2 * MiB, 256 * MiB + i * 2 * MiB) == bytes(2 * MiB)
+            done.append(True)
+            h.shutdown()
+
+        reader = threading.Thread(target=victim)
+        reader.start()
+        reader.join(90)
+        assert done == [True]
+        for client in silent:
+            client.close()
+        assert "reading its replies stalled" in server.log.read_text()
+    finally:
+        server.stop()
+        assert "Traceback" not in server.log.read_text()

@@ -350,6 +350,7 @@ def cipher_policy(ctx: ssl.SSLContext) -> None:
 
 
 PAYLOAD_POLL_S = 1.0  # how often a reader in a write's payload looks whether it stalls others
+TLS_RECORD_BYTES = 16 << 10  # the most plaintext one TLS record carries
 
 
 class _PayloadStalled(Exception):
@@ -1044,13 +1045,31 @@ class Session:
 
     def _send(self, bufs: list[bytes]) -> None:
         sock = self.sock
+        writer = self.writer is not None and threading.current_thread() is self.writer
         if isinstance(sock, ssl.SSLSocket):
-            sock.sendall(b"".join(bufs))
+            data = memoryview(b"".join(bufs))
+            if not writer:
+                sock.sendall(data)
+                return
+            # An SSL socket cannot take MSG_DONTWAIT (and its reader is blocked in it):
+            # the writer waits for room before each TLS record's worth instead, so a
+            # client that reads nothing stalls in the poll, where it can be cut off.
+            # (POLLOUT means a third of the send buffer is free, far more than a record.)
+            for at in range(0, len(data), TLS_RECORD_BYTES):
+                self._wait_for_room()
+                sock.sendall(data[at : at + TLS_RECORD_BYTES])
             return
-        if self.writer is None or threading.current_thread() is not self.writer:
+        if not writer:
             write_all(sock.sendmsg, bufs)  # negotiation: bounded by its own timeouts
             return
         write_all(self._send_some, bufs)
+
+    def _wait_for_room(self) -> None:
+        try:
+            self._stalled_unless(select.POLLOUT, "reading its replies")
+        except _PayloadStalled as exc:
+            log.warning("%s: closing: %s", self.name, exc)
+            raise OSError(errno.ETIMEDOUT, str(exc)) from None
 
     def _send_some(self, views: list[memoryview]) -> int:
         """The writer's sendmsg: a client that reads none of its replies for payload_idle_s
@@ -1060,11 +1079,7 @@ class Session:
                 return self.sock.sendmsg(views, [], socket.MSG_DONTWAIT)
             except BlockingIOError:
                 pass
-            try:
-                self._stalled_unless(select.POLLOUT, "reading its replies")
-            except _PayloadStalled as exc:
-                log.warning("%s: closing: %s", self.name, exc)
-                raise OSError(errno.ETIMEDOUT, str(exc)) from None
+            self._wait_for_room()
 
     def _reply(self, req: Request) -> list[bytes]:
         conn = self.conn
