@@ -10,10 +10,11 @@ import re
 import select
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -325,18 +326,23 @@ def test_refusals_name_the_limit() -> None:
     assert isinstance(total, Refusal) and total.limit == "max-connections"
 
 
+def metrics_address(server: Server) -> tuple[str, int]:
+    assert server.metrics_url is not None, "the server printed no metrics line"
+    host, port = server.metrics_url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+    return host, int(port)
+
+
 def test_idle_connections_do_not_grow_the_server(served: Server) -> None:
     """A client opening many connections and sending nothing gets at most MAX_SCRAPES
-    of them served at once (the rest are closed at once), so the server's threads stay
-    bounded; once it lets go, scrapes are answered again."""
-    assert served.metrics_url is not None
-    host, port = served.metrics_url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+    of them served at once (each newer one displaces the oldest, which is closed), so
+    the server's threads stay bounded; once it lets go, scrapes are answered again."""
+    address = metrics_address(served)
     tasks = Path(f"/proc/{served.proc.pid}/task")
     before = len(list(tasks.iterdir()))
-    idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(MAX_SCRAPES + 24)]
+    idle = [socket.create_connection(address, timeout=30) for _ in range(MAX_SCRAPES + 24)]
     try:
-        # The server answers the connections beyond its limit with an at-once close:
-        # wait for that (without the limit, each of them holds a thread and hears nothing).
+        # The server closes one connection for each beyond its limit: wait for that
+        # (without the limit, each of them holds a thread and hears nothing).
         closed: set[int] = set()
         deadline = time.monotonic() + 30
         while len(closed) < 24 and time.monotonic() < deadline:
@@ -345,7 +351,12 @@ def test_idle_connections_do_not_grow_the_server(served: Server) -> None:
                 assert s.recv(1) == b""
                 closed.add(idle.index(s))
         assert len(closed) >= 24, f"only {len(closed)} of the idle connections beyond the limit were closed"
-        assert len(list(tasks.iterdir())) <= before + MAX_SCRAPES
+        # A displaced connection's thread gives its slot back just before it ends: the
+        # last one may still be leaving as its successor starts.
+        deadline = time.monotonic() + 5
+        while len(list(tasks.iterdir())) > before + MAX_SCRAPES:
+            assert time.monotonic() < deadline, f"{len(list(tasks.iterdir())) - before} threads for the connections"
+            time.sleep(0.05)
     finally:
         for s in idle:
             s.close()
@@ -357,4 +368,73 @@ def test_idle_connections_do_not_grow_the_server(served: Server) -> None:
         except (urllib.error.URLError, ConnectionError):
             assert time.monotonic() < deadline, "no scrape was answered after the idle connections closed"
             time.sleep(0.1)
+    assert value(samples, "thinblock_pool_size_bytes", pool=served.pool) == 64 * MiB
+
+
+class Trickle:
+    """Slowloris: connections that each send a request's first line, then one header
+    byte every half second, from a thread of their own (each byte well within any
+    timeout per receive); a connection the server hangs up on is noted and dropped."""
+
+    def __init__(self, address: tuple[str, int], count: int) -> None:
+        self.socks = [socket.create_connection(address, timeout=30) for _ in range(count)]
+        self.changed = threading.Condition()
+        self.rounds = 0  # header bytes sent to every connection still open
+        self.closed: set[int] = set()  # indexes of the connections the server hung up on
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trickle", daemon=True)
+
+    def __enter__(self) -> Trickle:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        for s in self.socks:
+            s.close()
+
+    def wait(self, predicate: Callable[[], bool]) -> bool:
+        """Whether predicate came true within 30 s (checked after every round)."""
+        with self.changed:
+            return self.changed.wait_for(predicate, 30)
+
+    def _run(self) -> None:
+        for s in self.socks:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: slow\r\nX-Slow: ")
+        while not self._stop.wait(0.5):
+            with self.changed:
+                for i, s in enumerate(self.socks):
+                    if i in self.closed:
+                        continue
+                    try:
+                        ready, _, _ = select.select([s], [], [], 0)
+                        if ready and s.recv(1) == b"":  # it never answers a request still arriving
+                            raise ConnectionError
+                        s.send(b"a")
+                    except OSError:
+                        self.closed.add(i)
+                self.rounds += 1
+                self.changed.notify_all()
+
+
+def test_slow_requests_do_not_lock_out_a_scrape(served: Server) -> None:
+    """MAX_SCRAPES connections trickling their headers (a byte every half second, so
+    no timeout per receive ever fires) hold every slot; a real scrape still gets its
+    answer at its first try, by displacing the oldest of them, which is closed."""
+    with Trickle(metrics_address(served), MAX_SCRAPES) as slow:
+        assert slow.wait(lambda: slow.rounds >= 2), "the slow connections did not get going"
+        assert not slow.closed  # all of them held, none cut yet
+        samples, _ = scrape(served)  # one try: before the fix, closed at once for ever
+        assert value(samples, "thinblock_pool_size_bytes", pool=served.pool) == 64 * MiB
+        assert slow.wait(lambda: 0 in slow.closed), "the oldest slow connection was not displaced"
+
+
+def test_a_trickled_request_is_cut_at_its_deadline(served: Server) -> None:
+    """One connection trickling its headers, with slots to spare: the server hangs up
+    once SCRAPE_TIMEOUT_S (10 s) have passed in all, well within the 30 s waited
+    (before the fix: never, as each byte came well within the timeout per receive)."""
+    with Trickle(metrics_address(served), 1) as slow:
+        assert slow.wait(lambda: bool(slow.closed)), f"still open after {slow.rounds} header bytes, one every 0.5 s"
+    samples, _ = scrape(served)
     assert value(samples, "thinblock_pool_size_bytes", pool=served.pool) == 64 * MiB

@@ -15,9 +15,12 @@ export, op, errno, reason, event.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -38,10 +41,19 @@ log = logging.getLogger("thinblock.metrics")
 DEFAULT_HOST = "127.0.0.1"
 # prometheus_client's own start_http_server gives every connection a thread with no
 # timeout: one client opening connections and sending nothing grows the server's
-# threads without end. Here a few scrapes run at once (more are closed at once), and
-# a scraper silent for SCRAPE_TIMEOUT_S is dropped, so the endpoint stays bounded.
+# threads without end. Here a few scrapes run at once, each within a deadline, so the
+# endpoint stays bounded. A timeout per receive alone is not enough: a client sending
+# a header byte every second would hold its slot for ever, and MAX_SCRAPES of them the
+# whole endpoint. So a connection gets SCRAPE_TIMEOUT_S in all (Prometheus's own default
+# scrape timeout: a scrape taking longer is one it has given up on), and when every slot
+# is taken a newcomer displaces the oldest connection whose request has not arrived in
+# full (a real scraper sends its request at once), as NBD admission displaces silent
+# handshakes. Only when all of them are being answered is the newcomer closed at once.
 MAX_SCRAPES = 8
 SCRAPE_TIMEOUT_S = 10.0
+# How long a newcomer waits for a displaced connection's thread to end (it is in a
+# receive that the hang-up ends at once): the thread count never passes MAX_SCRAPES.
+DISPLACE_WAIT_S = 5.0
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -196,36 +208,111 @@ class ThinblockCollector(Collector):
 class _QuietHandler(WSGIRequestHandler):
     """One request per connection (wsgiref's way), with a timeout, logging nothing."""
 
-    timeout = SCRAPE_TIMEOUT_S
+    timeout = SCRAPE_TIMEOUT_S  # a backstop: the server's deadline cuts the connection first
+
+    def parse_request(self) -> bool:
+        # The request line and headers are in: from here on the connection is answered, and
+        # no newcomer displaces it. False (no reply) if it was cut while they arrived: their
+        # end was then the hang-up, not the blank line.
+        server = self.server
+        assert isinstance(server, _BoundedServer)
+        return super().parse_request() and server.answering(self.request)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
+class _Connection:
+    """One admitted connection, as the server's deadline and displacement see it."""
+
+    __slots__ = ("answering", "cut", "started_s")
+
+    def __init__(self) -> None:
+        self.started_s = time.monotonic()
+        self.answering = False  # its request arrived in full: it may no longer be displaced
+        self.cut = False  # hung up on by the server (deadline or displacement)
+
+
 class _BoundedServer(ThreadingWSGIServer):
-    """A thread per connection, at most MAX_SCRAPES of them at once."""
+    """A thread per connection, at most MAX_SCRAPES of them at once, each cut at
+    SCRAPE_TIMEOUT_S; a newcomer displaces the oldest whose request is still arriving."""
 
     request_queue_size = 64  # socketserver's 5 drops a burst's SYNs: clients wait seconds to retry
 
     def server_activate(self) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        self._held = threading.Condition()
+        # Every admitted socket until its thread lets it go, oldest first. A socket leaves
+        # before it is closed, under the lock the hang-ups take, so no hang-up ever reaches
+        # a closed socket's number reused by another file.
+        self._connections: dict[socket.socket, _Connection] = {}
         super().server_activate()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self._admit(request):
             self.shutdown_request(request)  # busy: the scraper tries again next interval
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._forget(request)
             raise
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+    def _admit(self, request: socket.socket) -> bool:
+        with self._held:
+            if len(self._connections) >= MAX_SCRAPES:
+                victim = next((sock for sock, c in self._connections.items() if not c.answering and not c.cut), None)
+                if victim is None:
+                    return False
+                self._cut(victim)
+                if not self._held.wait_for(lambda: len(self._connections) < MAX_SCRAPES, DISPLACE_WAIT_S):
+                    return False
+            self._connections[request] = _Connection()
+            return True
+
+    def answering(self, request: socket.socket) -> bool:
+        """The connection's request arrived in full: it is answered, never displaced.
+        False if the server hung up on it first."""
+        with self._held:
+            connection = self._connections.get(request)
+            if connection is None or connection.cut:
+                return False
+            connection.answering = True
+            return True
+
+    def service_actions(self) -> None:
+        # serve_forever calls this after every accept and at least every half second: the
+        # deadline, counted from the accept, for the request and the reply alike.
+        now = time.monotonic()
+        with self._held:
+            for sock, connection in self._connections.items():
+                if not connection.cut and now - connection.started_s >= SCRAPE_TIMEOUT_S:
+                    self._cut(sock)
+
+    def _cut(self, sock: socket.socket) -> None:
+        """Hang up on an admitted connection (the lock held): its thread's receive or send
+        ends at once, and the thread gives its slot back as it leaves."""
+        self._connections[sock].cut = True
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def _forget(self, request: Any) -> None:
+        with self._held:
+            if self._connections.pop(request, None) is not None:
+                self._held.notify_all()
+
+    def shutdown_request(self, request: Any) -> None:
+        self._forget(request)  # before the close: see _connections
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client timing out, cut or hanging up mid-request is not the server's fault, and
+        # socketserver's default prints a traceback on stderr for each. (The collector's own
+        # errors are wsgiref's: a 500 reply.)
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.debug("metrics connection from %s ended: %s", client_address, exc)
+        else:
+            log.exception("metrics connection from %s failed", client_address)
 
 
 class _BoundedServer6(_BoundedServer):
