@@ -134,6 +134,43 @@ def test_changed_context_matches_delta_and_model(served: Server) -> None:
     assert ctx in offered and "thinblock:changed:disk" not in offered
 
 
+def test_changed_context_keeps_the_snapshot_it_negotiated(served: Server) -> None:
+    """thinblock:changed:SNAP compares with the snapshot of that name at negotiation,
+    for the connection's life. Rotating backup names (remove disk@backup, take a new
+    disk@backup) while an incremental backup client is connected must not make it
+    compare with the new snapshot: blocks written since the old one were reported
+    unchanged, and a backup built from the context lost them."""
+    h = connect(served, "disk")
+    h.pwrite(b"a" * BS, 0)
+    h.flush()
+    thinblock("snapshot", "create", served.pool, "disk@backup")
+    ctx = "thinblock:changed:disk@backup"
+    b = connect(served, "disk", (ctx,))
+    h.pwrite(b"b" * BS, 5 * BS)
+    h.flush()
+    assert [(o, n) for o, n, f in extents(b, ctx, 16 * MiB) if f & 1] == [(5 * BS, BS)]
+    thinblock("snapshot", "remove", served.pool, "disk@backup")
+    # Removed: everything counts as changed (a backup copies too much, never too little).
+    assert [(o, n) for o, n, f in extents(b, ctx, 16 * MiB) if f & 1] == [(0, 16 * MiB)]
+    thinblock("snapshot", "create", served.pool, "disk@backup")  # the same name, a new snapshot
+    assert [(o, n) for o, n, f in extents(b, ctx, 16 * MiB) if f & 1] == [(0, 16 * MiB)]
+    # Renaming another snapshot to that name does not redirect the context either.
+    thinblock("snapshot", "remove", served.pool, "disk@backup")
+    thinblock("snapshot", "create", served.pool, "disk@later")
+    b2 = connect(served, "disk", ("thinblock:changed:disk@later",))
+    h.pwrite(b"c" * BS, 7 * BS)
+    h.flush()
+    thinblock("snapshot", "rename", served.pool, "disk@later", "disk@backup")
+    assert [(o, n) for o, n, f in extents(b, ctx, 16 * MiB) if f & 1] == [(0, 16 * MiB)]
+    # ...and a context follows its own snapshot through a rename.
+    assert [(o, n) for o, n, f in extents(b2, "thinblock:changed:disk@later", 16 * MiB) if f & 1] == [(7 * BS, BS)]
+    # A new connection compares with the snapshot the name now has.
+    b3 = connect(served, "disk", (ctx,))
+    assert [(o, n) for o, n, f in extents(b3, ctx, 16 * MiB) if f & 1] == [(7 * BS, BS)]
+    for handle in (h, b, b2, b3):
+        handle.shutdown()
+
+
 def _fill(server: Server) -> None:
     """Write distinct data into `other` until the pool is full."""
     o = connect(server, "other")

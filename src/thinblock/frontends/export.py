@@ -46,6 +46,11 @@ class Export:
         self._open = counted
         # The counters of this export's requests; None unless metrics are served.
         self.stats = pool.stats.export(volume.name)
+        # Snapshots this client compares the volume with (NBD thinblock:changed:NAME),
+        # by the context's name, bound once when the client starts using the export:
+        # a later snapshot that takes the name (remove and retake, rename) is another
+        # snapshot, and comparing with it would hide changes. None: there was none.
+        self.compared: dict[str, Volume | None] = {}
         if counted:
             with pool.lock:
                 volume.users += 1

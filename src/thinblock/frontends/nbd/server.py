@@ -270,6 +270,24 @@ def execute(conn: ServerConnection, vol: Export, req: Request) -> list[bytes]:
     return [conn.simple_reply(req.cookie)]
 
 
+def bind_compared(export: Export, contexts: Iterable[str]) -> None:
+    """Bind each thinblock:changed:SNAP context to the snapshot that has that name now,
+    as the client enters transmission, for the connection's life (Export.compared)."""
+    pool = export.pool
+    with pool.lock:
+        for name in contexts:
+            if name.startswith(CHANGED_PREFIX):
+                snapshot = pool.volumes.get(name.removeprefix(CHANGED_PREFIX))
+                ok = snapshot is not None and snapshot.row.kind == "snapshot"
+                export.compared[name] = snapshot if ok else None
+
+
+def compared_snapshot(export: Export, context: str) -> Volume | None:
+    """The snapshot a thinblock:changed: context was bound to, unless it is gone."""
+    snapshot = export.compared.get(context)
+    return None if snapshot is None or snapshot.removed else snapshot
+
+
 def status_volumes(export: Export, contexts: Iterable[str]) -> list[Volume]:
     """The volumes a block status walk reads: the export's, and each snapshot that a
     thinblock:changed: context compares it with (status.slice_ends bounds the walk by
@@ -277,7 +295,7 @@ def status_volumes(export: Export, contexts: Iterable[str]) -> list[Volume]:
     vols = [export.volume]
     for name in contexts:
         if name.startswith(CHANGED_PREFIX):
-            snapshot = export.volume.pool.volumes.get(name.removeprefix(CHANGED_PREFIX))
+            snapshot = compared_snapshot(export, name)
             if snapshot is not None:
                 vols.append(snapshot)
     return vols
@@ -293,10 +311,11 @@ def context_extents(export: Export, context: str, offset: int, length: int) -> l
     if context == GUARANTEED:
         return [(n, STATE_GUARANTEED if sure else 0) for n, sure in export.guaranteed(offset, length)]
     vol = export.volume
-    snapshot = vol.pool.volumes.get(context.removeprefix(CHANGED_PREFIX))
+    snapshot = compared_snapshot(export, context)
     if snapshot is None:
-        # The snapshot was removed since negotiation: everything counts as changed, so
-        # a backup client copies too much rather than too little.
+        # The snapshot was removed since negotiation (even if another took its name
+        # since): everything counts as changed, so a backup client copies too much
+        # rather than too little.
         return [(length, STATE_CHANGED)]
     extents: list[tuple[int, int]] = []
     pos = offset
@@ -864,6 +883,7 @@ class Session:
                 vol = self.server.catalog.volume(event.export.name)
                 if vol is not None:
                     self.export = Export(self.server.pool, vol, read_only=event.export.read_only)
+                    bind_compared(self.export, event.contexts.values())
                 self.writer = threading.Thread(target=self._write_loop, name=f"{self.reader.name}-w", daemon=True)
                 self.writer.start()
                 self._check_grant()
