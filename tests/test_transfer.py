@@ -160,6 +160,39 @@ def test_import_from_qcow2_nbd_and_stdin_into_a_served_pool(tmp_path: Path) -> N
     assert not list(tmp_path.glob("*.sock")) or True
 
 
+def test_import_refused_at_its_end_says_import(tmp_path: Path) -> None:
+    """A client that opens the volume while an import into it runs makes the swap at
+    the end refuse, in the import's words (it said "cannot import a diff into"), and
+    the volume keeps the client's bytes."""
+    with served_pool(tmp_path, "256M", {"v": "16M"}) as served:
+        h = connect(served, "v")
+        h.pwrite(b"a" * MiB, 0)
+        h.flush()
+        h.shutdown()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "thinblock", "import", "-", served.pool, "v", "--force", "--size", "16M"],
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        assert proc.stdin is not None
+        proc.stdin.write("b" * (8 * MiB))
+        proc.stdin.flush()
+        time.sleep(1.0)  # the import has started and waits for the rest
+        h = connect(served, "v")
+        try:
+            proc.stdin.write("b" * (8 * MiB))
+            proc.stdin.close()
+            assert proc.wait(120) == 1
+            assert proc.stderr is not None
+            err = proc.stderr.read()
+            assert "cannot import into volume v: it is open by 1 client(s)" in err, err
+            assert h.pread(MiB, 0) == b"a" * MiB
+        finally:
+            h.shutdown()
+
+
 def test_import_refusals_change_nothing(tmp_path: Path) -> None:
     pool = str(tmp_path / "pool")
     thinblock("pool", "create", pool, "--size", "256M")

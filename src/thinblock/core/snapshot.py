@@ -186,14 +186,17 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
     pool.commit()
 
 
-def adopt(pool: Pool, volume: str, staging: Volume, snapshot: str | None) -> Volume | None:
+def adopt(
+    pool: Pool, volume: str, staging: Volume, snapshot: str | None, *, verb: str = "import a diff into"
+) -> Volume | None:
     """Make a volume's contents and size those of a staging volume built beside it
     (import-diff), take the snapshot `snapshot` of the result, and drop the staging
     volume: all in one metadata commit, so a crash leaves the volume as it was or
     as the staging volume made it, never in between. Refused while clients have the
-    volume open (they would see its contents change under them)."""
+    volume open (they would see its contents change under them); verb names the job
+    in that refusal ("cannot import into volume vm: ...")."""
     with pool.quiesced(volume, kind="volume") as vol, staging.ranges.hold_all(exclusive=True), pool.lock:
-        pool.refuse_if_busy(vol, "import a diff into")
+        pool.refuse_if_busy(vol, verb)
         if snapshot is not None:
             pool.check_new_name(snapshot, "snapshot")
             _weigh(pool, vol, "snapshot")

@@ -86,7 +86,7 @@ def import_image(
         if created:
             publish_staged(pool, [(staged, name)])
         else:
-            adopt(pool, name, staged, None)
+            adopt(pool, name, staged, None, verb="import into")
     except BaseException as exc:
         if not staged.removed and staged.name.startswith(STAGING_PREFIX):
             with contextlib.suppress(Exception):
