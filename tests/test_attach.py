@@ -210,6 +210,27 @@ def test_mkfs_refuses_a_volume_that_holds_data(env: Path, fs: str) -> None:
     thinblock("detach", dev)
 
 
+def test_mkfs_refuses_a_snapshot_before_attaching_it(env: Path) -> None:
+    """A snapshot is read-only: mkfs says so in one sentence (it used to attach it and,
+    with --force, pass mke2fs's 'Operation not permitted while setting up superblock' on),
+    and attaches nothing; an empty snapshot is refused too."""
+    pool = make_pool(env, ("v", "64M"), ("empty", "64M"))
+    dev = thinblock("attach", pool, "v").stdout.strip()
+    sh("dd", "if=/dev/urandom", f"of={dev}", "bs=64K", "count=2", "oflag=direct", "status=none")
+    thinblock("detach", dev)
+    thinblock("snapshot", "create", pool, "v@s")
+    thinblock("snapshot", "create", pool, "empty@s")
+    for name, extra in (("v@s", ["--force"]), ("v@s", []), ("empty@s", []), ("empty@s", ["-t", "xfs", "--force"])):
+        refused = thinblock("mkfs", pool, name, *extra, check=False)
+        assert refused.returncode == 1, refused
+        assert refused.stderr == (
+            f"thinblock: error: cannot format {name}: it is a snapshot, read-only; clone it"
+            f" ('thinblock volume clone POOL {name} NEWVOLUME') and format the clone\n"
+        ), refused.stderr
+        assert json.loads(thinblock("attach", "--list", "--json").stdout) == []
+    assert volume(pool, "v@s")["data_bytes"] == 2 * 65536
+
+
 def test_zero_writes_through_the_loop_device_use_no_space(env: Path) -> None:
     pool = make_pool(env, ("v", "4G"))
     dev = thinblock("attach", pool, "v").stdout.strip()

@@ -62,6 +62,12 @@ def format_volume(pool: str, volume: str, fstype: str, extra: list[str], *, forc
     if fstype not in ("ext4", "xfs"):
         raise ThinblockError(f"unsupported filesystem type {fstype!r}: use ext4 or xfs")
     require_loop_devices()
+    kind = next((v["kind"] for v in read_status(pool)["volumes"] if v["name"] == volume), None)
+    if kind == "snapshot":  # read-only: refused before anything is attached
+        raise ThinblockError(
+            f"cannot format {volume}: it is a snapshot, read-only; clone it"
+            f" ('thinblock volume clone POOL {volume} NEWVOLUME') and format the clone"
+        )
     real = os.path.realpath(pool)
     was_attached = any(a.pool == real and a.volume == volume for a in list_attached())
     device = attach(pool, volume)
