@@ -231,6 +231,45 @@ def test_mkfs_refuses_a_snapshot_before_attaching_it(env: Path) -> None:
     assert volume(pool, "v@s")["data_bytes"] == 2 * 65536
 
 
+def test_detach_refuses_a_device_a_process_holds_open(env: Path) -> None:
+    """As rbd unmap and dmsetup remove say EBUSY: a device open by a process (not a
+    mount) is refused, naming the process, and stays attached. It used to print
+    'detached' after 10 s while the kernel kept the device until the process closed it,
+    and then the pool's FUSE daemon stayed behind holding the pool with no device."""
+    pool = make_pool(env, ("v", "64M"))
+    dev = thinblock("attach", pool, "v").stdout.strip()
+    holder = subprocess.Popen(
+        [
+            "python3",
+            "-c",
+            f"import os, sys, time; fd = os.open({dev!r}, os.O_RDWR); print(flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "\n"  # it has the device open
+        refused = thinblock("detach", dev, check=False)
+        assert refused.returncode == 1, refused
+        assert refused.stderr == (
+            f"thinblock: error: cannot detach {dev}: it is open by pid {holder.pid} (python3): close it first\n"
+        ), refused.stderr
+        refused = thinblock("detach", pool, "v", check=False)
+        assert refused.returncode == 1 and f"open by pid {holder.pid} (python3)" in refused.stderr, refused.stderr
+        (listed,) = json.loads(thinblock("attach", "--list", "--json").stdout)
+        assert (listed["device"], listed["state"]) == (dev, "attached")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert thinblock("detach", dev).stdout == f"detached {dev}\n"
+    assert json.loads(thinblock("attach", "--list", "--json").stdout) == []
+    deadline = time.monotonic() + 30
+    while fuse_daemon_pids(env / "run") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fuse_daemon_pids(env / "run") == []  # the daemon let go of the pool
+    thinblock("pool", "remove", pool, "--yes")
+
+
 def test_zero_writes_through_the_loop_device_use_no_space(env: Path) -> None:
     pool = make_pool(env, ("v", "4G"))
     dev = thinblock("attach", pool, "v").stdout.strip()

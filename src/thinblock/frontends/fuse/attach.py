@@ -10,6 +10,7 @@ removes the loop device first, then the FUSE mount once nothing uses it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -266,6 +267,39 @@ def _attachments() -> list[tuple[Attachment, Path]]:
     return out
 
 
+def _openers(device: str) -> list[str]:
+    """Who has the block device open: "pid N (COMMAND)" for each process with a file
+    descriptor on it (as fuser shows), or "the kernel (...)" when something holds it
+    exclusively without one (swap, md, device-mapper): an O_EXCL open then fails."""
+    real = os.path.realpath(device)
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry.name}/fd")
+        except OSError:
+            continue  # gone, or not ours to see
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry.name}/fd/{fd}") == real:
+                    comm = Path(f"/proc/{entry.name}/comm").read_text().strip()
+                    found.append(f"pid {entry.name} ({comm})")
+                    break
+            except OSError:
+                continue
+    if not found:
+        try:
+            os.close(os.open(real, os.O_RDONLY | os.O_EXCL))
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                holders: list[str] = []
+                with contextlib.suppress(OSError):
+                    holders = sorted(os.listdir(f"/sys/block/{os.path.basename(real)}/holders"))
+                found.append(f"the kernel ({', '.join(holders) or 'swap, or an exclusive opener'})")
+    return found
+
+
 def _mounted_at(device: str) -> str | None:
     real = os.path.realpath(device)
     return next((where for source, where in _mounts() if os.path.realpath(source) == real), None)
@@ -301,6 +335,15 @@ def detach(device: str) -> None:
     where = _mounted_at(device)
     if where:
         raise ThinblockError(f"{device} is mounted at {where}: unmount it first")
+    users = _openers(device)
+    deadline = time.monotonic() + 2
+    while users and time.monotonic() < deadline:  # udev's probe after a writer closes passes
+        time.sleep(0.1)
+        users = _openers(device)
+    if users:
+        # As rbd unmap and dmsetup remove (EBUSY): losetup --detach would only mark it
+        # to go when closed, and the daemon would then outlive it, holding the pool.
+        raise ThinblockError(f"cannot detach {device}: it is open by {', '.join(users)}: close it first")
     proc = subprocess.run(["losetup", "--detach", device], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise ThinblockError(f"losetup --detach {device} failed: {proc.stderr.strip()}")
@@ -308,6 +351,12 @@ def detach(device: str) -> None:
     deadline = time.monotonic() + 10
     while Path(f"/sys/block/{name}/loop/backing_file").exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # the kernel lets go of the file once the last opener closes
+    if Path(f"/sys/block/{name}/loop/backing_file").exists():  # opened again in between
+        users = _openers(device)
+        raise ThinblockError(
+            f"{device} is still open{' by ' + ', '.join(users) if users else ''}: the kernel detaches it"
+            " when it is closed; the pool's daemon stays until then"
+        )
     _forget(pdir, [found_device])
     if any(pdir == other for _a, other in _attachments()):
         return  # another volume of this pool is still attached
