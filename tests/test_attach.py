@@ -445,6 +445,40 @@ def test_stopping_a_server_detaches_the_devices_on_its_mount(env: Path) -> None:
     assert not any("fuse.thinblock" in line for line in Path("/proc/mounts").read_text().splitlines())
 
 
+def test_stopping_a_server_fails_a_held_loop_write_at_once(env: Path) -> None:
+    """A write through an attached device, held by the wait policy on a full pool,
+    fails with ENOSPC as soon as the server is told to stop, as a held NBD write does
+    (allocation.md). It used to be held until the server had waited 10 s for its FUSE
+    mount, which the writer kept busy, to end."""
+    from tests.nbd_server import Server
+
+    pool = make_pool(env, ("vm", "16M"), size="4M")
+    thinblock("pool", "set", pool, "--when-full", "wait:300")
+    server = Server(pool)
+    try:
+        dev = thinblock("attach", pool, "vm").stdout.strip()
+        writer = subprocess.Popen(
+            ["dd", "if=/dev/urandom", f"of={dev}", "bs=1M", "count=8", "oflag=direct", "status=none"],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 30
+        while (
+            json.loads(thinblock("pool", "status", pool, "--json").stdout)["free_bytes"] and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        time.sleep(0.5)  # the write past the end of the pool is held now
+        assert writer.poll() is None
+    finally:
+        started = time.monotonic()
+        server.stop()
+    took = time.monotonic() - started
+    _out, err = writer.communicate(timeout=60)
+    assert writer.returncode == 1 and "No space left on device" in err, err
+    assert took < 5, f"the server took {took:.1f} s to stop"
+    assert json.loads(thinblock("attach", "--list", "--json").stdout) == []
+
+
 def _size(dev: str) -> int:
     return int(sh("blockdev", "--getsize64", dev).stdout)
 

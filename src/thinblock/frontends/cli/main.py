@@ -601,6 +601,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 systemd.notify("STOPPING=1", "STATUS=stopping after an error: finishing requests and committing")
             with timed(log, f"stopping on {why}") as step:
                 control.close()
+                # Writes held by the wait policy fail first, through the FUSE mounts too:
+                # a writer held there keeps its loop device, and so the mount, busy.
+                pool.cancel_waits()
                 host.close()
                 step.mark("FUSE mounts and control socket closed")
                 server.close()
