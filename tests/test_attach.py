@@ -270,6 +270,33 @@ def test_detach_refuses_a_device_a_process_holds_open(env: Path) -> None:
     thinblock("pool", "remove", pool, "--yes")
 
 
+def test_attach_list_of_a_pool_shows_only_that_pool(env: Path) -> None:
+    """`attach --list POOL [NAME]` shows that pool's devices (of that volume), as
+    `losetup -j FILE` does; the pool used to be taken and ignored, listing every pool's."""
+    one = make_pool(env, ("a", "64M"), ("b", "64M"))
+    other = str(env / "other")
+    thinblock("pool", "create", other, "--size", "1G")
+    thinblock("volume", "create", other, "a", "--size", "64M")
+    devs = {(one, "a"): "", (one, "b"): "", (other, "a"): ""}
+    for pool, name in devs:
+        devs[pool, name] = thinblock("attach", pool, name).stdout.strip()
+
+    def listed(*args: str) -> set[tuple[str, str, str]]:
+        rows = json.loads(thinblock("attach", "--list", *args, "--json").stdout)
+        return {(r["device"], r["pool"], r["volume"]) for r in rows}
+
+    assert listed() == {(d, os.path.realpath(p), n) for (p, n), d in devs.items()}
+    assert listed(one) == {(devs[one, n], os.path.realpath(one), n) for n in ("a", "b")}
+    assert listed(other, "a") == {(devs[other, "a"], os.path.realpath(other), "a")}
+    assert listed(one, "nosuch") == set()
+    text = thinblock("attach", "--list", other).stdout
+    assert text == f"{devs[other, 'a']}  {os.path.realpath(other)}  a\n", text
+    refused = thinblock("attach", "--list", str(env / "nopool"), check=False)
+    assert refused.returncode == 1 and "no pool at" in refused.stderr, refused.stderr
+    for dev in devs.values():
+        thinblock("detach", dev)
+
+
 def test_zero_writes_through_the_loop_device_use_no_space(env: Path) -> None:
     pool = make_pool(env, ("v", "4G"))
     dev = thinblock("attach", pool, "v").stdout.strip()

@@ -692,6 +692,10 @@ def cmd_attach(args: argparse.Namespace) -> None:
 
     if args.list:
         rows = [a.__dict__ for a in list_attached()]
+        if args.pool:  # that pool's devices (of that volume), as losetup -j FILE
+            backend = locate(args.pool)
+            backend.open_meta(readonly=True).close()  # one sentence for a missing pool
+            rows = [a for a in rows if a["pool"] == backend.key() and args.name in (None, a["volume"])]
         if args.json:
             print(json.dumps(rows, indent=2))
         else:
@@ -976,7 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(sub, "attach", cmd_attach, "attach a volume as a kernel block device (FUSE file + loop)", pool=False)
     p.add_argument("pool", metavar="POOL", nargs="?", help="pool directory")
     p.add_argument("name", metavar="NAME", nargs="?", help="volume name")
-    p.add_argument("--list", action="store_true", help="show what is attached")
+    p.add_argument("--list", action="store_true", help="show what is attached (of POOL, or of its volume NAME)")
     p.add_argument("--json", action="store_true", help="machine-readable output (with --list)")
     add_log_options(p)  # for the FUSE daemon it starts
     p = add(sub, "detach", cmd_detach, "detach a loop device (then the FUSE daemon when unused)", pool=False)
