@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 TEST_POOL = "thinblock-test"
-TIMEOUT = 20  # every ceph command is bounded: without a mgr some hang forever
+TIMEOUT = 60  # every ceph command is bounded (without a mgr some hang forever), generously: a loaded machine is slow
 
 
 def _free_port() -> int:

@@ -319,8 +319,12 @@ def test_shrinking_needs_allow_shrink_and_no_clients(pool_dir: str, tmp_path: Pa
         assert "cannot remove volume v: it is open by 1 client(s)" in busy.stderr
         assert h.pread(4, 3 << 20) == b"keep"
         h.shutdown()
-        time.sleep(0.2)
-        tb("volume", "resize", pool_dir, "v", "--size", "1M", "--allow-shrink")
+        deadline = time.monotonic() + 30  # the server closes the export once it sees the client go
+        shrink = ("volume", "resize", pool_dir, "v", "--size", "1M", "--allow-shrink")
+        while "open by" in (done := thinblock(*shrink, check=False)).stderr:
+            assert time.monotonic() < deadline, done.stderr
+            time.sleep(0.1)
+        assert done.returncode == 0, done.stderr
     finally:
         server.stop()
     listing = json.loads(tb("volume", "list", pool_dir, "--json").stdout)

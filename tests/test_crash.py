@@ -133,7 +133,16 @@ def test_sigkill_at_random_points(tmp_path: Path, crash_pool: str) -> None:
             assert proc.poll() is None, f"writer exited early with {proc.returncode}"
             assert time.monotonic() < deadline, "writer never became ready"
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.02, 1.5))
+        # The kill comes after a seeded number of ops has begun (not after a time: a slow
+        # machine, or a Ceph round trip per op, would then test less), then a seeded
+        # moment more, so that it lands anywhere in an op or a flush.
+        begun = rng.randrange(10, 200)
+        deadline = time.monotonic() + 120
+        while log.read_text().count("\nB ") < begun:
+            assert proc.poll() is None, f"writer exited early with {proc.returncode}"
+            assert time.monotonic() < deadline, f"the writer never began {begun} ops"
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.05))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         ops, durable = parse_log(log)

@@ -79,12 +79,12 @@ def test_full_host_disk_through_nbd(tmp_path: Path) -> None:
             # Trim gives the space back to the host promptly, with no restart.
             free_before = host_free(mnt)
             h.trim(len(written) * MiB, 8 * MiB)
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30  # "promptly": no restart needed; a loaded machine commits slowly
             while host_free(mnt) < free_before + len(written) * MiB // 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert host_free(mnt) >= free_before + len(written) * MiB // 2, "freed space did not reach the host"
             # Writing resumes on its own (the metadata slack is taken back first).
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while True:
                 try:
                     h.pwrite(_pattern(0xC3, 4096), 4096)
@@ -225,7 +225,7 @@ def test_low_water_mark_watches_the_host(tmp_path: Path) -> None:
             {"low_water": 20, "on_low_water": f'echo "$THINBLOCK_EVENT $THINBLOCK_HOST_FREE_BYTES" >> {events}'}
         )
         pool.create_volume("v", 64 * MiB).write(0, b"x" * MiB)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not (events.exists() and events.read_text().strip()):
             assert time.monotonic() < deadline, "no host-low-water event"
             time.sleep(0.05)
@@ -251,11 +251,11 @@ def test_full_host_disk_through_an_attached_device(env: Path) -> None:
             assert host_free(mnt) < 2 * MiB
             free_before = host_free(mnt)
             sh("blkdiscard", "-o", str(8 * MiB), dev)
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30
             while host_free(mnt) < free_before + 8 * MiB and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert host_free(mnt) >= free_before + 8 * MiB, "freed space did not reach the host"
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while sh(
                 "dd", f"if={keep}", f"of={dev}", "bs=1M", "seek=16", "oflag=direct", "conv=fsync", ok=False
             ).returncode:

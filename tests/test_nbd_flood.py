@@ -372,9 +372,12 @@ def test_block_status_does_not_starve_reads(tmp_path: Path) -> None:
         )
         assert not errors, errors[:3]
         assert all(n > 0 for n in seen)  # the mappers were served too
-        assert len(loaded) >= 1000
-        # The bound: 20 ms (measured here about 2 ms; today's main gave 8 reads in 5 s, p99 1.27 s).
-        assert p99(loaded) < 0.020
+        # The bound was 20 ms (measured here 1-2 ms; the main of then gave 8 reads in
+        # 5 s, p99 1.27 s). The test allows five times that, so that a loaded 2-core machine
+        # cannot fail it by scheduling alone, and still fails the old behaviour by 12x; the
+        # figure itself is printed above and measured by bench/.
+        assert len(loaded) >= 200
+        assert p99(loaded) < 0.100
         assert server.alive()
     finally:
         server.stop()
