@@ -14,6 +14,7 @@ import pytest
 
 from tests.cli import thinblock
 from thinblock import Pool
+from thinblock.sizes import format_size
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -299,6 +300,31 @@ def test_absent_settings_show_as_none_and_sizes_in_human_units(pool_dir: str) ->
     assert "None" not in out
     out = tb("pool", "set", pool_dir, "--autogrow", "64M:1G").stdout
     assert "autogrow: 64M steps up to 1G" in out
+
+
+def test_malformed_settings_are_usage_errors_and_a_maximum_below_the_pool_is_refused(pool_dir: str) -> None:
+    """A malformed value is a malformed argument (exit 2, as a malformed size is); a
+    well-formed one the pool cannot take is a refusal (exit 1). Nothing changes."""
+    tb("volume", "create", pool_dir, "v", "--size", "1G")
+
+    def status() -> dict[str, object]:  # the host's free space moves with the machine
+        figures = json.loads(tb("pool", "status", pool_dir, "--json").stdout)
+        return {k: v for k, v in figures.items() if not k.startswith("host_")}
+
+    before = status()
+    for args in (
+        ("pool", "set", pool_dir, "--when-full", "wait:abc"),
+        ("pool", "set", pool_dir, "--low-water", "150"),
+        ("pool", "set", pool_dir, "--autogrow", "0:1G:2"),
+        ("pool", "set", pool_dir, "--autogrow", "1M"),
+        ("volume", "set", pool_dir, "v", "--low-water", "abc"),
+    ):
+        proc = tb(*args, ok=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
+    size = format_size(int(str(before["size_bytes"])))
+    low = tb("pool", "set", pool_dir, "--autogrow", f"1M:{size}", ok=False)
+    assert low.returncode == 1 and f"would never grow pool {pool_dir}, which is {size} already" in low.stderr
+    assert status() == before
 
 
 def test_shrinking_needs_allow_shrink_and_no_clients(pool_dir: str, tmp_path: Path) -> None:

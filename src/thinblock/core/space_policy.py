@@ -120,6 +120,12 @@ class SpacePolicy:
             autogrow = None if text in (None, "none", "off") else parse_autogrow(text)
             if autogrow is not None:
                 check_autogrow(autogrow[0], self.pool.block_size)
+                size = self.pool.space_figures()["size_bytes"]
+                if autogrow[1] <= size:
+                    raise ThinblockError(
+                        f"autogrow up to {format_size(autogrow[1])} would never grow pool {self.pool.path}, which is"
+                        f" {format_size(size)} already: give a larger MAX (or none)"
+                    )
         low_water = parse_low_water(changes["low_water"]) if "low_water" in changes else self.low_water
         # Validated everything: now apply.
         self.when_full = changes.get("when_full", self.when_full)

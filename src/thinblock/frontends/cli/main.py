@@ -17,6 +17,7 @@ from thinblock import __version__
 from thinblock.admin.access import open_admin
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
+from thinblock.core.space_policy import parse_autogrow, parse_low_water, parse_when_full
 from thinblock.errors import OpError, OutputClosed, PoolBusyError, ThinblockError
 from thinblock.frontends.cli import config, maps, transfer
 from thinblock.frontends.cli.common import UsageError, admin_call
@@ -164,6 +165,20 @@ def cmd_pool_status(args: argparse.Namespace) -> None:
 def cmd_pool_grow(args: argparse.Namespace) -> None:
     _warn(admin_call(args.pool, "pool_grow", size_bytes=args.size)["warnings"])
     print(f"pool {args.pool} is now {format_size(args.size)}")
+
+
+def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that checks a setting's form with the rule the pool applies
+    (exit 2 for a malformed one, like a malformed size) and hands on its text."""
+
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ThinblockError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return check
 
 
 def cmd_pool_set(args: argparse.Namespace) -> None:
@@ -820,10 +835,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(pool_sub, "check", cmd_pool_check, "verify the committed metadata; exit 1 on any problem")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(pool_sub, "set", cmd_pool_set, "change the out-of-space policy")
-    p.add_argument("--when-full", metavar="error|wait:SECONDS", help="fail at once, or hold writes until space")
-    p.add_argument("--low-water", metavar="PERCENT|none", help="warn when unreserved free space falls below this")
+    p.add_argument(
+        "--when-full",
+        type=_checked(parse_when_full),
+        metavar="error|wait:SECONDS",
+        help="fail at once, or hold writes until space",
+    )
+    p.add_argument(
+        "--low-water",
+        type=_checked(parse_low_water),
+        metavar="PERCENT|none",
+        help="warn when unreserved free space falls below this",
+    )
     p.add_argument("--on-low-water", metavar="COMMAND", help="shell command run at each low-water crossing")
-    p.add_argument("--autogrow", metavar="STEP:MAX|none", help="grow by STEP at the mark or when full, up to MAX")
+    p.add_argument(
+        "--autogrow",
+        type=_checked(lambda text: text in ("none", "off") or parse_autogrow(text)),
+        metavar="STEP:MAX|none",
+        help="grow by STEP at the mark or when full, up to MAX",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(pool_sub, "dump", cmd_pool_dump, "write the metadata in a neutral, versioned text (or JSON) form")
     p.add_argument("--json", action="store_true", help="JSON instead of the line-oriented text")
@@ -872,7 +902,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--detect-zeroes", choices=("off", "on", "unmap"), help="zero-write handling")
     p.add_argument("--reserve", type=_reserve_arg, metavar="SIZE|full|none", help="space set aside for this volume")
-    p.add_argument("--low-water", metavar="PERCENT|none", help="warn when its unmapped share falls below this")
+    p.add_argument(
+        "--low-water",
+        type=_checked(parse_low_water),
+        metavar="PERCENT|none",
+        help="warn when its unmapped share falls below this",
+    )
     p.add_argument("--on-low-water", metavar="COMMAND", help="command for its low-water mark (default: the pool's)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(vol_sub, "clone", cmd_volume_clone, "a writable volume sharing a snapshot's blocks")
