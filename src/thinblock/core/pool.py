@@ -626,7 +626,7 @@ class Pool:
             ]
             for snap, snap_name in carried:
                 self.check_new_name(snap_name, "snapshot")
-                self.refuse_if_busy(snap, "rename")
+                self.refuse_if_busy(snap, f"rename {vol.row.kind} {name}, which renames its")
             for item, item_name in [(vol, new_name), *carried]:
                 del self.volumes[item.name]
                 item.row.name = item_name
@@ -658,9 +658,10 @@ class Pool:
 
     def refuse_if_busy(self, vol: Volume, what: str) -> None:
         if vol.users:
+            shown = sorted(vol.holders)
+            named = ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
             raise PoolBusyError(
-                f"cannot {what} {vol.row.kind} {vol.name}: it is open by {vol.users} client(s)"
-                " (NBD connections or an attached loop device)"
+                f"cannot {what} {vol.row.kind} {vol.name}: it is open by {vol.users} client(s): {named}"
             )
 
     def resize_volume(self, name: str, size_bytes: int, *, allow_shrink: bool = False) -> list[str]:

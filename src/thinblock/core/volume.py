@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple, ParamSpec
 
@@ -120,8 +121,15 @@ class Volume:
         # (core/reservation.py; linked by SpaceAccounts.stand_in).
         self.replaces: Volume | None = None
         self.replacements: list[Volume] = []
-        self.users = 0  # open NBD connections and FUSE handles: removal/rollback wait for none
+        # Who has it open (NBD connections, FUSE handles), by a description a refusal
+        # names them with: removal, rollback and shrink wait for none (Export keeps it).
+        self.holders: Counter[str] = Counter()
         self.ranges = RangeLock()  # requests in flight hold their blocks here (see _mutate)
+
+    @property
+    def users(self) -> int:
+        """How many clients have it open."""
+        return sum(self.holders.values())
 
     @property
     def root(self) -> dict[int, int]:

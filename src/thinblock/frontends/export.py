@@ -38,9 +38,13 @@ def errno_of(exc: BaseException) -> int:
 class Export:
     """One client's open volume. Close it exactly once (close() is idempotent)."""
 
-    def __init__(self, pool: Pool, volume: Volume, *, read_only: bool = False, counted: bool = True) -> None:
-        """counted=False: one call made without an open handle (FUSE may), not a client."""
+    def __init__(
+        self, pool: Pool, volume: Volume, *, read_only: bool = False, counted: bool = True, holder: str = "a client"
+    ) -> None:
+        """counted=False: one call made without an open handle (FUSE may), not a client.
+        holder: who this is, as a refusal to remove or roll back the volume names it."""
         self.pool = pool
+        self.holder = holder
         self.volume = volume
         self.read_only = read_only or volume.readonly
         self._open = counted
@@ -53,13 +57,16 @@ class Export:
         self.compared: dict[str, Volume | None] = {}
         if counted:
             with pool.lock:
-                volume.users += 1
+                volume.holders[holder] += 1
 
     def close(self) -> None:
         with self.pool.lock:
             if self._open:
                 self._open = False
-                self.volume.users -= 1
+                holders = self.volume.holders
+                holders[self.holder] -= 1
+                if holders[self.holder] <= 0:
+                    del holders[self.holder]
 
     @property
     def name(self) -> str:

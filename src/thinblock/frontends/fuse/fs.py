@@ -56,6 +56,22 @@ if _invalidate_path is not None:
     _invalidate_path.restype = ctypes.c_int
 
 
+def _opener() -> str:
+    """Who opens a volume's file, for refusals to name: losetup's open is the loop
+    device's handle, held after losetup exits."""
+    if _libfuse is None:
+        return "a handle on its file in the FUSE mount"
+    pid = int(_libfuse.fuse_get_context().contents.pid)
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        comm = "?"
+    if comm == "losetup":
+        return f"a loop device on its file in the FUSE mount (attached by losetup, pid {pid})"
+    return f"its file in the FUSE mount, opened by pid {pid} ({comm})"
+
+
 class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
     """A flat directory: one regular file per volume of the pool."""
 
@@ -147,7 +163,7 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
         if vol.readonly and flags & (os.O_WRONLY | os.O_RDWR):
             raise mfusepy.FuseOSError(errno.EROFS)
         # A loop device keeps its file open: removal and rollback wait for the handle.
-        export = Export(self.pool, vol)
+        export = Export(self.pool, vol, holder=_opener())
         with self._handles_lock:
             self._next_fh += 1
             self._handles[self._next_fh] = export

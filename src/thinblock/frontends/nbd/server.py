@@ -882,7 +882,9 @@ class Session:
                     self.server.admission.serving(self.slot)
                 vol = self.server.catalog.volume(event.export.name)
                 if vol is not None:
-                    self.export = Export(self.server.pool, vol, read_only=event.export.read_only)
+                    self.export = Export(
+                        self.server.pool, vol, read_only=event.export.read_only, holder=f"NBD connection {self.name}"
+                    )
                     bind_compared(self.export, event.contexts.values())
                 self.writer = threading.Thread(target=self._write_loop, name=f"{self.reader.name}-w", daemon=True)
                 self.writer.start()
