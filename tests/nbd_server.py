@@ -6,8 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -145,3 +146,21 @@ def offered_contexts(server: Server, name: str) -> list[str]:
     listing.opt_list_meta_context(offer)
     listing.opt_abort()
     return offered
+
+
+def reads_zeros_beside(open_handle: Callable[[], nbd.NBD], timeout_s: float = 90) -> bool:
+    """Whether four 2 MiB reads of zeros at 256 MiB (each needs the shared large-request
+    memory) complete within timeout_s, on a handle open_handle makes in a thread."""
+    done: list[bool] = []
+
+    def reader() -> None:
+        h = open_handle()
+        for i in range(4):
+            assert h.pread(2 << 20, (256 << 20) + i * (2 << 20)) == bytes(2 << 20)
+        done.append(True)
+        h.shutdown()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    thread.join(timeout_s)
+    return done == [True]
