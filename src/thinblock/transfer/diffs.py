@@ -105,7 +105,12 @@ def export_diff(
         if from_snap is not None:
             base = find_snapshot(pool, image, from_snap, " to diff from")
         if base is not None:
-            extents = [(o, n, not zero) for o, n, zero in changed_extents(base, vol)]
+            # Past the end of a volume shrunk since base, the ranges read as zeros, but
+            # they are no part of the image: the size record says where it ends, and
+            # records beyond it are malformed (as rbd's diff_iterate stops at the
+            # to-snapshot's size).
+            end = vol.size_bytes
+            extents = [(o, min(n, end - o), not zero) for o, n, zero in changed_extents(base, vol) if o < end]
         else:
             extents = [e for e in data_extents(vol) if e[2]]
         data_total = sum(n for _, n, data in extents if data)
