@@ -548,6 +548,59 @@ def test_a_diff_starts_only_from_a_snapshot_of_its_own_volume(tmp_path: Path) ->
     thinblock("pool", "check", py)
 
 
+@pytest.mark.parametrize("change", ["write", "resize"])
+def test_a_write_during_import_diff_is_never_discarded(tmp_path: Path, change: str) -> None:
+    """A client that writes to the volume (and disconnects) while import-diff reads its
+    stream was told its write was done: adopting the diff used to swap the volume's
+    contents for the staging volume's, taken when the job started, and the write
+    silently vanished. The job is refused instead, changing nothing, as a volume
+    changed since the from-snapshot is refused before it starts; the rerun works."""
+    px = str(tmp_path / "pX")
+    thinblock("pool", "create", px, "--size", "256M")
+    img = tmp_path / "img.raw"
+    img.write_bytes(os.urandom(16 * MiB))
+    thinblock("import", str(img), px, "vm")
+    thinblock("snapshot", "create", px, "vm@s1")
+    base, inc = tmp_path / "base.diff", tmp_path / "inc.diff"
+    thinblock("export-diff", px, "vm@s1", str(base))
+    thinblock("import", str(img), px, "vm", "--force")
+    thinblock("snapshot", "create", px, "vm@s2")
+    thinblock("export-diff", px, "--from-snap", "s1", "vm@s2", str(inc))
+    stream = inc.read_bytes()
+    with served_pool(tmp_path / "b", "256M", {"vm": "16M"}) as served:
+        py = served.pool
+        thinblock("import-diff", str(base), py, "vm")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "thinblock", "import-diff", "-", py, "vm", "--no-progress"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=ENV,
+        )
+        assert proc.stdin is not None
+        # 8M through a 64K pipe: once the write returns, the job is reading its stream.
+        proc.stdin.write(stream[: len(stream) // 2])
+        proc.stdin.flush()
+        written = bytearray(img.read_bytes())
+        if change == "write":
+            h = connect(served, "vm", ())
+            h.pwrite(b"w" * BS, 12 * MiB)
+            h.flush()
+            h.shutdown()
+            written[12 * MiB : 12 * MiB + BS] = b"w" * BS
+        else:
+            thinblock("volume", "resize", py, "vm", "--size", "20M")
+            written += bytes(4 * MiB)
+        out, err = proc.communicate(stream[len(stream) // 2 :], timeout=120)
+        assert proc.returncode == 1, (out, err)
+        assert "it was written while the job ran" in err.decode() and err.decode().count("\n") == 1, err
+        assert export_bytes(py, "vm") == bytes(written)  # the write is there
+        assert volume_names(py) == ["vm", "vm@s1"]
+        thinblock("volume", "rollback", py, "vm", "vm@s1")
+        thinblock("import-diff", str(inc), py, "vm")
+        assert export_bytes(py, "vm@s2") == export_bytes(px, "vm@s2")
+
+
 def test_a_killed_import_diff_leaves_the_volume_as_it_was(tmp_path: Path) -> None:
     """SIGKILL in the middle: the staging volume is gone at the next open, the volume unchanged."""
     pool = str(tmp_path / "pool")

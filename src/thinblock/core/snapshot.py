@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 
+from thinblock.core.delta import changed_ranges
 from thinblock.core.pool import Pool, validate_volume_size
 from thinblock.core.reservation import target_blocks
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
+from thinblock.sizes import format_size
 
 
 def _weigh(pool: Pool, vol: Volume, what: str) -> None:
@@ -187,16 +189,37 @@ def rollback(pool: Pool, volume: str, snapshot: str) -> None:
 
 
 def adopt(
-    pool: Pool, volume: str, staging: Volume, snapshot: str | None, *, verb: str = "import a diff into"
+    pool: Pool,
+    volume: str,
+    staging: Volume,
+    snapshot: str | None,
+    *,
+    verb: str = "import a diff into",
+    unchanged_since: Volume | None = None,
 ) -> Volume | None:
     """Make a volume's contents and size those of a staging volume built beside it
     (import-diff), take the snapshot `snapshot` of the result, and drop the staging
     volume: all in one metadata commit, so a crash leaves the volume as it was or
     as the staging volume made it, never in between. Refused while clients have the
     volume open (they would see its contents change under them); verb names the job
-    in that refusal ("cannot import into volume vm: ...")."""
+    in that refusal ("cannot import into volume vm: ..."). With unchanged_since (a
+    staged snapshot of the volume taken with the staging volume), refused too if the
+    volume was written since: adopting would silently discard those writes, which
+    their clients were told had been done."""
     with pool.quiesced(volume, kind="volume") as vol, staging.ranges.hold_all(exclusive=True), pool.lock:
         pool.refuse_if_busy(vol, verb)
+        if unchanged_since is not None:
+            written = sum(n for _, n in changed_ranges(unchanged_since, vol))
+            resized = vol.size_bytes != unchanged_since.size_bytes
+            if written or resized:
+                what = f"{format_size(written)} differ" if written else ""
+                if resized:
+                    sizes = f"resized from {format_size(unchanged_since.size_bytes)} to {format_size(vol.size_bytes)}"
+                    what = f"{what}, {sizes}" if what else sizes
+                raise ThinblockError(
+                    f"cannot {verb} volume {volume}: it was written while the job ran ({what}), and finishing the"
+                    " job would discard those writes; nothing was changed: stop the writer and run it again"
+                )
         if snapshot is not None:
             pool.check_new_name(snapshot, "snapshot")
             _weigh(pool, vol, "snapshot")

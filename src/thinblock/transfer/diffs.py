@@ -262,26 +262,33 @@ def import_diff(
     base = None
     if decoder.from_snap is not None:
         base = find_snapshot(pool, vol, decoder.from_snap, ": the diff starts from it")
-        changed = sum(n for _, n in changed_ranges(base, vol))
-        if changed and not force:
-            raise ThinblockError(
-                f"volume {name} has changed since snapshot {base.name} ({format_size(changed)} differ): the diff"
-                " would mix with those changes. Roll it back to the snapshot first, or pass --force"
-            )
-    else:
-        mapped = (vol.row.data_blocks + vol.row.zeroed_blocks) * pool.block_size
-        if mapped and not force:
-            raise ThinblockError(
-                f"the diff has no from-snapshot (it starts from an empty image) and volume {name} holds data"
-                f" ({format_size(mapped)} mapped): pass --force to apply it anyway"
-            )
     to_name = f"{name}@{decoder.to_snap}" if decoder.to_snap is not None else None
     if to_name is not None:
         with pool.lock:
             pool.check_new_name(to_name, "snapshot")
-    staging = stage(pool, vol, "import-diff")
-    applier = _Applier(staging)
+    # The volume as the job starts (a staged snapshot, sharing every block): it is what
+    # the checks below look at, and a write to the volume after it, before the diff is
+    # adopted, refuses the adoption instead of being silently discarded by it.
+    mark = stage(pool, vol, "import-diff-start", kind="snapshot")
+    staging: Volume | None = None
+    applier: _Applier | None = None
     try:
+        if base is not None:
+            changed = sum(n for _, n in changed_ranges(base, mark))
+            if changed and not force:
+                raise ThinblockError(
+                    f"volume {name} has changed since snapshot {base.name} ({format_size(changed)} differ): the"
+                    " diff would mix with those changes. Roll it back to the snapshot first, or pass --force"
+                )
+        else:
+            mapped = (mark.row.data_blocks + mark.row.zeroed_blocks) * pool.block_size
+            if mapped and not force:
+                raise ThinblockError(
+                    f"the diff has no from-snapshot (it starts from an empty image) and volume {name} holds data"
+                    f" ({format_size(mapped)} mapped): pass --force to apply it anyway"
+                )
+        staging = stage(pool, vol, "import-diff")
+        applier = _Applier(staging)
         if staging.size_bytes != size:
             staging.resize(size)
         for event in itertools.chain([first] if first is not None else [], stream):
@@ -290,13 +297,18 @@ def import_diff(
             raise rbd.StreamError(f"malformed rbd diff at byte {decoder.offset}: bytes follow its end ('e') record")
         applier.drain()
         staging.flush()
-        snap = adopt(pool, name, staging, to_name)
+        snap = adopt(pool, name, staging, to_name, unchanged_since=mark)
     except BaseException:
-        applier.close()
-        with contextlib.suppress(Exception):
-            pool.remove_volume(staging.name)
+        if applier is not None:
+            applier.close()
+        for left in (staging, mark):
+            if left is not None:
+                with contextlib.suppress(Exception):
+                    pool.remove_volume(left.name)
         raise
     applier.close()
+    with contextlib.suppress(Exception):
+        pool.remove_volume(mark.name)
     tell.end()
     return {
         "volume": name,
