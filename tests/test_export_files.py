@@ -6,12 +6,17 @@ export fails."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cli import thinblock
+from tests.cli import ROOT, thinblock
+from tests.nbd_server import Server
 
 MiB = 1 << 20
 
@@ -90,3 +95,37 @@ def test_force_replaces_the_file_and_never_writes_into_it(pool: str, tmp_path: P
     _refused(["export", pool, "nosuch", str(dest), "--force"], "nosuch")
     assert dest.read_bytes() == b"old export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.raw", "pool", "theirs"]
+
+
+@pytest.mark.parametrize("command", ["export", "export-diff"])
+def test_a_killed_export_leaves_no_file_at_its_name(pool: str, tmp_path: Path, command: str) -> None:
+    """A new file was made at DEST itself (a raw one its full size at once), so an export
+    killed half way (SIGKILL, OOM, a power cut) left a file there that looked whole,
+    its missing blocks reading as zeros. It is written beside DEST and linked there
+    once complete: a kill leaves only the hidden temporary file. The server is stopped
+    (SIGSTOP) while the command waits on it with its file open."""
+    server = Server(pool, workdir=tmp_path)
+    dest = tmp_path / "out" / "backup.raw"
+    dest.parent.mkdir()
+    try:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "thinblock", command, pool, "v@s", str(dest), "--no-progress"],
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not any(dest.parent.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.kill()
+        proc.wait()
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+    left = [p.name for p in dest.parent.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".backup.raw.thinblock-"), left
+    thinblock(command, pool, "v@s", str(dest))  # the name is free: no --force needed
+    assert [p.name for p in dest.parent.iterdir() if not p.name.startswith(".")] == ["backup.raw"]
+    if command == "export":
+        assert dest.read_bytes() == bytes(MiB)

@@ -7,8 +7,13 @@ with --force: a link planted in a shared directory such as /tmp would send the
 volume wherever its maker chose. An existing regular file is not truncated and
 written in place (it may be someone else's, opened for them to read). The
 export goes to a new file beside it, which is renamed over it once the job has
-succeeded, so a failed export leaves the old file as it was. A block device
-named with --force is written in place, as before.
+succeeded, so a failed export leaves the old file as it was. A new file is
+written beside its name too, and linked there (never over a file that appeared
+meanwhile) once the job has succeeded: a raw export is made its full size
+first, so a file at DEST from an export killed half way (SIGKILL, a power cut)
+would look whole, its missing blocks reading as zeros. A killed export leaves
+only the hidden `.NAME.thinblock-*` file. A block device named with --force is
+written in place, as before.
 """
 
 from __future__ import annotations
@@ -45,13 +50,21 @@ class Destination:
 
     fd: int
     path: str
-    temp: str | None  # the file written, renamed onto path by commit (None: written in place)
-    created: bool  # path itself was made by us (removed by discard)
+    temp: str | None  # the file written, put at path by commit (None: written in place)
+    created: bool  # path did not exist: commit links temp there, never over a file that appeared
 
     def commit(self) -> None:
         if self.temp is not None:
             try:
-                os.rename(self.temp, self.path)
+                if self.created:
+                    self._link()
+                else:
+                    os.rename(self.temp, self.path)
+            except FileExistsError:
+                self.discard()
+                raise UsageError(
+                    f"{self.path} appeared while it was being written: pass --force to overwrite it"
+                ) from None
             except OSError as exc:
                 self.discard()
                 raise UsageError(f"cannot replace {self.path}: {exc.strerror}; it is left as it was") from None
@@ -63,10 +76,27 @@ class Destination:
                 finally:
                     os.close(dir_fd)
 
+    def _link(self) -> None:
+        """temp at path, which must not exist; temp's own name goes."""
+        assert self.temp is not None
+        try:
+            os.link(self.temp, self.path, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            # No hard links here (vfat, some FUSE file systems): the name was free
+            # when the export started, and a rename replaces, never writes into.
+            if os.path.lexists(self.path):
+                raise FileExistsError(errno.EEXIST, "exists") from None
+            os.rename(self.temp, self.path)
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.temp)
+
     def discard(self) -> None:
-        for name in [self.temp] if self.temp is not None else [self.path] if self.created else []:
+        if self.temp is not None:
             with contextlib.suppress(OSError):
-                os.unlink(name)
+                os.unlink(self.temp)
 
 
 def _refuse_link(dest: str) -> UsageError:
@@ -101,12 +131,10 @@ def open_destination(dest: str, *, force: bool, mode: int | None) -> Destination
         return Destination(fd, dest, temp=None, created=False)
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise UsageError(f"{dest} is neither a regular file nor a block device")
-    # A new file: at DEST itself, or beside it when it replaces one. O_EXCL never
-    # follows a symlink, even one planted between the lstat above and this open.
-    where = dest
-    if st is not None:
-        head, tail = os.path.split(dest)
-        where = os.path.join(head, f".{tail}.thinblock-{uuid.uuid4().hex[:12]}")
+    # A new file beside DEST, put in place by commit (see the module's docstring).
+    # O_EXCL never follows a symlink, even one planted between the lstat and this open.
+    head, tail = os.path.split(dest)
+    where = os.path.join(head, f".{tail}.thinblock-{uuid.uuid4().hex[:12]}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(where, flags, DEFAULT_MODE)
@@ -119,6 +147,4 @@ def open_destination(dest: str, *, force: bool, mode: int | None) -> Destination
             raise _refuse_link(where) from None
         raise UsageError(f"cannot create {dest}: {exc.strerror}") from None
     os.fchmod(fd, DEFAULT_MODE if mode is None else mode)  # exactly that, whatever the umask
-    if st is None:
-        return Destination(fd, dest, temp=None, created=True)
-    return Destination(fd, dest, temp=where, created=False)
+    return Destination(fd, dest, temp=where, created=st is None)
