@@ -394,6 +394,34 @@ def _small_diff(pool: str, tmp_path: Path) -> tuple[bytes, bytes]:
     return out.read_bytes(), a.read_bytes()
 
 
+def test_an_rbd_snapshot_name_thinblock_cannot_take_is_named_as_rbd_wrote_it(tmp_path: Path) -> None:
+    """rbd allows snapshot names thinblock does not (a timestamp's ':', a space), and
+    `rbd snap create img@$(date -Iseconds)` is common. Such a diff (or image stream) is
+    refused before anything is applied, and the sentence says it is the diff's snapshot
+    and how to get past it, where it named only VOLUME@SNAP as if the user had typed it."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    thinblock("volume", "create", pool, "v", "--size", "1M")
+    snap = b"2026-12-03T17:00:00+00:00"
+    diff = tmp_path / "rbd.diff"
+    diff.write_bytes(
+        b"rbd diff v1\nt"
+        + struct.pack("<I", len(snap))
+        + snap
+        + b"s"
+        + struct.pack("<Q", MiB)
+        + b"w"
+        + struct.pack("<QQ", 0, 4)
+        + b"abcd"
+        + b"e"
+    )
+    proc = thinblock("import-diff", str(diff), pool, "v", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "the diff ends at snapshot '2026-12-03T17:00:00+00:00'" in proc.stderr, proc.stderr
+    assert "rbd snap rename" in proc.stderr, proc.stderr
+    assert volume_names(pool) == ["v"] and export_bytes(pool, "v") == bytes(MiB)
+
+
 def test_malformed_truncated_and_mismatched_diffs_change_nothing(tmp_path: Path) -> None:
     pool = str(tmp_path / "pool")
     diff, s1 = _small_diff(pool, tmp_path)

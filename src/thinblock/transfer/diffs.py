@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from thinblock.core.delta import changed_extents, changed_ranges
-from thinblock.core.pool import SECTOR_BYTES, Pool
+from thinblock.core.pool import SECTOR_BYTES, Pool, validate_name
 from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.snapshot import adopt, publish_staged, stage, stage_empty
 from thinblock.core.volume import Volume
@@ -44,6 +44,22 @@ def diff_name(pool: Pool, snap: Volume) -> str:
     if origin is not None and snap.name.startswith(origin.name + "@"):
         return snap.name[len(origin.name) + 1 :]
     return snap.name
+
+
+def snapshot_name(volume: str, snap: str, what: str) -> str:
+    """VOLUME@SNAP, the name rbd snapshot SNAP takes on import, or ThinblockError saying
+    that the rbd name is what cannot be used: rbd allows names thinblock does not (a
+    timestamp's ':', a space), and the bare rule named only VOLUME@SNAP, as if the
+    user had typed it. `what` starts the sentence ("the diff ends at")."""
+    full = f"{volume}@{snap}"
+    try:
+        validate_name(full, "snapshot")
+    except ThinblockError as exc:
+        raise ThinblockError(
+            f"{what} snapshot {snap!r}, which cannot be snapshot {full!r} here ({exc}): rename it where it was taken"
+            " (rbd snap rename) and export again"
+        ) from None
+    return full
 
 
 def find_snapshot(pool: Pool, image: Volume, name: str, why: str) -> Volume:
@@ -262,7 +278,7 @@ def import_diff(
     base = None
     if decoder.from_snap is not None:
         base = find_snapshot(pool, vol, decoder.from_snap, ": the diff starts from it")
-    to_name = f"{name}@{decoder.to_snap}" if decoder.to_snap is not None else None
+    to_name = snapshot_name(name, decoder.to_snap, "the diff ends at") if decoder.to_snap is not None else None
     if to_name is not None:
         with pool.lock:
             pool.check_new_name(to_name, "snapshot")
@@ -393,7 +409,7 @@ def import_rbd_image(
                             f"malformed rbd image stream at byte {decoder.offset}: it takes snapshot {snap!r} twice"
                         )
                     with pool.lock:
-                        pool.check_new_name(f"{name}@{snap}", "snapshot")
+                        pool.check_new_name(snapshot_name(name, snap, "the rbd image stream takes"), "snapshot")
                     made.append((stage(pool, vol, "import-snap", kind="snapshot"), f"{name}@{snap}"))
                     last_snap, snap = snap, None
         if decoder.rest() or reader.read(1):
