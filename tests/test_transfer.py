@@ -977,7 +977,8 @@ def test_export_diff_piped_into_import_diff_on_one_pool(tmp_path: Path) -> None:
         ("flush", 1, "eio", "nothing"),  # the sync before adoption
         ("commit", 0, "eio", "nothing"),  # the staging copy's commit
         ("commit", 1, "eio", "nothing"),
-        ("commit", 2, "eio", "all"),  # adoption's own commit: pending, then written whole
+        ("commit", 2, "eio", "nothing"),
+        ("commit", 3, "eio", "all"),  # adoption's own commit: pending, then written whole
     ],
 )
 def test_the_layer_below_failing_under_import_diff_changes_nothing(
