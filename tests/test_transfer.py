@@ -347,6 +347,20 @@ def test_export_diff_then_import_diff_rebuilds_every_snapshot(tmp_path: Path, ve
         assert (piece == bytes(len(piece))) == r["zero"] or not r["zero"], r
 
 
+def _source_at_s1(tmp_path: Path) -> tuple[str, Path, Path]:
+    """Pool pX with volume vm (16M of random bytes, also in img.raw) and its snapshot
+    vm@s1, and the full diff of vm@s1: (pool, image, diff)."""
+    px = str(tmp_path / "pX")
+    thinblock("pool", "create", px, "--size", "256M")
+    img = tmp_path / "img.raw"
+    img.write_bytes(os.urandom(16 * MiB))
+    thinblock("import", str(img), px, "vm")
+    thinblock("snapshot", "create", px, "vm@s1")
+    base = tmp_path / "base.diff"
+    thinblock("export-diff", px, "vm@s1", str(base))
+    return px, img, base
+
+
 @pytest.mark.parametrize("head", [False, True])
 def test_a_diff_across_a_shrink_ends_at_the_new_size(tmp_path: Path, head: bool) -> None:
     """A volume shrunk between two snapshots reads zeros past its new end compared with
@@ -354,15 +368,9 @@ def test_a_diff_across_a_shrink_ends_at_the_new_size(tmp_path: Path, head: bool)
     there, past its own size record, and import-diff (rightly) refused the diff as
     malformed, so the replica could not follow a shrink. The diff ends at the size, as
     rbd's diff_iterate stops at the to-snapshot's size."""
-    px, py = str(tmp_path / "pX"), str(tmp_path / "pY")
-    thinblock("pool", "create", px, "--size", "256M")
+    px, img, base = _source_at_s1(tmp_path)
+    py, inc = str(tmp_path / "pY"), tmp_path / "inc.diff"
     thinblock("pool", "create", py, "--size", "256M")
-    img = tmp_path / "img.raw"
-    img.write_bytes(os.urandom(16 * MiB))
-    thinblock("import", str(img), px, "vm")
-    thinblock("snapshot", "create", px, "vm@s1")
-    base, inc = tmp_path / "base.diff", tmp_path / "inc.diff"
-    thinblock("export-diff", px, "vm@s1", str(base))
     thinblock("volume", "create", py, "vm", "--size", "16M")
     thinblock("import-diff", str(base), py, "vm")
     thinblock("volume", "resize", px, "vm", "--size", "8M", "--allow-shrink")
@@ -583,14 +591,8 @@ def test_a_write_during_import_diff_is_never_discarded(tmp_path: Path, change: s
     contents for the staging volume's, taken when the job started, and the write
     silently vanished. The job is refused instead, changing nothing, as a volume
     changed since the from-snapshot is refused before it starts; the rerun works."""
-    px = str(tmp_path / "pX")
-    thinblock("pool", "create", px, "--size", "256M")
-    img = tmp_path / "img.raw"
-    img.write_bytes(os.urandom(16 * MiB))
-    thinblock("import", str(img), px, "vm")
-    thinblock("snapshot", "create", px, "vm@s1")
-    base, inc = tmp_path / "base.diff", tmp_path / "inc.diff"
-    thinblock("export-diff", px, "vm@s1", str(base))
+    px, img, base = _source_at_s1(tmp_path)
+    inc = tmp_path / "inc.diff"
     thinblock("import", str(img), px, "vm", "--force")
     thinblock("snapshot", "create", px, "vm@s2")
     thinblock("export-diff", px, "--from-snap", "s1", "vm@s2", str(inc))
