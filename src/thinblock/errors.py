@@ -68,6 +68,11 @@ class FreedSpacePending(NoSpaceError):
     commits (Volume re-plans the request after them; never reaches a frontend)."""
 
 
+class GrantNeeded(FreedSpacePending):
+    """An owner per volume needs more of the pool's free space than its grants hold:
+    Volume takes a grant outside the pool lock, then re-plans (core/owner.py)."""
+
+
 class RangeError(OpError):
     """The request reaches outside the volume."""
 

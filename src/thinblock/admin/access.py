@@ -12,12 +12,13 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
-from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s
-from thinblock.admin.jobs import Check, run_job
+from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s, owner_socket_name
+from thinblock.admin.jobs import Check, close_fds, run_job
 from thinblock.admin.verbs import run_verb
 from thinblock.backends import locate
+from thinblock.core.owner import owner_pid
 from thinblock.core.pool import Pool
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.progress import ProgressFn, no_progress
@@ -57,6 +58,61 @@ class LocalAdmin:
                 server.drain()
 
 
+class SharedAdmin:
+    """A pool served per volume (serve --volume): a verb that changes a volume goes to
+    the control socket of the server owning it (as rbd's exclusive-lock owner takes
+    requests), the rest run here, in this command's pool-level step (Pool.pool_step)
+    on the pool opened as an owner of no volume."""
+
+    # verb -> the argument naming the volume it changes
+    ROUTED: ClassVar[dict[str, str]] = {
+        "snapshot_create": "volume",
+        "volume_resize": "name",
+        "volume_set": "name",
+        "volume_rollback": "name",
+        "volume_remove": "name",
+        "volume_rename": "name",
+    }
+
+    def __init__(self, pool: Pool, timeout_s: float) -> None:
+        self.pool = pool
+        self.timeout_s = timeout_s
+
+    def _owner_socket(self, verb: str, args: dict[str, Any]) -> str | None:
+        key = self.ROUTED.get(verb)
+        vol = self.pool.visible_volume(str(args.get(key))) if key else None
+        if vol is None:
+            return None
+        vid = vol.row.origin_id if vol.row.kind == "snapshot" else vol.row.id
+        holder = self.pool.meta.volume_holder(vid) if vid is not None else None
+        pid = owner_pid(holder) if holder else None
+        if holder and pid is None:
+            raise PoolBusyError(f"{vol.row.kind} {vol.name} is served by {holder}, which this host cannot reach")
+        if pid is None:
+            return None
+        return os.path.join(self.pool.location.runtime_dir(), owner_socket_name(pid))
+
+    def call(self, verb: str, **args: Any) -> Any:
+        target = self._owner_socket(verb, args)
+        if target is None:
+            return run_verb(self.pool, verb, args)
+        try:
+            client = ControlClient(target, self.timeout_s)
+        except ThinblockError as exc:
+            raise PoolBusyError(f"the server owning {args.get(self.ROUTED[verb])} does not answer: {exc}") from None
+        try:
+            return client.call(verb, **args)
+        finally:
+            client.close()
+
+    def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
+        close_fds(fds)
+        raise PoolBusyError(
+            f"pool {self.pool.path} is served per volume: {verb.replace('_', ' ')} jobs run only on a pool served"
+            " whole, for now (stop its servers, or serve it without --volume)"
+        )
+
+
 DEFAULT_WAIT_S = 60.0
 
 
@@ -82,6 +138,13 @@ def open_admin(path: str, *, wait: float | None = None, progress: ProgressFn | N
             pool = Pool.open(path, autocommit=False, purpose="thinblock admin command", progress=progress)
             break
         except PoolBusyError as exc:
+            if locate(path).served_per_volume():
+                shared = Pool.open(path, autocommit=False, purpose="thinblock admin command", volumes=[])
+                try:
+                    yield SharedAdmin(shared, timeout_s)
+                finally:
+                    shared.close()
+                return
             socket_path = os.path.join(locate(path).runtime_dir(), CONTROL_SOCKET)
             if os.path.exists(socket_path):
                 try:

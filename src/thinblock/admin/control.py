@@ -56,6 +56,16 @@ _ERRORS: dict[int, type[OpError]] = {
 }
 
 
+def control_socket_name(pool: Pool) -> str:
+    """The control socket's name in the pool's runtime directory: an owner per volume
+    has its own, by pid (the pid its leases name, core/owner.py)."""
+    return CONTROL_SOCKET if pool.owner is None else owner_socket_name(os.getpid())
+
+
+def owner_socket_name(pid: int) -> str:
+    return f"control.{pid}.sock"
+
+
 IDLE_CLIENT_S = 300.0  # a control client silent this long is dropped
 MAX_FDS = 4  # open files a request may carry (a job takes one)
 HEARTBEAT_S = 5.0  # a running job tells its command it is alive this often
@@ -69,7 +79,7 @@ class ControlServer:
         self.extra_verbs = extra_verbs or {}
         # Absolute: a FUSE mount this process hosts chdir()s to /, and the socket must
         # still be found to be removed at the end.
-        self.path = os.path.abspath(os.path.join(pool.location.runtime_dir(), CONTROL_SOCKET))
+        self.path = os.path.abspath(os.path.join(pool.location.runtime_dir(), control_socket_name(pool)))
         # We hold the pool lock, so a socket left here is a dead server's: replace it.
         # Only the pool's owner may connect (0600).
         self._stopping = threading.Event()

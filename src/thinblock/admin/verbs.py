@@ -106,5 +106,13 @@ def run_verb(pool: Pool, verb: str, args: dict[str, Any]) -> Any:
 
 
 def run_validated(pool: Pool, verb: str, args: dict[str, Any]) -> Any:
-    """run_verb, for a caller that has validated the request already (the control server)."""
-    return VERBS[verb](pool, **args)
+    """run_verb, for a caller that has validated the request already (the control server).
+    An owner per volume commits first, so that the verb's own commit, under the
+    pool-level lock (Pool.pool_step), has next to no data to sync."""
+    if pool.owner is not None and verb not in _READS:
+        pool.commit()
+    with pool.pool_step():
+        return VERBS[verb](pool, **args)
+
+
+_READS = {"status", "pool_dump", "volume_list", "volume_info", "volume_map", "delta"}

@@ -93,6 +93,18 @@ class Location(ABC):
         """Take exclusive ownership, or PoolBusyError naming the holder and its purpose.
         takeover: fence a live holder off and take the pool anyway (where the backend can)."""
 
+    def own_shared(self, purpose: str) -> Ownership:
+        """Share the pool with other owners per volume (serve --volume): refused while a
+        process owns it whole, and keeps any from owning it whole meanwhile."""
+        raise ThinblockError(
+            f"pool {self.name} cannot be served per volume: its backend keeps one owner per pool"
+            " (serve it without --volume)"
+        )
+
+    def served_per_volume(self) -> bool:
+        """Whether owners per volume share the pool right now (a probe that takes nothing)."""
+        return False
+
     @abstractmethod
     def is_owned(self) -> bool:
         """Whether some process owns the pool right now (a probe that takes nothing)."""

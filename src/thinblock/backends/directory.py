@@ -23,7 +23,7 @@ from typing import Any
 from thinblock.backends.base import Location, Ownership
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
-from thinblock.meta.filelocks import lock_range, range_locked
+from thinblock.meta.filelocks import lock_range, range_lock_shared, range_locked
 from thinblock.meta.sqlite import DB_NAME, SqliteError, SqliteMetadata
 from thinblock.privacy import create_private_file, make_private_dir
 from thinblock.runtime import CONTROL_SOCKET, NBD_SOCKET
@@ -183,6 +183,12 @@ class DirLocation(Location):
         self._require_dir()
         fd = self._lock_fd()
         if not lock_range(fd):
+            if range_lock_shared(fd):
+                os.close(fd)
+                raise PoolBusyError(
+                    f"pool {self.path} is served per volume by other processes (thinblock serve --volume);"
+                    " commands reach its volumes through them, or stop them first"
+                )
             holder = _describe_holder(os.pread(fd, 200, 0).decode(errors="replace").strip())
             os.close(fd)
             hint = ": --takeover is for pools in Ceph; stop that process instead" if takeover else ""
@@ -190,6 +196,25 @@ class DirLocation(Location):
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {purpose or ' '.join(sys.argv[:2])}".strip().encode() + b"\n", 0)
         return _Flock(fd)
+
+    def own_shared(self, purpose: str) -> Ownership:
+        self._require_dir()
+        fd = self._lock_fd()
+        if not lock_range(fd, shared=True):
+            holder = _describe_holder(os.pread(fd, 200, 0).decode(errors="replace").strip())
+            os.close(fd)
+            raise PoolBusyError(f"pool {self.path} is {holder}: it owns the whole pool") from None
+        return _Flock(fd)
+
+    def served_per_volume(self) -> bool:
+        try:
+            fd = os.open(os.path.join(self.dir, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            return range_locked(fd) and range_lock_shared(fd)
+        finally:
+            os.close(fd)
 
     def is_owned(self) -> bool:
         try:

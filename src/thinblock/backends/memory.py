@@ -26,6 +26,7 @@ class _Held:
     data: MemoryStore
     tail: MemoryStore = dataclasses.field(default_factory=lambda: MemoryStore(1 << 40))  # header, births
     owner: str | None = None
+    sharers: int = 0  # owners per volume (own_shared)
 
 
 _POOLS: dict[str, _Held] = {}
@@ -40,6 +41,17 @@ class _Claim(Ownership):
         with _LOCK:
             if self._held is not None:
                 self._held.owner = None
+                self._held = None
+
+
+class _SharedClaim(Ownership):
+    def __init__(self, held: _Held) -> None:
+        self._held: _Held | None = held
+
+    def release(self) -> None:
+        with _LOCK:
+            if self._held is not None:
+                self._held.sharers -= 1
                 self._held = None
 
 
@@ -97,8 +109,22 @@ class MemoryLocation(Location):
             held = self._held()
             if held.owner is not None:
                 raise PoolBusyError(f"pool {self.name} is already held ({held.owner})")
+            if held.sharers:
+                raise PoolBusyError(f"pool {self.name} is served per volume by {held.sharers} owner(s)")
             held.owner = purpose or "a thinblock pool object"
             return _Claim(held)
+
+    def own_shared(self, purpose: str) -> Ownership:
+        with _LOCK:
+            held = self._held()
+            if held.owner is not None:
+                raise PoolBusyError(f"pool {self.name} is already held whole ({held.owner})")
+            held.sharers += 1
+            return _SharedClaim(held)
+
+    def served_per_volume(self) -> bool:
+        held = _POOLS.get(self.slot)
+        return held is not None and held.sharers > 0
 
     def is_owned(self) -> bool:
         held = _POOLS.get(self.slot)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, TypeVar
 from thinblock.core.mapping import BlockState, entry_dblock, entry_state, mapped_pairs
 from thinblock.core.spacemap import SpaceMap, to_runs
 from thinblock.core.transaction import Built, OpenTransaction
-from thinblock.errors import CommitError, is_no_space
-from thinblock.meta.base import MetadataStore, Transaction
+from thinblock.errors import CommitError, ThinblockError, is_no_space
+from thinblock.meta.base import CommitResult, Lease, MetadataStore, Transaction
 from thinblock.progress import ProgressFn, no_progress
 from thinblock.sizes import format_size
 from thinblock.stats import PoolStats
@@ -81,6 +81,13 @@ class Committer:
         self._kick = threading.Event()
         self.closed = threading.Event()
         self._thread: threading.Thread | None = None
+        # Owner mode (core/owner.py): the leases every commit is guarded by; counts are
+        # then sent as changes from what this owner last saw (meta/owners.py).
+        self.leases: Callable[[], list[Lease]] | None = None
+        self.fold_orphans: Callable[[], None] | None = None  # the pool-level fold (core/owner.py)
+        self.sharing_base = 0
+        self._fold_wanted = False
+        self.give_back_idle: Callable[[], None] | None = None  # owner mode: idle grants back
 
     def start(self) -> None:
         """Commit in the background, at least once a second."""
@@ -141,6 +148,22 @@ class Committer:
         finally:
             if claimed:
                 self._give_turn_back()
+        if self.leases is not None:
+            self._between_owners()
+
+    def _between_owners(self) -> None:
+        """Owner mode, after a commit, outside its turn and every lock (these take the
+        store's pool-level lock, which a pool-level step may hold while it waits for a
+        commit): fold the orphan pages it left, and reserve page ids ahead."""
+        if self._fold_wanted and self.fold_orphans is not None:
+            self._fold_wanted = False
+            self.fold_orphans()
+        try:
+            self.txn.top_up_page_ids(self.lock)
+        except (OSError, ThinblockError) as exc:
+            log.warning("pool %s: reserving page ids failed: %s", self.path, exc)
+        if self.give_back_idle is not None:
+            self.give_back_idle()
 
     def _give_turn_back(self) -> None:
         with self.lock:
@@ -156,12 +179,13 @@ class Committer:
             generation = self.transaction_id
             births = self.space.take_births() if built is not None else []
             exclusive = set(self.space.newly_exclusive) if built is not None else set()
+        result = CommitResult()
         try:
             if self.owned is not None and births:
                 self.owned.write_births(births, generation)  # made durable by the sync below
             self.store.flush()
             if built is not None:
-                self.write_metadata(built.txn)
+                result = self.write_metadata(built.txn)
         except Exception as exc:
             with self.lock:
                 if built is not None:
@@ -176,7 +200,9 @@ class Committer:
         with self.lock:
             self.space.release_synced(synced_frees)
             if built is not None:
-                self.txn.settle(built)
+                if self.leases is not None:
+                    self._follow_store(built, result)
+                self.txn.settle(built, result.page_refcounts)
                 self.space.newly_exclusive -= exclusive  # durable now: writable in place
             punch = self.space.take_pending(new_frees if built is not None else 0)
             self.last_commit = time.monotonic()
@@ -198,9 +224,13 @@ class Committer:
             if synced_frees or punched:
                 self.accounts.wake_space_waiters()
             self.policy.check()
+        if result.orphans:
+            self._fold_wanted = True
 
     def _build(self) -> Built:
         self.transaction_id += 1
+        if self.leases is not None:
+            return self._build_shared()
         return self.txn.build(
             {
                 "transaction_id": self.transaction_id,
@@ -211,21 +241,44 @@ class Committer:
             }
         )
 
+    def _build_shared(self) -> Built:
+        """Owner mode: the open transaction as changes. Counters go as changes from what
+        was last seen; the pool's size, policy and used count are not this owner's to
+        write (the store derives the used count from the refcounts)."""
+        epoch = self.space.sharing_epoch
+        built = self.txn.build({"transaction_id": self.transaction_id, "sharing_epoch": epoch})
+        txn = built.txn
+        txn.counter_bases = {"transaction_id": self.transaction_id - 1, "sharing_epoch": self.sharing_base}
+        txn.refcount_bases = self.space.refcount_bases(txn.refcount_pages)
+        assert self.leases is not None
+        txn.leases = self.leases()
+        return built
+
+    def _follow_store(self, built: Built, result: CommitResult) -> None:
+        """Owner mode, after a commit: this view follows what the store holds now."""
+        txn = built.txn
+        self.space.refresh(result.refcount_pages, txn.refcount_pages)
+        self.transaction_id = result.counters.get("transaction_id", self.transaction_id)
+        sent = int(txn.superblock["sharing_epoch"])  # type: ignore[call-overload]
+        stored = result.counters.get("sharing_epoch", sent)
+        self.space.sharing_epoch = stored + self.space.sharing_epoch - sent
+        self.sharing_base = stored
+
     def _put_back(self, built: Built) -> None:
         self.transaction_id -= 1
         self.txn.put_back(built)
 
-    def write_metadata(self, txn: Transaction) -> None:
+    def write_metadata(self, txn: Transaction) -> CommitResult:
         """One atomic metadata commit; when the host is full, the metadata slack is
         given up once and the commit retried (see hostspace)."""
         try:
             with self.meta_lock:
-                self.meta.commit(txn)
+                return self.meta.commit(txn)
         except Exception as exc:
             if not (is_no_space(exc) and self.host.release_slack()):
                 raise
             with self.meta_lock:
-                self.meta.commit(txn)
+                return self.meta.commit(txn)
 
     def _commit_failed(self, exc: Exception) -> CommitError:
         error = CommitError(self.path, exc)

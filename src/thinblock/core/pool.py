@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 from thinblock.backends import Location, Ownership, locate
 from thinblock.core.commit import Committer
 from thinblock.core.mapping import PAGE_ENTRIES
-from thinblock.core.pool_steps import grant_figures
+from thinblock.core.owner import VolumeOwner, owner_name
+from thinblock.core.pool_steps import grant_figures, recover_stale_grants
 from thinblock.core.registry import STAGING_PREFIX, VolumeRegistry
 from thinblock.core.reservation import replaced_id, target_blocks
 from thinblock.core.space import SpaceAccounts
@@ -36,6 +37,7 @@ from thinblock.errors import CorruptionError, OpError, PoolBusyError, ThinblockE
 from thinblock.meta.base import (
     FORMAT_VERSION,
     RESERVE_FULL,
+    Lease,
     MetadataStore,
     Transaction,
     VolumeRow,
@@ -138,6 +140,18 @@ def check_data_size(store: DataStore, size_bytes: int, data_name: str) -> None:
         )
 
 
+def _holds_grants(meta: MetadataStore) -> bool:
+    """Whether grants are left in the store (dead owners'): the whole pool's owner then
+    takes them back, and punches the free space they held."""
+    try:
+        stale = meta.grants()
+    except ThinblockError:  # a store with one owner per pool has none
+        return False
+    if stale:
+        recover_stale_grants(meta)
+    return bool(stale)
+
+
 def _format_owner(location: Location) -> None:
     """A new pool's data store gets its owner header (generation 0) and an empty birth table."""
     meta = location.open_meta(readonly=True)  # as the backend wrote it (RADOS adds the data prefix)
@@ -190,6 +204,8 @@ class Pool:
         progress: ProgressFn | None = None,
         owned: OwnedStore | None = None,
         adopted_uuid: str | None = None,
+        leases: dict[int, Lease] | None = None,
+        owner_label: str = "",
     ) -> None:
         self.location = location
         self.path = location.name
@@ -204,8 +220,18 @@ class Pool:
         sb = meta.superblock()
         self.block_size = int(sb["block_size"])
         size_bytes = int(sb["size_bytes"])
-        space = SpaceMap(size_bytes // self.block_size, meta.refcount_pages())
+        stored_counts = meta.refcount_pages()
+        space = SpaceMap(size_bytes // self.block_size, stored_counts)
         space.sharing_epoch = int(sb.get("sharing_epoch") or 0)
+        # Owner mode (core/owner.py): this process owns only the volumes it holds leases
+        # of, and shares the pool with other owners; None: it owns the whole pool.
+        self.owner: VolumeOwner | None = None
+        if leases is not None:
+            self.owner = VolumeOwner(self, owner_label)
+            self.owner.adopt(leases)
+            space.allocate_from_grants(stored_counts)
+            owned = self.owned = None  # the data store's header and birth table are the whole-pool owner's
+        del stored_counts
         self.txn = OpenTransaction(meta, space, self.volume_by_id)
         self.host = location.host(sb)
         self.host.take_slack()
@@ -240,6 +266,14 @@ class Pool:
             transaction_id=int(sb["transaction_id"]),
         )
         self._next_volume_id = meta.max_volume_id() + 1
+        if self.owner is not None:
+            self.committer.leases = self.owner.leases
+            self.committer.fold_orphans = self.owner.fold
+            self.committer.give_back_idle = self.owner.give_back_idle
+            self.committer.sharing_base = space.sharing_epoch
+            self.accounts.owner = self.owner
+            self.txn.top_up_page_ids(self.lock)
+            self.txn.reserve_page_ids = lambda count: self.meta.reserve_ids("page", count)
         # Root tables load on first use (Volume.root), not all of them here.
         self.volumes = VolumeRegistry(
             (Volume(self, row) for row in meta.volumes()), retally=self.accounts.retally_set_aside
@@ -258,7 +292,18 @@ class Pool:
         # whoever shows the volumes elsewhere (a FUSE mount and the loop devices on its
         # files, fuse/fs.py). What each returns are warnings for the command that resized.
         self.size_watchers: list[Callable[[str, int], list[str]]] = []
-        if not sb.get("clean", True):
+        if self.owner is not None:
+            # Free blocks are punched by whoever is granted them, so an owner needs no scan
+            # of free space; its volumes' ZEROED blocks are zeroed again. The pool stays
+            # marked unclean: an owner never punches what it freed outside its grants, so
+            # whoever next opens the whole pool punches free space first.
+            self.owner.rezero()
+            self.committer.write_metadata(Transaction(superblock={"clean": False}))
+            if autocommit:
+                self.start_committer()
+            return
+        had_grants = _holds_grants(meta)  # owners per volume were here: punch free space first
+        if not sb.get("clean", True) or had_grants:
             self.committer.recover_free_space(progress)
         # An older pool is upgraded by this first commit (SQLite migrated its tables on
         # opening; rows of other stores read the new fields' defaults).
@@ -306,6 +351,7 @@ class Pool:
 
     def grow(self, size_bytes: int, *, commit: bool = True) -> list[str]:
         """Grow the pool online (SpaceAccounts.grow)."""
+        self._whole_pool_only("grow it")
         return self.accounts.grow(size_bytes, commit=commit)
 
     def settle_frees(self) -> None:
@@ -328,6 +374,12 @@ class Pool:
         autocommit, by a command, takes this for long work: the data written so far
         goes to disk while more is written, instead of all in the final sync)."""
         self.committer.start()
+
+    def _whole_pool_only(self, what: str) -> None:
+        if self.owner is not None:
+            raise ThinblockError(
+                f"pool {self.path} is served per volume: to {what}, stop its servers (serve --volume) first"
+            )
 
     # ----- opening and creating -------------------------------------------------
 
@@ -411,15 +463,20 @@ class Pool:
         purpose: str = "",
         takeover: bool = False,
         progress: ProgressFn | None = None,
+        volumes: list[str] | None = None,
     ) -> Pool:
         """Open a pool for reading and writing; only one process may own it so.
 
         purpose ("thinblock serve", ...) is what a refused second opener is told;
         takeover fences a live holder off first (pools in Ceph); progress is told how
-        the recovery after an unclean shutdown goes, when there is one."""
+        the recovery after an unclean shutdown goes, when there is one. With volumes,
+        own only those (their leases), sharing the pool with other such owners
+        (core/owner.py); an empty list owns none (pool-level steps only)."""
         location = locate(locator)
         try:
             with timed(log, f"pool {location.name}: opening") as step:
+                if volumes is not None:
+                    return cls._open_shared(location, autocommit, purpose, volumes, step)
                 return cls._open(location, autocommit, purpose, takeover, progress, step)
         except OSError as exc:
             if isinstance(exc, OpError):  # the pool's own errors are sentences already
@@ -487,6 +544,67 @@ class Pool:
             raise
         return pool
 
+    @classmethod
+    def _open_shared(cls, location: Location, autocommit: bool, purpose: str, names: list[str], step: Step) -> Pool:
+        meta = location.open_meta(readonly=False)
+        try:
+            ownership = location.own_shared(purpose)
+        except BaseException:
+            meta.close()
+            raise
+        leases: dict[int, Lease] = {}
+        try:
+            sb = meta.superblock()
+            check_format(sb.get("format_version"), f"pool {location.name}")
+            if sb.get("pool_uuid") is None:
+                raise ThinblockError(f"pool {location.name} was made by an older thinblock: serve it whole once first")
+            rows = {row.name: row for row in meta.volumes()}
+            ids: dict[str, int] = {}
+            for name in dict.fromkeys(names):
+                row = rows.get(name)
+                if row is None or name.startswith(STAGING_PREFIX):
+                    raise ThinblockError(f"no volume {name!r} in pool {location.name}")
+                if row.kind != "volume":
+                    raise ThinblockError(f"{name!r} is a {row.kind}, not a volume: snapshots are served by any owner")
+                ids[name] = row.id
+            reserved = sorted(r.name for r in rows.values() if r.reserve_bytes)
+            if reserved:
+                raise ThinblockError(
+                    f"pool {location.name} has volumes with a reservation ({', '.join(reserved[:3])}):"
+                    " reservations are not yet kept across owners per volume; serve the pool whole"
+                )
+            label = owner_name(purpose)
+            leases = VolumeOwner.claim(meta, ids, label)
+            step.mark("leases taken")
+            owned = location.owned_store(sb, location.open_data(sb))
+            store = FallbackStore(owned)
+            try:
+                data_name = location.data_name(sb)
+                check_data_size(store, int(sb["size_bytes"]), data_name)
+                claim(owned, sb, location.data_owner(), location.name, data_name)  # a check only: it has a uuid
+                pool = cls(
+                    location,
+                    meta,
+                    store,
+                    ownership,
+                    autocommit=autocommit,
+                    owned=owned,
+                    leases=leases,
+                    owner_label=label,
+                )
+            except BaseException:
+                store.close()
+                raise
+        except BaseException:
+            for lease in leases.values():
+                with contextlib.suppress(Exception):
+                    meta.release_volume(lease)
+            meta.close()
+            ownership.release()
+            raise
+        step.mark("metadata loaded")
+        return pool
+
     def __enter__(self) -> Pool:
         return self
 
@@ -511,6 +629,25 @@ class Pool:
     def visible_volume(self, name: str) -> Volume | None:
         """The volume or snapshot called name, unless it is a staging one (or missing)."""
         return None if name.startswith(STAGING_PREFIX) else self.volumes.get(name)
+
+    def serves(self, vol: Volume) -> bool:
+        """Whether this process serves vol: every volume when it owns the whole pool; an
+        owner per volume serves its own volumes and the snapshots taken of them."""
+        owner = self.owner
+        if owner is None:
+            return True
+        if owner.owns(vol):
+            return True
+        return vol.row.kind == "snapshot" and vol.row.origin_id in owner.owned_ids()
+
+    def served_elsewhere(self, vol: Volume) -> str:
+        """Why this process does not serve vol, naming who does when the store knows."""
+        try:
+            holder = self.meta.volume_holder(vol.row.id)
+        except (OSError, ThinblockError):
+            holder = None
+        where = f"it is served by {holder}" if holder else "no server holds it now"
+        return f"{vol.row.kind} {vol.name} is not served here ({self.owner.name if self.owner else ''}): {where}"
 
     def staging_name(self, purpose: str) -> str:
         """A fresh name for a staging volume (snapshot.stage): one no user name can be."""
@@ -539,6 +676,7 @@ class Pool:
         """The volume with its whole range held: no request on it is in flight, and
         (exclusive) none starts. Take the pool lock inside, never around this."""
         vol = self.volume(name, kind=kind)
+        self.check_may_change(vol)
         with vol.ranges.hold_all(exclusive=exclusive):
             if vol.removed:
                 raise ThinblockError(f"no {kind or 'volume'} {name!r} in pool {self.path}")
@@ -562,6 +700,8 @@ class Pool:
             raise ThinblockError(f"staging volume {name} exists already")
         if sharing is not None:  # the one store read of a share: a failure leaves nothing behind
             self.txn.load_refcounts(sharing.root.values())
+        if self.owner is not None:  # an id no other owner gets
+            self._next_volume_id = self.meta.reserve_ids("volume", 1)
         row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time(), kind=kind)
         self._next_volume_id += 1
         vol = Volume(self, row, {})
@@ -572,9 +712,41 @@ class Pool:
             self.share_contents(vol, sharing)
         return vol
 
+    @contextlib.contextmanager
+    def pool_step(self) -> Iterator[None]:
+        """Around an administration verb: for an owner per volume, the store's pool-level
+        lock, so that steps of several owners (names, ids, shares) run one at a time;
+        nothing for the whole pool's owner."""
+        if self.owner is None:
+            yield
+            return
+        with self.meta.pool_lock():
+            yield
+
+    def check_may_change(self, vol: Volume) -> None:
+        """An owner per volume changes only what is its own: its volumes, the snapshots
+        taken of them; and, owning no volume at all (a command's pool-level step, under
+        the pool-level lock), what no live owner holds. Otherwise PoolBusyError naming
+        the owner (the command line sends the verb there instead: admin/access.py)."""
+        owner = self.owner
+        if owner is None or owner.owns(vol):
+            return
+        origin = vol.row.origin_id if vol.row.kind == "snapshot" else None
+        if origin is not None and origin in owner.owned_ids():
+            return
+        if not owner.owned_ids():
+            held = [vid for vid in (vol.row.id, origin) if vid is not None and self.meta.volume_holder(vid)]
+            if not held:
+                return
+        raise PoolBusyError(self.served_elsewhere(vol).replace("is not served here", "cannot be changed here"))
+
     def check_new_name(self, name: str, kind: str = "volume") -> None:
         """A name a new volume or snapshot may take, or ThinblockError."""
         validate_name(name, kind)
+        if self.owner is not None and any(row.name == name for row in self.meta.volumes()):
+            # Another owner's volume made since this one opened (under pool_step, so
+            # none can be made meanwhile).
+            raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
         if name in self.volumes:
             raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
 
@@ -707,6 +879,7 @@ class Pool:
             raise ThinblockError(f"invalid detect_zeroes {mode!r}: use one of {', '.join(DETECT_ZEROES)}")
         with self.lock:
             vol = self.volume(name, kind="volume")
+            self.check_may_change(vol)
             vol.row.detect_zeroes = mode
             self.txn.mark_volume_dirty(vol)
         self.commit()
@@ -716,6 +889,7 @@ class Pool:
         percent = parse_low_water(percent)
         with self.lock:
             vol = self.volume(name, kind="volume")
+            self.check_may_change(vol)
             vol.row.low_water = percent
             vol.row.on_low_water = command
             self.policy.rearm(vol)
@@ -724,6 +898,7 @@ class Pool:
 
     def set_policy(self, changes: dict[str, Any]) -> None:
         """Change the out-of-space policy (see space_policy); validated before anything changes."""
+        self._whole_pool_only("change its out-of-space policy")
         with self.lock:
             self.policy.update(changes)
             self.txn.touch()
@@ -737,8 +912,13 @@ class Pool:
         (`volume_info` gives each volume's)."""
         with self.lock:
             self.accounts.refresh_reserved()  # the few reserved volumes with stale counts: exact set-asides
+            figures = self.space_figures()
+            if self.owner is not None:  # the pool's, as committed by every owner (this view may be behind)
+                used = int(self.meta.superblock().get("used_blocks") or 0) * self.block_size
+                figures.update(used_bytes=used, free_bytes=self.size_bytes - used)
+                figures["available_bytes"] = max(0, figures["free_bytes"] - figures["reserved_bytes"])
             return {
-                **self.space_figures(),
+                **figures,
                 **self.host_figures(),
                 "block_size": self.block_size,
                 **self.volumes.totals.figures(self.block_size),
@@ -782,6 +962,10 @@ class Pool:
         if reserve_bytes < RESERVE_FULL:
             raise ThinblockError(f"invalid reservation {reserve_bytes}")
         accounts = self.accounts
+        if self.owner is not None and reserve_bytes:
+            raise ThinblockError(
+                f"reservations are not yet kept across owners per volume: serve pool {self.path} whole to set one"
+            )
         with self.lock:
             vol = self.volume(name, kind="volume")
             for owner in (vol, *vol.replacements):  # exact counts: the decision may fail
@@ -811,7 +995,10 @@ class Pool:
                 # recovery, and a write still in flight (its fresh dblocks unpublished,
                 # committed as free) may yet land in a free block: leave the pool marked
                 # unclean for those, so the next open punches free space again.
-                if not self.unclean_zeroed and not self.accounts.space.unpublished:
+                if self.owner is not None:  # the pool stays unclean (see __init__)
+                    for problem in self.owner.release():
+                        log.warning("pool %s: %s", self.path, problem)
+                elif not self.unclean_zeroed and not self.accounts.space.unpublished:
                     self.committer.write_metadata(Transaction(superblock={"clean": True}))
             except Exception as exc:
                 # One sentence for the caller (the command line prints it), never a

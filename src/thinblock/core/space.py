@@ -19,12 +19,13 @@ from thinblock.core.commit import COMMIT_INTERVAL_S
 from thinblock.core.reservation import row_target, set_aside_blocks
 from thinblock.core.spacemap import SpaceMap
 from thinblock.core.transaction import OpenTransaction
-from thinblock.errors import CommitError, FreedSpacePending, NoSpaceError, ThinblockError
+from thinblock.errors import CommitError, FreedSpacePending, GrantNeeded, NoSpaceError, ThinblockError
 from thinblock.sizes import format_size
 from thinblock.store.base import DataStore
 from thinblock.store.hostspace import HostSpace, beyond_file_limit
 
 if TYPE_CHECKING:
+    from thinblock.core.owner import VolumeOwner
     from thinblock.core.space_policy import SpacePolicy
     from thinblock.core.volume import Volume
 
@@ -70,6 +71,11 @@ class SpaceAccounts:
         # Writers held by the wait policy sleep on this; grow, frees and removals wake them.
         self.space_changed = threading.Condition(lock)
         self.waits_cancelled = threading.Event()
+        # Owner mode (core/owner.py): blocks come from this owner's grants; a request
+        # short of them asks for more (GrantNeeded) and plans again once they came.
+        self.owner: VolumeOwner | None = None
+        self._wanted: tuple[int, Volume | None] = (0, None)
+        self._no_grant: str | None = None  # why the last grant failed, told to the next request
 
     # ----- reservations (the rule: core/reservation.py) ------------------------------
     # The exclusive count is a lower bound (core/exclusive.py), which only over-reserves;
@@ -212,6 +218,12 @@ class SpaceAccounts:
         others = self.reserved_total - (self.own_set_aside(vol) if vol is not None else 0)
         if n_blocks <= self.space.allocatable_blocks - others:
             return
+        if self.owner is not None:
+            if self._no_grant is not None:
+                why, self._no_grant = self._no_grant, None
+                raise NoSpaceError(why)
+            self._wanted = (n_blocks, vol)
+            raise GrantNeeded(f"pool {self.path}: {n_blocks} blocks are needed beyond this owner's grants")
         if others and self.refresh_reserved():  # stale counts over-reserve: recount, then decide
             return self.check_space(n_blocks, vol)
         if n_blocks <= self.space.free_blocks - others:
@@ -228,7 +240,16 @@ class SpaceAccounts:
 
     def settle_frees(self) -> None:
         """Make the blocks freed so far allocatable: one commit punches them, the next
-        one's data sync makes the punch durable (call without holding the pool lock)."""
+        one's data sync makes the punch durable (call without holding the pool lock).
+        An owner per volume takes grants instead, for what the last request lacked."""
+        if self.owner is not None:
+            wanted, vol = self._wanted
+            try:
+                self.owner.take_space(wanted, vol)
+            except NoSpaceError as exc:
+                with self.lock:
+                    self._no_grant = str(exc)
+            return
         try:
             self._commit()
             self._commit()

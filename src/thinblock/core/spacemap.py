@@ -77,6 +77,13 @@ class SpaceMap:
         # (core/volume.py). Pool sets it from the superblock.
         self.sharing_epoch = 0
         self._cursor = 0
+        # Owner mode (one of several owners of the pool, core/owner.py): None until
+        # allocate_from_grants. Then only blocks of this owner's grants are ever free
+        # here, and the counts are a view: what the store held when last seen (bases)
+        # plus this owner's changes since, committed as changes (meta/owners.py).
+        self.grant_mask: bytearray | None = None
+        self.bases: dict[int, bytes] = {}
+        self.idle = 0  # owner mode: blocks of the grants allocatable now
 
     @property
     def n_blocks(self) -> int:
@@ -90,6 +97,8 @@ class SpaceMap:
     @property
     def allocatable_blocks(self) -> int:
         """Blocks that can be handed out right now (pending and unsynced frees excluded)."""
+        if self.grant_mask is not None:
+            return self.idle
         return self.n_blocks - self.used_blocks - len(self.pending_free) - len(self.unsynced_free) - len(self.punching)
 
     def grow(self, n_blocks: int) -> None:
@@ -126,6 +135,7 @@ class SpaceMap:
             cursor = end
         self._cursor = cursor
         self.used_blocks += count
+        self.idle -= count if self.grant_mask is not None else 0
         self.unpublished.update(blocks)
         return blocks
 
@@ -156,7 +166,11 @@ class SpaceMap:
             self.sharing_epoch += 1
         elif count == 1:
             self.used_blocks -= 1
-            self.pending_free.append(dblock)
+            # An owner punches and reuses only blocks of its own grants: one outside them
+            # is free in the pool once committed, and whoever is granted it next punches it
+            # (core/pool_steps.py). Punching it here could wipe what that owner wrote.
+            if self.grant_mask is None or self.grant_mask[dblock]:
+                self.pending_free.append(dblock)
 
     def unallocate(self, blocks: list[int]) -> None:
         """Give back fresh blocks a failed operation took (refcount 1, in no page).
@@ -240,7 +254,71 @@ class SpaceMap:
         """After a data sync: the first `count` unsynced frees (punched before it) are free."""
         for dblock in self.unsynced_free[:count]:
             self.busy[dblock] = 0
+        if self.grant_mask is not None:
+            self.idle += len(self.unsynced_free[:count])
         del self.unsynced_free[:count]
+
+    # ----- owner mode (core/owner.py) ----------------------------------------------
+
+    def allocate_from_grants(self, stored: dict[int, bytes]) -> None:
+        """From now on allocate only from grants (add_grant); stored: the refcount pages
+        the counts were read from, the bases of this owner's changes."""
+        self.grant_mask = bytearray(self.n_blocks)
+        self.busy[:] = b"\x01" * self.n_blocks
+        self.idle = 0
+        self.bases = dict(stored)
+
+    def add_grant(self, start: int, count: int, stored: dict[int, bytes]) -> None:
+        """Blocks [start, start + count), granted to this owner and punched durably, may be
+        allocated; stored: the store's refcount pages as of the grant (this view of the
+        pages the grant lies in may be older: others may have freed its blocks since)."""
+        assert self.grant_mask is not None
+        first, last = start // REFCOUNT_PAGE_ENTRIES, (start + count - 1) // REFCOUNT_PAGE_ENTRIES
+        self.refresh({i: stored.get(i, b"") for i in range(first, last + 1)})
+        self.grant_mask[start : start + count] = b"\x01" * count
+        for dblock in range(start, start + count):
+            if self.refcounts[dblock] == 0 and self.busy[dblock]:
+                self.busy[dblock] = 0
+                self.idle += 1
+
+    def drop_grant(self, start: int, count: int) -> None:
+        """The grant went back to the pool: none of its blocks is allocatable here now."""
+        assert self.grant_mask is not None
+        self.grant_mask[start : start + count] = bytes(count)
+        for dblock in range(start, start + count):
+            if not self.busy[dblock]:
+                self.busy[dblock] = 1
+                self.idle -= 1
+        gone = set(range(start, start + count))
+        self.pending_free = [d for d in self.pending_free if d not in gone]
+        self.unsynced_free = [d for d in self.unsynced_free if d not in gone]
+
+    def refcount_bases(self, pages: dict[int, bytes]) -> dict[int, bytes]:
+        """The base of each of pages: the store's blob as last seen (zeros if none)."""
+        empty = bytes(4 * REFCOUNT_PAGE_ENTRIES)
+        return {i: self.bases.get(i) or empty[: len(blob)] for i, blob in pages.items()}
+
+    def refresh(self, stored: dict[int, bytes], sent: dict[int, bytes] | None = None) -> None:
+        """The store holds stored for these refcount pages now (a commit's result, with
+        sent what it sent; or a fresh read): this view becomes stored plus the changes
+        made here since (since the commit was built, or since the last base)."""
+        for index, blob in stored.items():
+            start = index * REFCOUNT_PAGE_ENTRIES
+            end = min(start + REFCOUNT_PAGE_ENTRIES, self.n_blocks)
+            if end <= start:
+                continue
+            n = end - start
+            view = np.frombuffer(self.refcounts, dtype=np.uint32)[start:end].astype(np.int64)
+            before = (sent or {}).get(index)
+            if before is None:
+                before = self.bases.get(index, b"")
+            mine = view - _padded(before, n)
+            new = _padded(blob, n) + mine
+            if int(new.min(initial=0)) < 0:
+                raise CorruptionError(f"refcount page {index}: the store's counts fell below this owner's references")
+            self.used_blocks += int(np.count_nonzero(new)) - int(np.count_nonzero(view))
+            self.refcounts[start:end] = array("I", new.astype(np.uint32).tobytes())
+            self.bases[index] = blob
 
     def free_runs(self) -> list[tuple[int, int]]:
         """Every allocatable block, as (start, count) runs."""
@@ -268,6 +346,12 @@ def busy_map(refcounts: array[int]) -> bytearray:
     for lane in range(width):
         merged |= int.from_bytes(raw[lane::width], "little")
     return bytearray(merged.to_bytes(len(refcounts), "little").translate(_ONE_IF_NONZERO))
+
+
+def _padded(blob: bytes, n: int) -> np.ndarray:
+    """A refcount blob as n int64 counts (missing ones are zero)."""
+    counts = np.frombuffer(blob, dtype=np.uint32)[:n].astype(np.int64)
+    return counts if len(counts) == n else np.concatenate([counts, np.zeros(n - len(counts), dtype=np.int64)])
 
 
 def to_runs(blocks: list[int]) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ outside any commit (meta/base.py's contract).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from array import array
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from thinblock.core.volume import Volume
 
 _T = TypeVar("_T")
+PAGE_IDS_AT_ONCE = 4096  # owner mode: page ids reserved from the store at a time
 
 
 def _all_found(wanted: list[int], found: dict[int, _T]) -> dict[int, _T]:
@@ -64,6 +66,13 @@ class OpenTransaction:
         # (load_refcounts) or changed since. A page in neither is committed and unchanged.
         self.page_refs: dict[int, int] = {}
         self._next_page_id = meta.max_page_id() + 1
+        # Owner mode (core/owner.py): page ids come in ranges no other owner gets
+        # (reserve_page_ids), and page counts are committed as changes from the count
+        # this owner last saw in the store (page_bases).
+        self.reserve_page_ids: Callable[[int], int] | None = None
+        self._page_id_end = 0
+        self._spare_page_ids: list[int] = []  # first ids of ranges reserved ahead (top_up_page_ids)
+        self.page_bases: dict[int, int] = {}
         self._dirty_pages: set[int] = set()
         self._dirty_page_refs: set[int] = set()  # refcount changed, entries not
         self._dirty_roots: set[tuple[int, int]] = set()
@@ -88,6 +97,7 @@ class OpenTransaction:
                 raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
             # A count changed (or read) while the page was not loaded is the authority:
             # from now on the Page holds it.
+            self.page_bases.setdefault(page_id, found[0])
             page = Page.from_blob(page_id, self.page_refs.pop(page_id, found[0]), found[1])
             self.pages[page_id] = page
         return page
@@ -99,7 +109,10 @@ class OpenTransaction:
         missing = [pid for pid in dict.fromkeys(page_ids) if pid not in self.pages and pid not in self.page_refs]
         if not missing:
             return
-        self.page_refs.update(_all_found(missing, self.meta.page_refcounts(missing)))
+        found = _all_found(missing, self.meta.page_refcounts(missing))
+        for pid, count in found.items():
+            self.page_bases.setdefault(pid, count)
+        self.page_refs.update(found)
 
     def load_pages(self, page_ids: Iterable[int]) -> None:
         """page() for every page of page_ids, those not loaded read in one batch; a page
@@ -110,6 +123,7 @@ class OpenTransaction:
         found = _all_found(missing, self.meta.pages(missing))
         pages = [Page.from_blob(pid, self.page_refs.get(pid, count), blob) for pid, (count, blob) in found.items()]
         for page in pages:  # all decoded first: a damaged one leaves the cache as it was
+            self.page_bases.setdefault(page.page_id, found[page.page_id][0])
             self.page_refs.pop(page.page_id, None)
             self.pages[page.page_id] = page
 
@@ -135,7 +149,23 @@ class OpenTransaction:
         self._dirty_page_refs.update(ids)
         self.dirty = True
 
+    def top_up_page_ids(self, lock: threading.RLock) -> None:
+        """Owner mode: keep a range of page ids reserved ahead, so that new_page (under
+        the pool lock) never waits for the store's pool-level lock. Call with no lock held."""
+        if self.reserve_page_ids is None:
+            return
+        with lock:
+            short = not self._spare_page_ids
+        if short:
+            first = self.reserve_page_ids(PAGE_IDS_AT_ONCE)
+            with lock:
+                self._spare_page_ids.append(first)
+
     def new_page(self, entries: array[int] | None = None) -> Page:
+        if self.reserve_page_ids is not None and self._next_page_id >= self._page_id_end:
+            # Reserved ahead by the committer; inline only when a burst used them all.
+            first = self._spare_page_ids.pop(0) if self._spare_page_ids else self.reserve_page_ids(PAGE_IDS_AT_ONCE)
+            self._next_page_id, self._page_id_end = first, first + PAGE_IDS_AT_ONCE
         page = Page(self._next_page_id, 1, entries)
         self._next_page_id += 1
         self.pages[page.page_id] = page
@@ -253,6 +283,10 @@ class OpenTransaction:
         for page_id in self._dirty_pages:
             page = self.pages[page_id]
             txn.pages[page_id] = None if page.refcount == 0 else (page.refcount, page.to_blob())
+        if self.reserve_page_ids is not None:  # owner mode: counts go as changes from what was seen
+            txn.page_ref_bases = {
+                pid: self.page_bases[pid] for pid in (*txn.pages, *txn.page_refcounts) if pid in self.page_bases
+            }
         built = Built(
             txn,
             self._dirty_pages,
@@ -277,9 +311,34 @@ class OpenTransaction:
         self.space.dirty_pages.update(built.txn.refcount_pages)
         self.dirty = True
 
-    def settle(self, built: Built) -> None:
-        """A commit succeeded: pages it deleted leave the cache (ids are never reused)."""
+    def settle(self, built: Built, stored: dict[int, int] | None = None) -> None:
+        """A commit succeeded: pages it deleted leave the cache (ids are never reused).
+        Owner mode: stored holds the counts the store keeps now of the pages it changed
+        from a base (others' changes included); this view follows them."""
         for page_id, blob in built.txn.pages.items():
             if blob is None and page_id not in self._dirty_pages:
                 self.pages.pop(page_id, None)
                 self.page_refs.pop(page_id, None)
+                self.page_bases.pop(page_id, None)
+        if self.reserve_page_ids is None:
+            return
+        txn = built.txn
+        for page_id, page_blob in txn.pages.items():
+            if page_blob is not None and page_id not in txn.page_ref_bases:
+                self.page_bases[page_id] = page_blob[0]  # new here: stored as sent
+        for page_id, now in (stored or {}).items():
+            sent_page = txn.pages.get(page_id)
+            sent = sent_page[0] if sent_page is not None else txn.page_refcounts.get(page_id, now)
+            page = self.pages.get(page_id)
+            current = page.refcount if page is not None else self.page_refs.get(page_id, sent)
+            count = now + current - sent
+            if count == 0:  # nobody references it now: the fold deletes it (core/pool_steps.py)
+                self.pages.pop(page_id, None)
+                self.page_refs.pop(page_id, None)
+                self.page_bases.pop(page_id, None)
+                continue
+            if page is not None:
+                page.refcount = count
+            elif page_id in self.page_refs:
+                self.page_refs[page_id] = count
+            self.page_bases[page_id] = now

@@ -47,6 +47,7 @@ from thinblock.core.rangelock import RangeLock
 from thinblock.core.runs import Runs
 from thinblock.errors import (
     FreedSpacePending,
+    GrantNeeded,
     NoSpaceError,
     NotSupportedError,
     OpError,
@@ -726,7 +727,8 @@ class Volume:
                 verb(*args, **kwargs)
                 break
             except NoSpaceError as exc:
-                if isinstance(exc, FreedSpacePending) and not settled:
+                # A grant may be asked for again after a wait (others may have freed space).
+                if isinstance(exc, FreedSpacePending) and (not settled or isinstance(exc, GrantNeeded)):
                     self.pool.accounts.settle_frees()  # outside the pool lock; then the request plans again
                     settled = True
                     continue

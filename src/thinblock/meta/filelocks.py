@@ -20,12 +20,14 @@ import struct
 _FLOCK = "hh4xqqi4x"
 
 
-def lock_range(fd: int, start: int = 0, length: int = 0, *, wait: bool = False) -> bool:
-    """Take a write lock on [start, start + length) (length 0: to the end of any file);
-    False if another description holds part of it (with wait, block until it is free)."""
+def lock_range(fd: int, start: int = 0, length: int = 0, *, wait: bool = False, shared: bool = False) -> bool:
+    """Take a write lock (shared: a read lock) on [start, start + length) (length 0: to
+    the end of any file); False if another description holds a lock on part of it that
+    conflicts (with wait, block until it is free)."""
     command = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
     try:
-        fcntl.fcntl(fd, command, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+        fcntl.fcntl(fd, command, struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0))
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -35,6 +37,12 @@ def lock_range(fd: int, start: int = 0, length: int = 0, *, wait: bool = False) 
 
 def unlock_range(fd: int, start: int = 0, length: int = 0) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, start, length, 0))
+
+
+def range_lock_shared(fd: int, start: int = 0, length: int = 0) -> bool:
+    """Whether what another description holds on part of the range is a read lock."""
+    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+    return bool(struct.unpack(_FLOCK, got)[0] == fcntl.F_RDLCK)
 
 
 def range_locked(fd: int, start: int = 0, length: int = 0) -> bool:

@@ -76,7 +76,8 @@ def refcount_page(
             " this commit may not free it"
         )
     if granted is not None:
-        mine = _padded(granted.astype(np.int64), n).astype(bool)
+        # The mask spans a whole page; a pool smaller than one stores shorter pages.
+        mine = _padded(granted.astype(np.int64), n)[:n].astype(bool)
         taken = np.flatnonzero((s == 0) & (result > 0) & ~mine)
         if taken.size:
             raise refused(

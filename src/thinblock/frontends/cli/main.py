@@ -526,7 +526,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         payload_idle_s=args.payload_timeout,
     )
     location = locate(args.pool)
-    socket_path = os.path.abspath(args.socket or os.path.join(location.runtime_dir(), NBD_SOCKET))
+    volumes: list[str] | None = getattr(args, "volumes", None)
+    if volumes and args.takeover:
+        raise UsageError("--takeover with --volume is not built yet: stop the volume's server, then serve it")
+    # Servers per volume share the pool's directory: each needs its own socket.
+    default_socket = f"nbd.{volumes[0]}.sock" if volumes else NBD_SOCKET
+    socket_path = os.path.abspath(args.socket or os.path.join(location.runtime_dir(), default_socket))
     if problem := socket_path_problem(socket_path):  # said before the pool is opened, in one sentence
         raise ThinblockError(
             f"cannot serve on the unix socket {socket_path}: it is {problem}; give --socket a shorter path"
@@ -537,7 +542,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     systemd.notify(f"STATUS=opening pool {args.pool}")
     try:
         with progress_bar("recovering free space", sys.stderr.isatty()) as bar:
-            pool = Pool.open(args.pool, purpose="thinblock serve", takeover=args.takeover, progress=bar)
+            pool = Pool.open(
+                args.pool, purpose="thinblock serve", takeover=args.takeover, progress=bar, volumes=volumes
+            )
     except PoolBusyError as exc:
         if "fuse-daemon" in str(exc):
             raise PoolBusyError(
@@ -575,7 +582,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     bound = (tcp[0], server.listen_tcp(*tcp))
             host = MountHost(pool)
             where = f"the control socket of pool {args.pool}"
-            control = ControlServer(pool, {"fuse_mount": host.mount})
+            # An owner per volume hosts no FUSE mounts: attach needs the whole pool.
+            control = ControlServer(pool, {"fuse_mount": host.mount} if pool.owner is None else {})
         except OSError as exc:
             server.close()
             raise ThinblockError(f"cannot listen on {where}: {exc.strerror or exc}") from None
@@ -598,9 +606,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     ) from None
                 logging.getLogger("thinblock.metrics").info("metrics on %s", metrics.url)
                 print(f"metrics {metrics.url}", flush=True)
-            for uri in export_uris(sorted(pool.volumes), socket_path=unix_path, tcp=bound, tls=tls is not None):
+            served = sorted(name for name, vol in pool.volumes.items() if pool.serves(vol))
+            for uri in export_uris(served, socket_path=unix_path, tcp=bound, tls=tls is not None):
                 print(f"export {uri}", flush=True)
-            status = f"serving {len(pool.volumes)} volume(s) of {args.pool}"
+            status = f"serving {len(served)} volume(s) of {args.pool}"
             log.info("ready after %.3f s: %s", time.monotonic() - started, status)
             print(f"ready: {status}", flush=True)
             systemd.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={status}")
@@ -1003,6 +1012,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--takeover", action="store_true", help="rados: pools: fence off the live holder and serve (see docs/ceph.md)"
+    )
+    p.add_argument(
+        "--volume",
+        action="append",
+        dest="volumes",
+        metavar="NAME",
+        help="own and serve just this volume (repeat for more), sharing the pool with other such servers"
+        " (directory pools; see docs/architecture.md#backends-and-ownership)",
     )
     p.add_argument(
         "--metrics",

@@ -90,6 +90,11 @@ class ExportRefused(Exception):
     """This client may use no export: REP_ERR_POLICY with the message."""
 
 
+class ExportElsewhere(Exception):
+    """The export exists but another server serves it: REP_ERR_UNKNOWN (the spec's
+    "not available") with the message, which names that server when it is known."""
+
+
 class Phase(Enum):
     GREETING = "greeting"  # waiting for the client flags
     OPTIONS = "options"
@@ -447,6 +452,9 @@ class ServerConnection:
             export = self.catalog.lookup(name)
         except ExportRefused as exc:
             self._error(option, c.REP_ERR_POLICY, str(exc))
+            return None
+        except ExportElsewhere as exc:
+            self._error(option, c.REP_ERR_UNKNOWN, str(exc))
             return None
         if export is None:
             self._error(option, c.REP_ERR_UNKNOWN, f"no export named '{shown(name)}'")

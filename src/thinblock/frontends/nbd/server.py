@@ -45,6 +45,7 @@ from thinblock.frontends.nbd.limits import Admission, AdmissionLimits, Slot, cer
 from thinblock.frontends.nbd.protocol import (
     BASE_ALLOCATION,
     Closed,
+    ExportElsewhere,
     ExportInfo,
     ExportRefused,
     NeedData,
@@ -192,7 +193,11 @@ class PoolCatalog:
         # Built outside the lock: a description read after a concurrent rename of a
         # snapshot's origin names its new name, which is as true as the old.
         entries.sort(key=itemgetter(0))
-        return [(name, describe(self.pool, v)) for name, v in entries if not name.startswith(STAGING_PREFIX)]
+        return [
+            (name, describe(self.pool, v))
+            for name, v in entries
+            if not name.startswith(STAGING_PREFIX) and self.pool.serves(v)
+        ]
 
     def lookup(self, name: str) -> ExportInfo | None:
         vol = self.volume(name)
@@ -214,9 +219,12 @@ class PoolCatalog:
         """The volume behind an export name; "" is the default export when the pool has one volume."""
         with self.pool.lock:
             if name == "":
-                volumes = [v for v in self.pool.visible().values() if v.row.kind == "volume"]
+                volumes = [v for v in self.pool.visible().values() if v.row.kind == "volume" and self.pool.serves(v)]
                 return volumes[0] if len(volumes) == 1 else None
-            return self.pool.visible_volume(name)
+            vol = self.pool.visible_volume(name)
+        if vol is not None and not self.pool.serves(vol):
+            raise ExportElsewhere(self.pool.served_elsewhere(vol))
+        return vol
 
 
 def describe(pool: Pool, vol: Volume) -> str:

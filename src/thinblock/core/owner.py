@@ -1,0 +1,271 @@
+"""One process's part of a pool served per volume (issue 22's owner mode).
+
+A pool opened with `Pool.open(..., volumes=[...])` owns just those volumes: it
+holds each one's lease (meta/base.py), and every commit it makes is guarded by
+them and sends shared counts as changes (core/commit.py). Several such
+processes share one pool. What they share changes only in the pool-level steps
+of core/pool_steps.py, under the store's pool-level lock and never around data
+I/O. This module holds what is this owner's alone:
+
+- its leases, taken when the pool opens, given up when it closes;
+- its grants of free blocks: it allocates only from them (core/spacemap.py's
+  owner mode), takes another when they run low (sized by how fast it writes,
+  1 to 64 MiB), and gives back what it did not use when it closes;
+- the recovery of the volumes it took from an owner that died: their ZEROED
+  blocks may hold what that owner wrote and never committed, so they are zeroed
+  again before the first request (the rule spacemap's rule 2 keeps for free
+  blocks, which a grant's taker punches).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from thinblock.core.mapping import BlockState, entry_dblock, entry_state
+from thinblock.core.pool_steps import fold_orphans, return_grant, take_grant
+from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES, to_runs
+from thinblock.errors import NoSpaceError, ThinblockError
+from thinblock.meta.base import Grant, Lease, MetadataStore, VolumeBusyError
+from thinblock.sizes import format_size
+
+if TYPE_CHECKING:
+    from thinblock.core.pool import Pool
+    from thinblock.core.volume import Volume
+
+log = logging.getLogger("thinblock.pool")
+MIN_GRANT_BYTES = 1 << 20
+MAX_GRANT_BYTES = 64 << 20
+FIRST_GRANT_BYTES = 4 << 20
+FAST_GRANTS_S = 1.0  # a grant taken sooner than this after the last one doubles the next
+
+
+def owner_name(purpose: str) -> str:
+    """Who holds a lease, as other processes are told: host, pid and what it is."""
+    return f"{purpose or 'thinblock'} (pid {os.getpid()} on {socket.gethostname()})"
+
+
+def owner_pid(name: str) -> int | None:
+    """The pid an owner_name names, when it is on this host."""
+    found = re.search(r"\(pid (\d+) on (.*)\)$", name)
+    if found is None or found.group(2) != socket.gethostname():
+        return None
+    return int(found.group(1))
+
+
+class VolumeOwner:
+    """The leases and grants of one owner of a pool shared per volume."""
+
+    def __init__(self, pool: Pool, name: str) -> None:
+        self.pool = pool
+        self.name = name
+        self._leases: dict[int, Lease] = {}  # volume id -> lease
+        self.grants: list[Grant] = []
+        self._grant_lock = threading.Lock()  # one grant taken at a time in this process
+        self._grant_bytes = FIRST_GRANT_BYTES
+        self._last_grant = 0.0
+
+    @property
+    def meta(self) -> MetadataStore:
+        return self.pool.meta  # the pool's, whatever wraps it (tests put faults there)
+
+    # ----- leases -----------------------------------------------------------------
+
+    @staticmethod
+    def claim(pool_meta: MetadataStore, ids: dict[str, int], name: str) -> dict[int, Lease]:
+        """The leases of the volumes named (name -> id), all or none: VolumeBusyError
+        naming the holder of the first one held elsewhere."""
+        taken: dict[int, Lease] = {}
+        try:
+            for vol_name, vid in ids.items():
+                try:
+                    taken[vid] = pool_meta.claim_volume(vid, name)
+                except VolumeBusyError:
+                    holder = pool_meta.volume_holder(vid) or "another process"
+                    raise VolumeBusyError(f"volume {vol_name} is served by {holder}") from None
+        except BaseException:
+            for lease in taken.values():
+                pool_meta.release_volume(lease)
+            raise
+        return taken
+
+    def adopt(self, leases: dict[int, Lease]) -> None:
+        self._leases = dict(leases)
+
+    def leases(self) -> list[Lease]:
+        return list(self._leases.values())
+
+    def owns(self, vol: Volume) -> bool:
+        return vol.row.id in self._leases
+
+    def owned_ids(self) -> set[int]:
+        return set(self._leases)
+
+    def lease_of(self, vol: Volume | None) -> Lease:
+        """The lease a grant for vol is taken under (any of ours for a volume not ours)."""
+        if vol is not None and vol.row.id in self._leases:
+            return self._leases[vol.row.id]
+        if vol is not None and vol.replaces is not None and vol.replaces.row.id in self._leases:
+            return self._leases[vol.replaces.row.id]
+        return next(iter(self._leases.values()))
+
+    # ----- recovery of volumes an owner left --------------------------------------
+
+    def rezero(self) -> None:
+        """Zero again the ZEROED blocks our volumes hold alone (see the module's docstring)."""
+        pool = self.pool
+        space = pool.accounts.space
+        dblocks: set[int] = set()
+        for vid in self._leases:
+            vol = pool.volume_by_id(vid)
+            if vol is None:
+                continue
+            pool.txn.load_pages(vol.root.values())
+            for page_id in vol.root.values():
+                page = pool.txn.page(page_id)
+                if page.refcount != 1:
+                    continue  # a shared page's blocks are never written in place
+                for entry in page.entries:
+                    if entry and entry_state(entry) == BlockState.ZEROED:
+                        dblock = entry_dblock(entry)
+                        if space.refcounts[dblock] == 1:
+                            dblocks.add(dblock)
+        bs = pool.block_size
+        for start, count in to_runs(sorted(dblocks)):
+            pool.store.zero(start * bs, count * bs)
+        if dblocks:
+            pool.store.flush()
+            log.info("pool %s: zeroed %d ZEROED blocks again of the volumes taken over", pool.path, len(dblocks))
+
+    # ----- grants -----------------------------------------------------------------
+
+    def take_space(self, wanted: int, vol: Volume | None) -> None:
+        """Take grants (outside the pool lock) until `wanted` blocks are allocatable, or
+        NoSpaceError when the pool has no free block left outside others' grants."""
+        pool = self.pool
+        space = pool.accounts.space
+        bs = pool.block_size
+        with self._grant_lock:
+            while True:
+                with pool.lock:
+                    short = wanted - space.allocatable_blocks
+                if short <= 0:
+                    return
+                now = time.monotonic()
+                if now - self._last_grant < FAST_GRANTS_S:
+                    self._grant_bytes = min(MAX_GRANT_BYTES, self._grant_bytes * 2)
+                elif now - self._last_grant > 10 * FAST_GRANTS_S:
+                    self._grant_bytes = max(MIN_GRANT_BYTES, self._grant_bytes // 2)
+                self._last_grant = now
+                # A small pool is shared in smaller grants: an eighth of it at most.
+                blocks = max(short, min(self._grant_bytes // bs, space.n_blocks // 8), 1)
+                lease = self.lease_of(vol)
+                try:
+                    grant = take_grant(self.meta, pool.store, lease, blocks)
+                except OSError as exc:
+                    raise NoSpaceError(f"pool {pool.path} is out of space: {exc.strerror}") from None
+
+                def added(meta: object, grant: Grant = grant) -> None:
+                    # Between commits: the view of the grant's refcount pages follows the
+                    # store's (others' frees in them included) with no commit in flight.
+                    stored = self.meta.refcount_pages()
+                    with pool.lock:
+                        space.add_grant(grant.start, grant.count, stored)
+                        self.grants.append(grant)
+
+                pool.between_commits(added)
+                log.debug(
+                    "pool %s: granted %s at block %d to volume %d",
+                    pool.path,
+                    format_size(grant.count * bs),
+                    grant.start,
+                    grant.volume_id,
+                )
+
+    def idle_limit(self) -> int:
+        """How many allocatable blocks this owner keeps in its grants at most; the
+        rest goes back to the pool (others may need it: a trimmed volume's space)."""
+        bs = self.pool.block_size
+        return max(1, min(2 * self._grant_bytes // bs, self.pool.accounts.space.n_blocks // 16))
+
+    def give_back_idle(self) -> None:
+        """Return whole grants while more than idle_limit blocks lie allocatable in
+        them (after a commit, between commits: call with no lock held). A grant goes
+        back only when nothing uncommitted touches it: no fresh block in flight, no
+        free waiting for its punch, no refcount change not yet committed, since the
+        next commit would count a block outside every grant, or a late punch would
+        wipe what the next taker wrote there."""
+        pool = self.pool
+        space = pool.accounts.space
+        with pool.lock:
+            if space.allocatable_blocks <= self.idle_limit():
+                return
+
+        def give(meta: object) -> None:
+            with pool.lock:  # the grants holding most allocatable blocks first
+                order = sorted(self.grants, key=lambda g: -space.busy.count(0, g.start, g.start + g.count))
+            for grant in order:
+                end = grant.start + grant.count
+                with pool.lock:
+                    if space.allocatable_blocks <= self.idle_limit():
+                        return
+                    touched = range(grant.start // REFCOUNT_PAGE_ENTRIES, (end - 1) // REFCOUNT_PAGE_ENTRIES + 1)
+                    unsettled = set(space.pending_free) | set(space.unsynced_free) | set(space.punching)
+                    if (
+                        any(grant.start <= d < end for d in space.unpublished)
+                        or any(grant.start <= d < end for d in unsettled)
+                        or any(i in space.dirty_pages for i in touched)
+                    ):
+                        continue
+                    space.drop_grant(grant.start, grant.count)
+                    self.grants.remove(grant)
+                lease = self._leases.get(grant.volume_id)
+                try:
+                    if lease is None:
+                        raise ThinblockError(f"volume {grant.volume_id}'s lease is gone")
+                    return_grant(self.meta, lease, grant)
+                except (OSError, ThinblockError) as exc:
+                    log.warning("pool %s: giving back grant %d+%d failed: %s", pool.path, grant.start, grant.count, exc)
+                    stored = self.meta.refcount_pages()
+                    with pool.lock:
+                        space.add_grant(grant.start, grant.count, stored)
+                        self.grants.insert(0, grant)
+                    return
+                log.debug("pool %s: gave back grant %d+%d", pool.path, grant.start, grant.count)
+
+        pool.between_commits(give)
+        pool.accounts.wake_space_waiters()
+
+    def fold(self) -> None:
+        """Pages our commit left at count zero with others' changes: fold them now."""
+        try:
+            fold_orphans(self.meta)
+        except (OSError, ThinblockError) as exc:  # folded by the next step that runs
+            log.warning("pool %s: folding orphan pages failed: %s", self.pool.path, exc)
+
+    def release(self) -> list[str]:
+        """After the final commit: give back every grant, then every lease. What could
+        not be given back is left to the next pool-level step (a stale grant, a dead
+        lease) and returned as warnings."""
+        problems: list[str] = []
+        for grant in self.grants:
+            lease = self._leases.get(grant.volume_id)
+            if lease is None:
+                continue
+            try:
+                return_grant(self.meta, lease, grant)
+            except (OSError, ThinblockError) as exc:
+                problems.append(f"grant {grant.start}+{grant.count} not given back: {exc}")
+        self.grants = []
+        for lease in self._leases.values():
+            try:
+                self.meta.release_volume(lease)
+            except (OSError, ThinblockError) as exc:
+                problems.append(f"lease of volume {lease.volume_id} not released: {exc}")
+        self._leases = {}
+        return problems

@@ -1,0 +1,213 @@
+"""Property test of ownership per volume: two owners (`Pool.open(..., volumes=[v])`)
+share one small directory pool, with faults of the layers below injected at any
+call, the grant's, its return's and the fold's included, and owners that die.
+
+The model is plain bytes per volume: what reads must show, and what the last
+successful commit made durable. Any request may fail (ENOSPC: the pool is small
+and split in grants; an injected fault); a failed one changes nothing. An owner
+that dies loses only what it had not committed; the other never notices. At the
+end every owner closes, `pool check` finds nothing wrong (refcounts, grants,
+pages), and the whole pool's owner reads exactly the model.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tests.faults import KINDS, STORE_VERBS, Fault, FaultyMeta, FaultyStore, install
+from tests.profiles import examples
+from thinblock import OpError, Pool, ThinblockError
+from thinblock.admin.verbs import run_verb
+from thinblock.errors import CommitError
+from thinblock.tools.check import check_metadata
+
+BS = 4096
+POOL_BLOCKS = 48
+VOL = 24 * BS
+NAMES = ("a", "b")
+META_VERBS = ("commit", "page", "pages", "page_refcounts")
+
+
+def _die(pool: Pool) -> None:
+    """What SIGKILL leaves: nothing committed or released; its locks go with its files."""
+    pool.committer.closed.set()
+    pool.store.close()
+    pool.meta.close()
+    pool._ownership.release()
+
+
+class OwnersMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="thinblock-owners-")
+        self.path = os.path.join(self.dir, "pool")
+        with Pool.create(self.path, POOL_BLOCKS * BS, block_size=BS) as pool:
+            for name in NAMES:
+                pool.create_volume(name, VOL)
+        self.model = {name: bytearray(VOL) for name in NAMES}
+        self.durable = {name: bytes(VOL) for name in NAMES}
+        self.snaps: dict[str, bytes] = {}
+        # Per volume, the sectors each mutation since its last commit wrote: after a
+        # death, a sector reads what was durable or what one of them wrote (a block
+        # written in place keeps what reached it, as on any disk).
+        self.since_commit: dict[str, list[tuple[int, bytes]]] = {name: [] for name in NAMES}
+        self.snapshots_taken = 0
+        self.pools: dict[str, Pool] = {}
+        self.faults: dict[str, tuple[FaultyMeta, FaultyStore]] = {}
+        for name in NAMES:
+            self._open(name)
+
+    def _open(self, name: str) -> None:
+        pool = Pool.open(self.path, volumes=[name], autocommit=False, purpose=f"owner of {name}")
+        meta, store = FaultyMeta(pool.meta), FaultyStore(pool.store)
+        install(pool, meta=meta, store=store)
+        self.pools[name], self.faults[name] = pool, (meta, store)
+
+    def _fired(self, name: str) -> bool:
+        meta, store = self.faults[name]
+        return meta.fired or store.fired
+
+    def _disarm(self, name: str) -> None:
+        for armed in self.faults[name]:
+            armed.arm(None)
+
+    def _mutate(self, name: str, verb: str, off: int, length: int, data: bytes | None = None) -> None:
+        vol = self.pools[name].volume(name)
+        try:
+            if verb == "write":
+                assert data is not None
+                vol.write(off, data)
+            elif verb == "trim":
+                vol.trim(off, length)
+            else:
+                vol.write_zeroes(off, length)
+        except OpError as exc:
+            # ENOSPC is an ordinary result here; any other error only from a fault.
+            assert exc.errno == 28 or self._fired(name), exc
+            return
+        self.model[name][off : off + length] = data if data is not None else bytes(length)
+        self.since_commit[name].append((off, data if data is not None else bytes(length)))
+
+    @rule(name=st.sampled_from(NAMES), block=st.integers(0, VOL // BS - 1), n=st.integers(1, 6), seed=st.integers(0, 9))
+    def write(self, name: str, block: int, n: int, seed: int) -> None:
+        off = block * BS
+        length = min(n * BS, VOL - off) - (seed % 3) * 512  # some writes end mid-block
+        data = random.Random(seed * 1000 + block).randbytes(length)
+        self._mutate(name, "write", off, length, data)
+
+    @rule(name=st.sampled_from(NAMES), block=st.integers(0, VOL // BS - 1), n=st.integers(1, 8), zero=st.booleans())
+    def trim_or_zero(self, name: str, block: int, n: int, zero: bool) -> None:
+        off = block * BS
+        self._mutate(name, "zero" if zero else "trim", off, min(n * BS, VOL - off))
+
+    @rule(name=st.sampled_from(NAMES))
+    def commit(self, name: str) -> None:
+        try:
+            self.pools[name].commit()
+        except CommitError:
+            assert self._fired(name)
+            return
+        self._committed(name)
+
+    def _committed(self, name: str) -> None:
+        self.durable[name] = bytes(self.model[name])
+        self.since_commit[name] = []
+
+    @rule(
+        name=st.sampled_from(NAMES),
+        where=st.sampled_from(["meta", "store"]),
+        verb_index=st.integers(0, 5),
+        kind=st.sampled_from(KINDS),
+        after=st.integers(0, 6),
+    )
+    def arm(self, name: str, where: str, verb_index: int, kind: str, after: int) -> None:
+        meta, store = self.faults[name]
+        if where == "meta":
+            meta.arm(Fault((META_VERBS[verb_index % len(META_VERBS)],), after, kind))
+        else:
+            store.arm(Fault((STORE_VERBS[verb_index % len(STORE_VERBS)],), after, kind))
+
+    @rule(name=st.sampled_from(NAMES))
+    def disarm(self, name: str) -> None:
+        self._disarm(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def die_and_come_back(self, name: str) -> None:
+        _die(self.pools[name])
+        self._open(name)  # its lease is free at once: the lock died with its descriptor
+        got = self.pools[name].volume(name).read(0, VOL)
+        for sector in range(0, VOL, 512):
+            allowed = {self.durable[name][sector : sector + 512]}
+            for off, data in self.since_commit[name]:
+                if off <= sector and sector + 512 <= off + len(data):
+                    allowed.add(data[sector - off : sector - off + 512])
+            assert got[sector : sector + 512] in allowed, f"{name} at {sector}: neither durable nor written"
+        self.model[name] = bytearray(got)
+        self._committed(name)
+
+    @precondition(lambda self: len(self.snaps) < 3)
+    @rule()
+    def snapshot_a(self) -> None:
+        self._disarm("a")
+        snap = f"s{self.snapshots_taken}"
+        self.snapshots_taken += 1
+        try:
+            run_verb(self.pools["a"], "snapshot_create", {"volume": "a", "name": snap})
+        except OpError as exc:
+            assert exc.errno == 28, exc  # its commit needs no new block; a reservation could
+            return
+        self.snaps[snap] = bytes(self.model["a"])
+        self._committed("a")
+
+    @precondition(lambda self: bool(self.snaps))
+    @rule(data=st.data())
+    def remove_snapshot(self, data: st.DataObject) -> None:
+        self._disarm("a")
+        snap = data.draw(st.sampled_from(sorted(self.snaps)))
+        run_verb(self.pools["a"], "volume_remove", {"name": snap, "kind": "snapshot"})
+        del self.snaps[snap]
+        self._committed("a")
+
+    @invariant()
+    def reads_match(self) -> None:
+        for name in NAMES:
+            pool = self.pools[name]
+            self._disarm(name)  # reads are checked, not failed
+            assert pool.volume(name).read(0, VOL) == bytes(self.model[name]), name
+        for snap, contents in self.snaps.items():
+            assert self.pools["a"].volume(snap).read(0, VOL) == contents, snap
+
+    def teardown(self) -> None:
+        try:
+            for name in NAMES:
+                self._disarm(name)
+                self.pools[name].close()
+                self.durable[name] = bytes(self.model[name])
+            with Pool.open(self.path) as whole:
+                problems = check_metadata(whole.meta)
+                assert problems == [], problems
+                for name in NAMES:
+                    assert whole.volume(name).read(0, VOL) == self.durable[name], name
+                for snap, contents in self.snaps.items():
+                    assert whole.volume(snap).read(0, VOL) == contents, snap
+                assert whole.status()["granted_bytes"] == 0
+        except ThinblockError:
+            raise
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+OwnersMachine.TestCase.settings = settings(
+    max_examples=examples(int(os.environ.get("THINBLOCK_OWNER_MODEL_EXAMPLES", "300"))),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+TestOwnersModel = OwnersMachine.TestCase
