@@ -175,8 +175,6 @@ def test_a_volume_is_served_by_one_owner_and_others_are_told_who(tmp_path: Path)
     try:
         again = thinblock("serve", pool, "--volume", "a", "--socket", str(tmp_path / "x.sock"), check=False)
         assert again.returncode != 0 and "volume a is served by thinblock serve (pid" in again.stderr
-        whole = thinblock("serve", pool, "--socket", str(tmp_path / "y.sock"), check=False)
-        assert whole.returncode != 0 and "served per volume" in whole.stderr
         # An NBD client asking this server for b: the spec's "not available", with who serves it.
         sb = _serve(pool, tmp_path, "b")
         try:
@@ -301,3 +299,58 @@ def _write_until_it_fits(h: nbd.NBD, length: int) -> int:
                 raise
             threading.Event().wait(0.05)
     raise AssertionError("the space a trimmed never reached the other owner")
+
+
+def test_takeover_hands_one_volume_over_with_a_client_connected(tmp_path: Path) -> None:
+    pool = _pool(tmp_path, "128M", {"a": "32M", "b": "32M"})
+    first = _serve(pool, tmp_path, "a", "b")
+    second: Server | None = None
+    try:
+        ha, hb = _handle(first, "a"), _handle(first, "b")
+        acked = random.Random(5).randbytes(4 * MiB)
+        ha.pwrite(acked, 0)  # acknowledged, never flushed: the handover must keep it
+        hb.pwrite(b"b" * MiB, 0)
+        work = tmp_path / "taker"
+        work.mkdir()
+        second = Server(pool, "--volume", "a", "--takeover", "--socket", str(work / "nbd.sock"), workdir=work)
+        log = second.log.read_text()
+        assert "takeover of volume a: handed over in" in log, log
+        h2 = _handle(second, "a")
+        assert h2.pread(4 * MiB, 0) == acked
+        h2.pwrite(b"2" * MiB, 8 * MiB)
+        h2.flush()
+        # The old server closed a's client, and keeps serving b on its connection.
+        with pytest.raises(nbd.Error):
+            ha.pread(4096, 0)
+        hb.pwrite(b"B" * MiB, MiB)
+        hb.flush()
+        assert hb.pread(2 * MiB, 0) == b"b" * MiB + b"B" * MiB
+        info = subprocess.run(
+            ["qemu-img", "info", "-f", "raw", first.unix_uri("a")], capture_output=True, text=True, check=False
+        )
+        assert f"pid {second.proc.pid}" in info.stderr, info.stderr
+        h2.shutdown()
+        hb.shutdown()
+    finally:
+        if second is not None:
+            _stop(second)
+        _stop(first)
+    thinblock("pool", "check", pool)
+
+
+def test_serve_without_volume_beside_owners_serves_the_volumes_nobody_holds(tmp_path: Path) -> None:
+    pool = _pool(tmp_path, "64M", {"a": "16M", "b": "16M", "c": "16M"})
+    sa = _serve(pool, tmp_path, "a")
+    rest = Server(pool, "--socket", str(tmp_path / "rest.sock"), workdir=tmp_path)
+    try:
+        assert [n for n, *_ in _export_list(rest)] == ["b", "c"]
+        h = _handle(rest, "c")
+        h.pwrite(b"c" * MiB, 0)
+        h.flush()
+        h.shutdown()
+        late = thinblock("serve", pool, "--volume", "b", "--socket", str(tmp_path / "b.sock"), check=False)
+        assert late.returncode != 0 and "volume b is served by" in late.stderr
+    finally:
+        _stop(rest)
+        _stop(sa)
+    thinblock("pool", "check", pool)

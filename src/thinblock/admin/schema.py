@@ -222,6 +222,7 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
     "snapshot_create": {"volume": (name_text, True), "name": (name_text, True)},
     "delta": {"source": (name_text, True), "target": (name_text, True)},
     "fuse_mount": {"mountpoint": (text, True)},
+    "volume_release": {"name": (name_text, True)},
     # jobs (admin/jobs.py): they also take open files and report progress
     "import": {
         "name": (name_text, True),

@@ -210,17 +210,10 @@ class VolumeOwner:
             with pool.lock:  # the grants holding most allocatable blocks first
                 order = sorted(self.grants, key=lambda g: -space.busy.count(0, g.start, g.start + g.count))
             for grant in order:
-                end = grant.start + grant.count
                 with pool.lock:
                     if space.allocatable_blocks <= self.idle_limit():
                         return
-                    touched = range(grant.start // REFCOUNT_PAGE_ENTRIES, (end - 1) // REFCOUNT_PAGE_ENTRIES + 1)
-                    unsettled = set(space.pending_free) | set(space.unsynced_free) | set(space.punching)
-                    if (
-                        any(grant.start <= d < end for d in space.unpublished)
-                        or any(grant.start <= d < end for d in unsettled)
-                        or any(i in space.dirty_pages for i in touched)
-                    ):
+                    if self._unsettled(grant):
                         continue
                     space.drop_grant(grant.start, grant.count)
                     self.grants.remove(grant)
@@ -240,6 +233,40 @@ class VolumeOwner:
 
         pool.between_commits(give)
         pool.accounts.wake_space_waiters()
+
+    def release_volume(self, vid: int) -> None:
+        """Give one volume up while serving the others (a handover): its clients are
+        gone (the caller hung them up, and holds its whole range). Its grants leave
+        the allocator first, then what was allocated from them is committed, then
+        they go back and the lease is released; the volume is not ours from then on."""
+        pool = self.pool
+        space = pool.accounts.space
+        lease = self._leases[vid]
+        with self._grant_lock:
+            with pool.lock:
+                mine = [g for g in self.grants if g.volume_id == vid]
+                for grant in mine:
+                    space.drop_grant(grant.start, grant.count)
+                    self.grants.remove(grant)
+            for _attempt in range(10):  # writes in flight when they left the allocator settle
+                pool.commit()
+                if pool.between_commits(lambda _meta: not any(self._unsettled(g) for g in mine)):
+                    break
+            else:
+                raise ThinblockError(f"volume {vid}'s grants did not settle: try again")
+            for grant in mine:
+                return_grant(self.meta, lease, grant)
+            self.meta.release_volume(lease)
+            del self._leases[vid]
+
+    def _unsettled(self, grant: Grant) -> bool:
+        """Whether something not yet committed touches the grant's blocks (see give_back_idle)."""
+        space = self.pool.accounts.space
+        end = grant.start + grant.count
+        with self.pool.lock:
+            touched = range(grant.start // REFCOUNT_PAGE_ENTRIES, (end - 1) // REFCOUNT_PAGE_ENTRIES + 1)
+            pending = (*space.unpublished, *space.pending_free, *space.unsynced_free, *space.punching)
+            return any(grant.start <= d < end for d in pending) or any(i in space.dirty_pages for i in touched)
 
     def fold(self) -> None:
         """Pages our commit left at count zero with others' changes: fold them now."""

@@ -630,6 +630,18 @@ class Pool:
         """The volume or snapshot called name, unless it is a staging one (or missing)."""
         return None if name.startswith(STAGING_PREFIX) else self.volumes.get(name)
 
+    def give_up(self, name: str) -> None:
+        """An owner per volume hands one of its volumes over (`serve --volume NAME
+        --takeover` elsewhere asked): what it wrote is committed, its grants go back,
+        its lease is released; the others are not touched. Its clients must be gone
+        (the NBD server hangs them up first)."""
+        vol = self.volume(name, kind="volume")
+        if self.owner is None or not self.owner.owns(vol):
+            raise ThinblockError(f"volume {name} is not this server's to hand over")
+        with vol.ranges.hold_all(exclusive=True):
+            self.owner.release_volume(vol.row.id)
+        log.info("pool %s: volume %s handed over", self.path, name)
+
     def serves(self, vol: Volume) -> bool:
         """Whether this process serves vol: every volume when it owns the whole pool; an
         owner per volume serves its own volumes and the snapshots taken of them."""

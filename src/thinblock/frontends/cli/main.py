@@ -527,8 +527,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     )
     location = locate(args.pool)
     volumes: list[str] | None = getattr(args, "volumes", None)
-    if volumes and args.takeover:
-        raise UsageError("--takeover with --volume is not built yet: stop the volume's server, then serve it")
     # Servers per volume share the pool's directory: each needs its own socket.
     default_socket = f"nbd.{volumes[0]}.sock" if volumes else NBD_SOCKET
     socket_path = os.path.abspath(args.socket or os.path.join(location.runtime_dir(), default_socket))
@@ -541,10 +539,26 @@ def cmd_serve(args: argparse.Namespace) -> None:
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     systemd.notify(f"STATUS=opening pool {args.pool}")
     try:
+        if volumes and args.takeover:
+            from thinblock.admin.handover import take_over
+
+            take_over(location, volumes)
         with progress_bar("recovering free space", sys.stderr.isatty()) as bar:
-            pool = Pool.open(
-                args.pool, purpose="thinblock serve", takeover=args.takeover, progress=bar, volumes=volumes
-            )
+            try:
+                pool = Pool.open(
+                    args.pool,
+                    purpose="thinblock serve",
+                    takeover=args.takeover and not volumes,
+                    progress=bar,
+                    volumes=volumes,
+                )
+            except PoolBusyError:
+                if volumes is not None or not location.served_per_volume():
+                    raise
+                # Servers per volume share the pool: this one serves every volume none holds.
+                from thinblock.admin.handover import unheld_volumes
+
+                pool = Pool.open(args.pool, purpose="thinblock serve", volumes=unheld_volumes(location))
     except PoolBusyError as exc:
         if "fuse-daemon" in str(exc):
             raise PoolBusyError(
@@ -583,7 +597,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
             host = MountHost(pool)
             where = f"the control socket of pool {args.pool}"
             # An owner per volume hosts no FUSE mounts: attach needs the whole pool.
-            control = ControlServer(pool, {"fuse_mount": host.mount} if pool.owner is None else {})
+            if pool.owner is None:
+                control = ControlServer(pool, {"fuse_mount": host.mount})
+            else:
+
+                def release(name: str) -> dict[str, object]:
+                    clients = server.hang_up_volume(pool.volume(name, kind="volume"))
+                    pool.give_up(name)
+                    return {"name": name, "clients_closed": clients}
+
+                control = ControlServer(pool, {"volume_release": release})
         except OSError as exc:
             server.close()
             raise ThinblockError(f"cannot listen on {where}: {exc.strerror or exc}") from None

@@ -651,6 +651,24 @@ class NBDServer:
         log.info("reloaded --tls-authz %s: %d rule(s)", authz.path, len(authz.rules))
         return True
 
+    def hang_up_volume(self, vol: Volume) -> int:
+        """End the sessions using vol (and the snapshots taken of it), letting their
+        in-flight requests finish: a handover (`serve --volume --takeover`). How many."""
+        with self.lock:
+            sessions = [
+                s
+                for s in self.sessions
+                if s.export is not None and vol.row.id in (s.export.volume.row.id, s.export.volume.row.origin_id)
+            ]
+        for session in sessions:
+            session.hang_up()
+        for session in sessions:
+            session.join(timeout=10)
+            if session.reader.is_alive():
+                session.hang_up(both=True)
+                session.join()
+        return len(sessions)
+
     def close(self) -> None:
         """Stop accepting, let in-flight requests finish, end every session."""
         self.stopping.set()

@@ -1,0 +1,79 @@
+"""Handing a volume over between servers per volume (`serve POOL --volume NAME
+--takeover`), on a directory pool.
+
+The taker asks the owner, through the owner's control socket, to release the
+volume: the owner hangs up that volume's NBD clients (their in-flight requests
+finish and are answered), commits, gives its grants back and releases the lease
+(Pool.give_up); its other volumes are not touched. Then the taker claims the
+lease as any server does. A directory pool's lease is a lock that dies with its
+process, so an owner that died has released it already; one that is alive but
+does not answer cannot be fenced off (a stalled process still holds its lock):
+the taker then says so and names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from thinblock.admin.control import ControlClient, control_timeout_s, owner_socket_name
+from thinblock.backends import Location
+from thinblock.core.owner import owner_pid
+from thinblock.core.registry import STAGING_PREFIX
+from thinblock.errors import PoolBusyError, ThinblockError
+
+log = logging.getLogger("thinblock.serve")
+
+
+def take_over(location: Location, names: list[str]) -> None:
+    """Ask the owners of these volumes to hand them over; returns once each is free."""
+    meta = location.open_meta(readonly=False)
+    try:
+        rows = {row.name: row for row in meta.volumes()}
+        for name in names:
+            row = rows.get(name)
+            if row is None:
+                raise ThinblockError(f"no volume {name!r} in pool {location.name}")
+            holder = meta.volume_holder(row.id)
+            if holder is None:
+                log.info("takeover of volume %s: nobody serves it", name)
+                continue
+            pid = owner_pid(holder)
+            sock = os.path.join(location.runtime_dir(), owner_socket_name(pid)) if pid is not None else None
+            if sock is None or not os.path.exists(sock):
+                raise PoolBusyError(f"volume {name} is served by {holder}, which offers no control socket here")
+            started = time.monotonic()
+            log.info("takeover of volume %s: asking %s to hand it over", name, holder)
+            try:
+                client = ControlClient(sock, control_timeout_s())
+            except ThinblockError as exc:
+                raise PoolBusyError(
+                    f"volume {name} is served by {holder}, which does not answer ({exc}); on a directory pool a"
+                    f" live process cannot be fenced off: stop it (kill {pid}), then serve the volume"
+                ) from None
+            try:
+                done = client.call("volume_release", name=name)
+            finally:
+                client.close()
+            log.info(
+                "takeover of volume %s: handed over in %.3f s (%s client(s) closed)",
+                name,
+                time.monotonic() - started,
+                done.get("clients_closed") if isinstance(done, dict) else "?",
+            )
+    finally:
+        meta.close()
+
+
+def unheld_volumes(location: Location) -> list[str]:
+    """The volumes no server per volume holds now (`serve POOL` beside them serves these)."""
+    meta = location.open_meta(readonly=False)
+    try:
+        return [
+            row.name
+            for row in meta.volumes()
+            if row.kind == "volume" and not row.name.startswith(STAGING_PREFIX) and meta.volume_holder(row.id) is None
+        ]
+    finally:
+        meta.close()
