@@ -752,6 +752,25 @@ class Pool:
                 return
         raise PoolBusyError(self.served_elsewhere(vol).replace("is not served here", "cannot be changed here"))
 
+    def _refuse_foreign_dependents(self, vol: Volume) -> None:
+        """An owner per volume removes a volume only when it may rewrite the rows of all
+        that came from it (their origin becomes none): none is another live owner's,
+        and none was made since it opened (its view of those rows would be stale)."""
+        owner = self.owner
+        if owner is None:
+            return
+        for row in self.meta.volumes():
+            if row.origin_id != vol.row.id or row.name.startswith(STAGING_PREFIX):
+                continue
+            known = self.volume_by_id(row.id)
+            holder = self.meta.volume_holder(row.id)
+            if known is None or (holder is not None and not owner.owns(known)):
+                raise PoolBusyError(
+                    f"cannot remove {vol.row.kind} {vol.name} here: {row.kind} {row.name}, which came from it,"
+                    f" is {'served by ' + holder if holder else 'newer than this server'}; remove it with the pool"
+                    " served whole, or remove that one first"
+                )
+
     def check_new_name(self, name: str, kind: str = "volume") -> None:
         """A name a new volume or snapshot may take, or ThinblockError."""
         validate_name(name, kind)
@@ -781,6 +800,7 @@ class Pool:
         their origin becomes none."""
         with self.quiesced(name, kind=kind) as vol, self.lock:
             self.refuse_if_busy(vol, "remove")
+            self._refuse_foreign_dependents(vol)
             used_before = self.accounts.space.used_blocks
             dependents = self.drop_volume(vol)
             freed = used_before - self.accounts.space.used_blocks
