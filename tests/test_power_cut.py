@@ -36,10 +36,12 @@ class PowerCutRig:
         self.backing, self.mnt = tmp / "backing", tmp / "mnt"
         self.backing.mkdir()
         self.mnt.mkdir()
+        self.tmp = tmp
         self.pool = str(self.mnt / "pool")
         self.socket = str(tmp / "nbd.sock")
         self.fs: subprocess.Popen[bytes] | None = None
         self.server: Server | None = None
+        self.owners: dict[str, Server] = {}  # volume -> its server, when served per volume
         self.mount()
 
     def mount(self) -> None:
@@ -58,9 +60,17 @@ class PowerCutRig:
         self.server = Server(self.pool, "--socket", self.socket)
         return self.server
 
+    def serve_owner(self, name: str) -> Server:
+        """A server owning just this volume (`serve --volume`), beside the others."""
+        work = self.tmp / f"owner-{name}"
+        work.mkdir(exist_ok=True)
+        self.owners[name] = Server(self.pool, "--volume", name, "--socket", str(work / "nbd.sock"), workdir=work)
+        return self.owners[name]
+
     def connect(self, name: str) -> nbd.NBD:
         h = nbd.NBD()
-        h.connect_uri(f"nbd+unix:///{name}?socket={self.socket}")
+        socket_path = self.owners[name].socket if name in self.owners else self.socket
+        h.connect_uri(f"nbd+unix:///{name}?socket={socket_path}")
         return h
 
     def cut(self, reorder_seed: int | None = None) -> None:
@@ -74,10 +84,11 @@ class PowerCutRig:
                 self.fs.wait(10)
         self.fs.send_signal(signal.SIGKILL)
         self.fs.wait()
-        if self.server is not None:
-            self.server.proc.send_signal(signal.SIGKILL)
-            self.server.proc.wait()
-            self.server = None
+        for server in [*([self.server] if self.server else []), *self.owners.values()]:
+            server.proc.send_signal(signal.SIGKILL)
+            server.proc.wait()
+        self.server = None
+        self.owners = {}
         subprocess.run(["umount", "-l", str(self.mnt)], check=False, capture_output=True)
 
     def restart(self) -> None:
@@ -86,8 +97,8 @@ class PowerCutRig:
         thinblock("pool", "check", self.pool)
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
+        for server in [*([self.server] if self.server else []), *self.owners.values()]:
+            server.stop()
         if self.fs is not None and self.fs.poll() is None:
             subprocess.run(["umount", str(self.mnt)], check=False, capture_output=True)
             self.fs.wait(10)
@@ -192,16 +203,24 @@ def _allowed(log: list[tuple[int, str, str, int, int, int]], flushed: int, name:
     return allowed | {value}
 
 
-def test_random_power_cuts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("owners", [False, True], ids=["one-server", "two-owners"])
+def test_random_power_cuts(tmp_path: Path, owners: bool) -> None:
     """Random writes, trims, zeroes and flushes on two volumes, cut at a random moment,
-    three times over; every 4 KiB sector must hold a value the rules allow."""
+    three times over; every 4 KiB sector must hold a value the rules allow. With
+    owners, each volume has its own server (`serve --volume`) and a flush makes only
+    that server's volume durable."""
     rng = random.Random(2026)
     sectors = (4 << 20) // SECTOR
     with rig(tmp_path, {"a": "4M", "b": "4M"}) as r:
         log: list[tuple[int, str, str, int, int, int]] = []  # seq, volume, kind, offset, length, byte
-        flushed = 0  # every request with a smaller seq was done before the last completed flush
+        # Per volume: every request with a smaller seq was done before its last completed flush.
+        flushed = {"a": 0, "b": 0}
         for _round in range(3):
-            r.serve()
+            if owners:
+                r.serve_owner("a")
+                r.serve_owner("b")
+            else:
+                r.serve()
             handles = {"a": r.connect("a"), "b": r.connect("b")}
             seed = rng.randrange(1 << 30) if _round % 2 else None
             timer = threading.Timer(rng.uniform(1.0, 3.0), r.cut, args=(seed,))
@@ -218,7 +237,8 @@ def test_random_power_cuts(tmp_path: Path) -> None:
                     byte = base + seq % 120 if kind == "write" else 0
                     if kind == "flush":
                         h.flush()
-                        flushed = seq
+                        for flushed_name in [name] if owners else ["a", "b"]:
+                            flushed[flushed_name] = seq
                         continue
                     log.append((seq, name, kind, first * SECTOR, count * SECTOR, byte))
                     if kind == "write":
@@ -236,13 +256,12 @@ def test_random_power_cuts(tmp_path: Path) -> None:
                 for sector in range(sectors):
                     chunk = data[sector * SECTOR : (sector + 1) * SECTOR]
                     assert chunk == bytes([chunk[0]]) * SECTOR, f"{name}: sector {sector} is torn"
-                    assert chunk[0] in _allowed(log, flushed, name, sector), (
-                        f"{name}: sector {sector} holds {chunk[0]}, allowed {_allowed(log, flushed, name, sector)}"
-                    )
+                    allowed = _allowed(log, flushed[name], name, sector)
+                    assert chunk[0] in allowed, f"{name}: sector {sector} holds {chunk[0]}, allowed {allowed}"
             # What survived is the new truth: replay it as one flushed write per sector.
             log = []
             for name in "ab":
                 data = _read(r.pool, name, sectors * SECTOR)
                 for sector in range(sectors):
                     log.append((len(log), name, "write", sector * SECTOR, SECTOR, data[sector * SECTOR]))
-            flushed = len(log)
+            flushed = {"a": len(log), "b": len(log)}
