@@ -322,6 +322,7 @@ def test_takeover_hands_one_volume_over_with_a_client_connected(tmp_path: Path) 
         # The old server closed a's client, and keeps serving b on its connection.
         with pytest.raises(nbd.Error):
             ha.pread(4096, 0)
+        assert "closed (its volume was handed over to another server" in first.log.read_text()
         hb.pwrite(b"B" * MiB, MiB)
         hb.flush()
         assert hb.pread(2 * MiB, 0) == b"b" * MiB + b"B" * MiB

@@ -661,6 +661,7 @@ class NBDServer:
                 if s.export is not None and vol.row.id in (s.export.volume.row.id, s.export.volume.row.origin_id)
             ]
         for session in sessions:
+            session.handed_over = True
             session.hang_up()
         for session in sessions:
             session.join(timeout=10)
@@ -715,6 +716,7 @@ class Session:
             server.catalog, tls_required=server.ssl_context is not None, tls_available=server.ssl_context is not None
         )
         self.export: Export | None = None
+        self.handed_over = False  # hung up for a handover (hang_up_volume): the log says so
         self.slots = ByteBudget(MAX_IN_FLIGHT)  # requests in flight, one unit each
         self.budget = ByteBudget(CONNECTION_BUDGET_BYTES)
         self.reserved = 0  # bytes taken for a write payload announced and not yet a Request
@@ -837,6 +839,8 @@ class Session:
                 self.export.close()
             if self.lost_grant is not None:
                 reason = f"grant withdrawn: {self.lost_grant}"
+            elif self.handed_over:
+                reason = "its volume was handed over to another server (serve --takeover)"
             log.info("%s: closed (%s)", self.name, reason)
 
     def _loop(self) -> str:
