@@ -565,7 +565,9 @@ class Pool:
                 if row is None or name.startswith(STAGING_PREFIX):
                     raise ThinblockError(f"no volume {name!r} in pool {location.name}")
                 if row.kind != "volume":
-                    raise ThinblockError(f"{name!r} is a {row.kind}, not a volume: snapshots are served by any owner")
+                    raise ThinblockError(
+                        f"{name!r} is a {row.kind}, not a volume: a snapshot is served by the server of the volume it was taken of"
+                    )
                 ids[name] = row.id
             reserved = sorted(r.name for r in rows.values() if r.reserve_bytes)
             if reserved:
