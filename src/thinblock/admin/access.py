@@ -72,6 +72,7 @@ class SharedAdmin:
         "volume_rollback": "name",
         "volume_remove": "name",
         "volume_rename": "name",
+        "volume_clone": "snapshot",  # the snapshot's row changes too (its exclusive count)
     }
 
     def __init__(self, pool: Pool, timeout_s: float) -> None:
@@ -83,7 +84,7 @@ class SharedAdmin:
         vol = self.pool.visible_volume(str(args.get(key))) if key else None
         if vol is None:
             return None
-        vid = vol.row.origin_id if vol.row.kind == "snapshot" else vol.row.id
+        vid = self.pool.base_volume_id(vol)
         holder = self.pool.meta.volume_holder(vid) if vid is not None else None
         pid = owner_pid(holder) if holder else None
         if holder and pid is None:

@@ -112,6 +112,8 @@ def run_validated(pool: Pool, verb: str, args: dict[str, Any]) -> Any:
     if pool.owner is not None and verb not in _READS:
         pool.commit()
     with pool.pool_step():
+        if pool.owner is not None and verb not in _READS:
+            pool.catch_up()
         return VERBS[verb](pool, **args)
 
 

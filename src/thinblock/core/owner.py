@@ -28,8 +28,8 @@ import time
 from typing import TYPE_CHECKING
 
 from thinblock.core.mapping import BlockState, entry_dblock, entry_state
-from thinblock.core.pool_steps import fold_orphans, return_grant, take_grant
-from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES, to_runs
+from thinblock.core.pool_steps import fold_orphans, grant_blocks, punch_grant, return_grant
+from thinblock.core.spacemap import to_runs
 from thinblock.errors import NoSpaceError, ThinblockError
 from thinblock.meta.base import Grant, Lease, MetadataStore, VolumeBusyError
 from thinblock.sizes import format_size
@@ -66,7 +66,9 @@ class VolumeOwner:
         self.name = name
         self._leases: dict[int, Lease] = {}  # volume id -> lease
         self.grants: list[Grant] = []
-        self._grant_lock = threading.Lock()  # one grant taken at a time in this process
+        self._granted = threading.Condition()  # _granting changed
+        self._granting = 0  # grants committed, being punched (not allocatable yet)
+        self._leaving: set[int] = set()  # volumes being handed over: served no more
         self._grant_bytes = FIRST_GRANT_BYTES
         self._last_grant = 0.0
 
@@ -101,12 +103,20 @@ class VolumeOwner:
         return list(self._leases.values())
 
     def owns(self, vol: Volume) -> bool:
-        return vol.row.id in self._leases
+        return vol.row.id in self._leases and vol.row.id not in self._leaving
+
+    def leave(self, vid: int) -> None:
+        """vid is being handed over: no new client may open it here from now on."""
+        self._leaving.add(vid)
+
+    def stay(self, vid: int) -> None:
+        """The handover of vid failed: it is served here again."""
+        self._leaving.discard(vid)
 
     def owned_ids(self) -> set[int]:
-        return set(self._leases)
+        return set(self._leases) - self._leaving
 
-    def lease_of(self, vol: Volume | None) -> Lease:
+    def lease_of(self, vol: Volume | None) -> Lease:  # take_space has checked there is one
         """The lease a grant for vol is taken under (any of ours for a volume not ours)."""
         if vol is not None and vol.row.id in self._leases:
             return self._leases[vol.row.id]
@@ -146,16 +156,29 @@ class VolumeOwner:
 
     def take_space(self, wanted: int, vol: Volume | None) -> None:
         """Take grants (outside the pool lock) until `wanted` blocks are allocatable, or
-        NoSpaceError when the pool has no free block left outside others' grants."""
+        NoSpaceError when the pool has no free block left outside others' grants.
+
+        The decision and the grant's commit run under the store's pool-level lock (one
+        at a time, across threads and processes); the punch and sync of its blocks run
+        after it, outside every lock, and only then are they allocatable. A thread that
+        finds a grant on its way waits for it rather than taking another."""
         pool = self.pool
         space = pool.accounts.space
         bs = pool.block_size
-        with self._grant_lock:
-            while True:
+        if not self._leases:
+            raise NoSpaceError(f"pool {pool.path}: a command owning no volume takes no new space")
+        while True:
+            with self._granted:
+                while self._granting:
+                    self._granted.wait(1.0)
                 with pool.lock:
+                    if wanted <= space.allocatable_blocks:
+                        return
+            with self.meta.pool_lock():
+                with self._granted, pool.lock:
                     short = wanted - space.allocatable_blocks
-                if short <= 0:
-                    return
+                    if self._granting or short <= 0:
+                        continue
                 now = time.monotonic()
                 if now - self._last_grant < FAST_GRANTS_S:
                     self._grant_bytes = min(MAX_GRANT_BYTES, self._grant_bytes * 2)
@@ -166,9 +189,16 @@ class VolumeOwner:
                 blocks = max(short, min(self._grant_bytes // bs, space.n_blocks // 8), 1)
                 lease = self.lease_of(vol)
                 try:
-                    grant = take_grant(self.meta, pool.store, lease, blocks)
+                    grant = grant_blocks(self.meta, lease, blocks)
                 except OSError as exc:
                     raise NoSpaceError(f"pool {pool.path} is out of space: {exc.strerror}") from None
+                with self._granted:
+                    self._granting += 1
+            try:
+                try:
+                    punch_grant(self.meta, pool.store, lease, grant)
+                except OSError as exc:
+                    raise NoSpaceError(f"pool {pool.path}: preparing granted space failed: {exc.strerror}") from None
 
                 def added(meta: object, grant: Grant = grant) -> None:
                     # Between commits: the view of the grant's refcount pages follows the
@@ -179,19 +209,25 @@ class VolumeOwner:
                         self.grants.append(grant)
 
                 pool.between_commits(added)
-                log.debug(
-                    "pool %s: granted %s at block %d to volume %d",
-                    pool.path,
-                    format_size(grant.count * bs),
-                    grant.start,
-                    grant.volume_id,
-                )
+            finally:
+                with self._granted:
+                    self._granting -= 1
+                    self._granted.notify_all()
+            log.debug(
+                "pool %s: granted %s at block %d to volume %d",
+                pool.path,
+                format_size(grant.count * bs),
+                grant.start,
+                grant.volume_id,
+            )
 
     def idle_limit(self) -> int:
         """How many allocatable blocks this owner keeps in its grants at most; the
         rest goes back to the pool (others may need it: a trimmed volume's space)."""
         bs = self.pool.block_size
-        return max(1, min(2 * self._grant_bytes // bs, self.pool.accounts.space.n_blocks // 16))
+        # Two grants' worth (as take_space sizes them): less would give back the grant
+        # just taken, and take it again at the next write.
+        return max(1, 2 * min(self._grant_bytes // bs, self.pool.accounts.space.n_blocks // 8))
 
     def give_back_idle(self) -> None:
         """Return whole grants while more than idle_limit blocks lie allocatable in
@@ -231,42 +267,61 @@ class VolumeOwner:
                     return
                 log.debug("pool %s: gave back grant %d+%d", pool.path, grant.start, grant.count)
 
-        pool.between_commits(give)
+        with self.meta.pool_lock():  # before the turn, as every pool-level step takes them
+            pool.between_commits(give)
         pool.accounts.wake_space_waiters()
 
     def release_volume(self, vid: int) -> None:
         """Give one volume up while serving the others (a handover): its clients are
-        gone (the caller hung them up, and holds its whole range). Its grants leave
-        the allocator first, then what was allocated from them is committed, then
-        they go back and the lease is released; the volume is not ours from then on."""
+        gone (the caller hung them up, and holds its whole range and the pool-level
+        lock). Its grants leave the allocator first, between commits, then what was
+        allocated from them is committed, then they go back and the lease is released;
+        the volume is not ours from then on. If they do not settle, they are put back
+        and nothing is released (ThinblockError: the handover may be asked again)."""
         pool = self.pool
         space = pool.accounts.space
         lease = self._leases[vid]
-        with self._grant_lock:
+        mine = [g for g in self.grants if g.volume_id == vid]
+
+        def drop(_meta: object) -> None:
             with pool.lock:
-                mine = [g for g in self.grants if g.volume_id == vid]
                 for grant in mine:
                     space.drop_grant(grant.start, grant.count)
                     self.grants.remove(grant)
+
+        def put_back(_meta: object) -> None:
+            stored = self.meta.refcount_pages()
+            with pool.lock:
+                for grant in mine:
+                    space.add_grant(grant.start, grant.count, stored)
+                    self.grants.append(grant)
+
+        pool.between_commits(drop)
+        try:
             for _attempt in range(10):  # writes in flight when they left the allocator settle
                 pool.commit()
                 if pool.between_commits(lambda _meta: not any(self._unsettled(g) for g in mine)):
                     break
             else:
-                raise ThinblockError(f"volume {vid}'s grants did not settle: try again")
-            for grant in mine:
-                return_grant(self.meta, lease, grant)
-            self.meta.release_volume(lease)
-            del self._leases[vid]
+                raise ThinblockError(f"volume {vid}'s grants did not settle: ask for the handover again")
+        except BaseException:
+            pool.between_commits(put_back)
+            raise
+        for grant in mine:
+            return_grant(self.meta, lease, grant)
+        self.meta.release_volume(lease)
+        del self._leases[vid]
+        self._leaving.discard(vid)
 
     def _unsettled(self, grant: Grant) -> bool:
-        """Whether something not yet committed touches the grant's blocks (see give_back_idle)."""
+        """Whether something not yet committed touches the grant's blocks: a count that
+        differs from the store's as last seen (a fresh block in flight, a free or a share
+        not committed), or a free waiting for its punch."""
         space = self.pool.accounts.space
         end = grant.start + grant.count
         with self.pool.lock:
-            touched = range(grant.start // REFCOUNT_PAGE_ENTRIES, (end - 1) // REFCOUNT_PAGE_ENTRIES + 1)
-            pending = (*space.unpublished, *space.pending_free, *space.unsynced_free, *space.punching)
-            return any(grant.start <= d < end for d in pending) or any(i in space.dirty_pages for i in touched)
+            pending = (*space.pending_free, *space.unsynced_free, *space.punching)
+            return any(grant.start <= d < end for d in pending) or space.uncommitted_in(grant.start, grant.count)
 
     def fold(self) -> None:
         """Pages our commit left at count zero with others' changes: fold them now."""

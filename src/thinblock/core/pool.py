@@ -12,6 +12,7 @@ commit with neither held.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -272,8 +273,12 @@ class Pool:
             self.committer.give_back_idle = self.owner.give_back_idle
             self.committer.sharing_base = space.sharing_epoch
             self.accounts.owner = self.owner
-            self.txn.top_up_page_ids(self.lock)
             self.txn.reserve_page_ids = lambda count: self.meta.reserve_ids("page", count)
+            self.txn.top_up_page_ids(self.lock)  # ids ready before the first request
+            # Volume ids from now on come from reserve_ids: its counter starts above every
+            # id ever used here, so an id a removed volume had is never given again (a
+            # row another owner still holds in memory by that id would be overwritten).
+            meta.reserve_ids("volume", 1)
         # Root tables load on first use (Volume.root), not all of them here.
         self.volumes = VolumeRegistry(
             (Volume(self, row) for row in meta.volumes()), retally=self.accounts.retally_set_aside
@@ -576,7 +581,10 @@ class Pool:
                     " reservations are not yet kept across owners per volume; serve the pool whole"
                 )
             label = owner_name(purpose)
-            leases = VolumeOwner.claim(meta, ids, label)
+            # Under the pool-level lock: a command's step that found these volumes unheld
+            # has committed by then, and what is loaded below is what it left.
+            with meta.pool_lock():
+                leases = VolumeOwner.claim(meta, ids, label)
             step.mark("leases taken")
             owned = location.owned_store(sb, location.open_data(sb))
             store = FallbackStore(owned)
@@ -632,17 +640,27 @@ class Pool:
         """The volume or snapshot called name, unless it is a staging one (or missing)."""
         return None if name.startswith(STAGING_PREFIX) else self.volumes.get(name)
 
-    def give_up(self, name: str) -> None:
+    def give_up(self, name: str, hang_up: Callable[[Volume], int]) -> int:
         """An owner per volume hands one of its volumes over (`serve --volume NAME
-        --takeover` elsewhere asked): what it wrote is committed, its grants go back,
-        its lease is released; the others are not touched. Its clients must be gone
-        (the NBD server hangs them up first)."""
+        --takeover` elsewhere asked): no new client may open it from now on, hang_up
+        ends those it has (the NBD server's, letting their requests finish; how many),
+        what it wrote is committed, its grants go back, its lease is released; the
+        other volumes are not touched. On failure it is served here as before."""
         vol = self.volume(name, kind="volume")
-        if self.owner is None or not self.owner.owns(vol):
+        owner = self.owner
+        if owner is None or not owner.owns(vol):
             raise ThinblockError(f"volume {name} is not this server's to hand over")
-        with vol.ranges.hold_all(exclusive=True):
-            self.owner.release_volume(vol.row.id)
-        log.info("pool %s: volume %s handed over", self.path, name)
+        owner.leave(vol.row.id)
+        try:
+            clients = hang_up(vol)
+            clients += hang_up(vol)  # one that opened it while the first were hung up
+            with self.pool_step(), vol.ranges.hold_all(exclusive=True):
+                owner.release_volume(vol.row.id)
+        except BaseException:
+            owner.stay(vol.row.id)
+            raise
+        log.info("pool %s: volume %s handed over (%d client(s) closed)", self.path, name, clients)
+        return clients
 
     def serves(self, vol: Volume) -> bool:
         """Whether this process serves vol: every volume when it owns the whole pool; an
@@ -652,7 +670,7 @@ class Pool:
             return True
         if owner.owns(vol):
             return True
-        return vol.row.kind == "snapshot" and vol.row.origin_id in owner.owned_ids()
+        return vol.row.kind == "snapshot" and self.base_volume_id(vol) in owner.owned_ids()
 
     def served_elsewhere(self, vol: Volume) -> str:
         """Why this process does not serve vol, naming who does when the store knows."""
@@ -737,6 +755,33 @@ class Pool:
         with self.meta.pool_lock():
             yield
 
+    def catch_up(self) -> None:
+        """An owner per volume, at a pool-level step: its views of the shared counts (block
+        and page refcounts) follow the store's, between commits, so that what the step
+        decides (free a page, share it, copy it) counts what every owner committed."""
+        if self.owner is None:
+            return
+
+        def follow(meta: MetadataStore) -> None:
+            stored = meta.refcount_pages()
+            with self.lock:
+                self.accounts.space.refresh(stored)
+                self.txn.catch_up()
+
+        self.between_commits(follow)
+
+    def base_volume_id(self, vol: Volume) -> int | None:
+        """The volume a snapshot was taken of, through snapshots of snapshots (its owner
+        owns it); a volume's own id; None when the chain ends at a removed one."""
+        seen: set[int] = set()
+        while vol.row.kind == "snapshot":
+            origin = self.volume_by_id(vol.row.origin_id)
+            if origin is None or origin.row.id in seen:
+                return None
+            seen.add(origin.row.id)
+            vol = origin
+        return vol.row.id
+
     def check_may_change(self, vol: Volume) -> None:
         """An owner per volume changes only what is its own: its volumes, the snapshots
         taken of them; and, owning no volume at all (a command's pool-level step, under
@@ -745,7 +790,7 @@ class Pool:
         owner = self.owner
         if owner is None or owner.owns(vol):
             return
-        origin = vol.row.origin_id if vol.row.kind == "snapshot" else None
+        origin = self.base_volume_id(vol) if vol.row.kind == "snapshot" else None
         if origin is not None and origin in owner.owned_ids():
             return
         if not owner.owned_ids():
@@ -853,8 +898,21 @@ class Pool:
         vol.removed = True
         self.accounts.retally_set_aside(vol)  # its set-aside goes with it
         dependents = []
+        # An owner per volume rewrites a dependent's row whole: from the store's, not its
+        # own view of it, which another process may have changed since (pool_step holds
+        # the pool-level lock, and _refuse_foreign_dependents refused live owners' ones).
+        fresh = {row.id: row for row in self.meta.volumes()} if self.owner is not None else {}
         for other in sorted(self.volumes.values(), key=lambda v: v.name):
             if other.row.origin_id == vol.row.id:  # lineage ends here; the blocks stay shared
+                if self.owner is not None:
+                    stored = fresh.get(other.row.id)
+                    if stored is None:
+                        continue  # gone already: nothing to write
+                    with self.volumes.tallied(other):
+                        for column in dataclasses.fields(stored):
+                            setattr(other.row, column.name, getattr(stored, column.name))
+                    if other.row.origin_id != vol.row.id:
+                        continue  # it was given another origin meanwhile
                 other.row.origin_id = None
                 self.txn.mark_volume_dirty(other)
                 if not other.name.startswith(STAGING_PREFIX):  # the pool's own: a job's, no one's dependent

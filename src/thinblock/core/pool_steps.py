@@ -107,13 +107,19 @@ def take_grant(meta: MetadataStore, store: DataStore, lease: Lease, blocks: int)
     then punched and synced outside it. ENOSPC, with nothing changed, when no block
     is free outside others' grants; a failed punch or sync gives the grant back.
     Dead owners' grants are taken back first (they may hold all the free space)."""
+    grant = grant_blocks(meta, lease, blocks)
+    punch_grant(meta, store, lease, grant)
+    return grant
+
+
+def grant_blocks(meta: MetadataStore, lease: Lease, blocks: int) -> Grant:
+    """take_grant's pool-level step: the grant committed, its blocks not punched yet."""
     if blocks < 1:
         raise ValueError(f"a grant of {blocks} blocks")
     with meta.pool_lock():
         recover_stale_grants(meta)  # dead owners' grants hold free space: theirs first
         sb = meta.superblock()
-        block_size = int(sb["block_size"])
-        free = _free_mask(meta, int(sb["size_bytes"]) // block_size)
+        free = _free_mask(meta, int(sb["size_bytes"]) // int(sb["block_size"]))
         starts = np.flatnonzero(free)
         if not starts.size:
             raise OSError(errno.ENOSPC, "the pool has no free block outside the grants other owners hold")
@@ -122,18 +128,28 @@ def take_grant(meta: MetadataStore, store: DataStore, lease: Lease, blocks: int)
         count = int(taken[0]) if taken.size else min(blocks, len(free) - start)
         grant = Grant(lease.volume_id, lease.epoch, start, count)
         meta.commit(Transaction(leases=[lease], grants=[grant]))
+    return grant
+
+
+def punch_grant(meta: MetadataStore, store: DataStore, lease: Lease, grant: Grant) -> None:
+    """take_grant's second half, with no pool-level lock held: the grant's blocks
+    punched and synced before any is handed out; on failure it is given back."""
+    block_size = int(meta.superblock()["block_size"])
     try:
-        store.punch(start * block_size, count * block_size)
+        store.punch(grant.start * block_size, grant.count * block_size)
         store.flush()
     except OSError as exc:
         try:
             return_grant(meta, lease, grant)
         except OSError as again:  # still ours, never allocated from: returned on release, or taken back
             log.warning(
-                "grant %d+%d of volume %d not given back after a failed punch: %s", start, count, lease.volume_id, again
+                "grant %d+%d of volume %d not given back after a failed punch: %s",
+                grant.start,
+                grant.count,
+                lease.volume_id,
+                again,
             )
         raise exc from None
-    return grant
 
 
 def return_grant(meta: MetadataStore, lease: Lease, grant: Grant) -> None:

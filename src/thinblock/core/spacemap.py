@@ -245,17 +245,21 @@ class SpaceMap:
         """The punches of `taken` that succeeded (`done`, a prefix) become unsynced (free
         after the next data sync); the others are pending again, punched after the next commit."""
         self.punching.clear()
+        ours = self.grant_mask  # owner mode: a block whose grant went back is the pool's now
         for start, count in done:
-            self.unsynced_free.extend(range(start, start + count))
+            self.unsynced_free.extend(d for d in range(start, start + count) if ours is None or ours[d])
         for start, count in taken[len(done) :]:
-            self.pending_free[:0] = range(start, start + count)
+            self.pending_free[:0] = [d for d in range(start, start + count) if ours is None or ours[d]]
 
     def release_synced(self, count: int) -> None:
         """After a data sync: the first `count` unsynced frees (punched before it) are free."""
+        ours = self.grant_mask
         for dblock in self.unsynced_free[:count]:
-            self.busy[dblock] = 0
-        if self.grant_mask is not None:
-            self.idle += len(self.unsynced_free[:count])
+            if ours is None:
+                self.busy[dblock] = 0
+            elif ours[dblock] and self.busy[dblock]:  # still in a grant of ours
+                self.busy[dblock] = 0
+                self.idle += 1
         del self.unsynced_free[:count]
 
     # ----- owner mode (core/owner.py) ----------------------------------------------
@@ -292,6 +296,18 @@ class SpaceMap:
         gone = set(range(start, start + count))
         self.pending_free = [d for d in self.pending_free if d not in gone]
         self.unsynced_free = [d for d in self.unsynced_free if d not in gone]
+
+    def uncommitted_in(self, start: int, count: int) -> bool:
+        """Owner mode: whether a count of [start, start + count) differs from the store's
+        as last seen, that is, has a change no commit has carried yet."""
+        view = np.frombuffer(self.refcounts, dtype=np.uint32)
+        for index in range(start // REFCOUNT_PAGE_ENTRIES, (start + count - 1) // REFCOUNT_PAGE_ENTRIES + 1):
+            first = index * REFCOUNT_PAGE_ENTRIES
+            lo, hi = max(start, first), min(start + count, first + REFCOUNT_PAGE_ENTRIES, self.n_blocks)
+            base = _padded(self.bases.get(index, b""), hi - first)[lo - first :]
+            if bool(np.any(view[lo:hi].astype(np.int64) != base)):
+                return True
+        return False
 
     def refcount_bases(self, pages: dict[int, bytes]) -> dict[int, bytes]:
         """The base of each of pages: the store's blob as last seen (zeros if none)."""

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from thinblock.core.volume import Volume
 
 _T = TypeVar("_T")
-PAGE_IDS_AT_ONCE = 4096  # owner mode: page ids reserved from the store at a time
+PAGE_IDS_AT_ONCE = 1 << 16  # owner mode: page ids reserved from the store at a time
 
 
 def _all_found(wanted: list[int], found: dict[int, _T]) -> dict[int, _T]:
@@ -161,11 +161,42 @@ class OpenTransaction:
             with lock:
                 self._spare_page_ids.append(first)
 
-    def new_page(self, entries: array[int] | None = None) -> Page:
+    def ensure_page_id(self) -> None:
+        """Owner mode: make sure new_page has an id to give, before anything changes (a
+        reservation that fails must leave the request's state as it was). Reserved
+        ahead by the committer; inline only when a burst used a whole range up."""
         if self.reserve_page_ids is not None and self._next_page_id >= self._page_id_end:
-            # Reserved ahead by the committer; inline only when a burst used them all.
             first = self._spare_page_ids.pop(0) if self._spare_page_ids else self.reserve_page_ids(PAGE_IDS_AT_ONCE)
             self._next_page_id, self._page_id_end = first, first + PAGE_IDS_AT_ONCE
+
+    def catch_up(self) -> None:
+        """Owner mode, between commits: the counts of every page known here follow the
+        store's (others' changes included): a pool-level step decides on them (a
+        snapshot's removal frees a page only at zero, a share counts from the truth).
+        A page the store no longer has, and that nothing here changed, leaves the cache."""
+        known = [*self.pages, *self.page_refs]
+        stored = self.meta.page_refcounts(known)
+        dirty = self._dirty_pages | self._dirty_page_refs
+        for page_id in known:
+            base = self.page_bases.get(page_id)
+            now = stored.get(page_id)
+            if now is None:
+                if page_id not in dirty and base is not None:
+                    self.pages.pop(page_id, None)
+                    self.page_refs.pop(page_id, None)
+                    self.page_bases.pop(page_id, None)
+                continue
+            if base is None:
+                continue  # made here, never committed
+            page = self.pages.get(page_id)
+            if page is not None:
+                page.refcount = now + page.refcount - base
+            else:
+                self.page_refs[page_id] = now + self.page_refs[page_id] - base
+            self.page_bases[page_id] = now
+
+    def new_page(self, entries: array[int] | None = None) -> Page:
+        self.ensure_page_id()
         page = Page(self._next_page_id, 1, entries)
         self._next_page_id += 1
         self.pages[page.page_id] = page

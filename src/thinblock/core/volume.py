@@ -193,6 +193,7 @@ class Volume:
             page = pool.txn.pages.get(page_id) or pool.txn.page(page_id)
             if page.refcount == 1:
                 return page
+            pool.txn.ensure_page_id()  # the copy's id, before anything changes
             # Copy-on-write of a shared page: the copy references every dblock too.
             for entry in page.entries:
                 if entry:

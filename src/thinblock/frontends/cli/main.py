@@ -602,9 +602,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             else:
 
                 def release(name: str) -> dict[str, object]:
-                    clients = server.hang_up_volume(pool.volume(name, kind="volume"))
-                    pool.give_up(name)
-                    return {"name": name, "clients_closed": clients}
+                    return {"name": name, "clients_closed": pool.give_up(name, server.hang_up_volume)}
 
                 control = ControlServer(pool, {"volume_release": release})
         except OSError as exc:
