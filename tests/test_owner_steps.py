@@ -1,0 +1,138 @@
+"""Owners per volume in one process, step by step: the cases an independent review
+found (each failed before its fix), kept as plain tests beside the model test.
+
+Several Pool objects opened with `volumes=[...]` on one directory pool behave as
+separate processes would: each has its own SQLite connection and its own OFD
+locks on the leases file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from thinblock import Pool, ThinblockError
+from thinblock.admin.verbs import run_verb
+from thinblock.core.snapshot import clone, create_snapshot
+from thinblock.tools.check import check_metadata
+
+BS = 4096
+
+
+def _pool(tmp_path: Path, blocks: int = 16384) -> str:
+    path = str(tmp_path / "pool")
+    Pool.create(path, blocks * BS, block_size=BS).close()
+    return path
+
+
+def _check(path: str) -> None:
+    with Pool.open(path) as whole:
+        assert check_metadata(whole.meta) == []
+
+
+def test_a_failed_page_id_reservation_in_a_copy_on_write_changes_nothing(tmp_path: Path) -> None:
+    path = _pool(tmp_path, 256)
+    with Pool.open(path) as p:
+        p.create_volume("a", 64 * BS).write(0, b"o" * (4 * BS))
+        create_snapshot(p, "a", "a@s")
+    pool = Pool.open(path, volumes=["a"], autocommit=False, purpose="A")
+    vol, snap = pool.volume("a"), pool.volume("a@s")
+    # The ids reserved ahead are used up: the copy's id needs a reservation, which fails.
+    pool.txn._spare_page_ids.clear()
+    pool.txn._next_page_id = pool.txn._page_id_end
+    real = pool.txn.reserve_page_ids
+
+    def failing(count: int) -> int:
+        raise OSError(5, "metadata store: I/O error")
+
+    pool.txn.reserve_page_ids = failing
+    with pytest.raises(OSError):
+        vol.write(0, b"N" * BS)
+    pool.txn.reserve_page_ids = real
+    assert pool.txn.page(vol.root[0]).refcount == 2  # still shared with a@s
+    vol.write(BS, b"M" * BS)  # so this write copies the page, never writes it in place
+    assert snap.read(0, 4 * BS) == b"o" * (4 * BS)
+    pool.close()
+    with Pool.open(path) as whole:
+        assert whole.volume("a@s").read(0, 4 * BS) == b"o" * (4 * BS)
+        assert whole.volume("a").read(0, 2 * BS) == b"o" * BS + b"M" * BS
+    _check(path)
+
+
+def test_a_pool_level_step_counts_what_other_owners_committed(tmp_path: Path) -> None:
+    """A's view of a snapshot page's count is stale (another owner's rollback shared
+    it since): removing the snapshot must not free the page, and A keeps committing."""
+    path = _pool(tmp_path)
+    with Pool.open(path) as p:
+        v = p.create_volume("vm1", 64 * BS)
+        v.write(0, b"v" * BS)
+        create_snapshot(p, "vm1", "vm1@s")
+        v.write(0, b"w" * BS)
+        clone(p, "vm1@s", "test1")
+        p.volume("test1").write(0, b"t" * BS)
+    a = Pool.open(path, volumes=["vm1"], autocommit=False, purpose="A")
+    assert a.volume("vm1@s").read(0, BS) == b"v" * BS  # its page is in A's cache now
+    c = Pool.open(path, volumes=["test1"], autocommit=False, purpose="C")
+    run_verb(c, "volume_rollback", {"name": "test1", "snapshot": "vm1@s"})
+    c.close()
+    run_verb(a, "volume_remove", {"name": "vm1@s", "kind": "snapshot"})
+    a.volume("vm1").write(BS, b"x" * BS)
+    a.commit()
+    a.close()
+    with Pool.open(path) as whole:
+        assert whole.volume("test1").read(0, BS) == b"v" * BS
+        assert whole.volume("vm1").read(0, 2 * BS) == b"w" * BS + b"x" * BS
+    _check(path)
+
+
+def test_an_owner_never_writes_back_a_dependent_another_process_removed(tmp_path: Path) -> None:
+    path = _pool(tmp_path)
+    with Pool.open(path) as p:
+        p.create_volume("vm1", 64 * BS).write(0, b"v" * (4 * BS))
+        create_snapshot(p, "vm1", "vm1@s")
+        clone(p, "vm1@s", "test1")
+    a = Pool.open(path, volumes=["vm1"], autocommit=False, purpose="A")
+    command = Pool.open(path, volumes=[], autocommit=False, purpose="command")
+    run_verb(command, "volume_remove", {"name": "test1"})
+    made = run_verb(command, "volume_create", {"name": "test1", "size_bytes": 16 * BS})
+    command.close()
+    run_verb(a, "volume_remove", {"name": "vm1@s", "kind": "snapshot"})
+    a.volume("vm1").write(0, b"z" * BS)
+    a.commit()
+    a.close()
+    with Pool.open(path) as whole:
+        test1 = whole.volume("test1")
+        assert test1.size_bytes == made["size_bytes"] == 16 * BS  # the new one, not the old row
+        assert test1.read(0, BS) == bytes(BS)
+        assert sorted(whole.volumes) == ["test1", "vm1"]
+    _check(path)
+
+
+def test_an_owner_changes_only_what_is_its_own(tmp_path: Path) -> None:
+    path = _pool(tmp_path)
+    with Pool.open(path) as p:
+        p.create_volume("a", 64 * BS)
+        p.create_volume("b", 64 * BS)
+    a = Pool.open(path, volumes=["a"], autocommit=False, purpose="A")
+    b = Pool.open(path, volumes=["b"], autocommit=False, purpose="B")
+    try:
+        with pytest.raises(ThinblockError, match="cannot be changed here"):
+            run_verb(a, "volume_resize", {"name": "b", "size_bytes": 128 * BS})
+        with pytest.raises(ThinblockError, match="served per volume"):
+            a.grow(32768 * BS)
+        with pytest.raises(ThinblockError, match="already exists"):
+            run_verb(a, "snapshot_create", {"volume": "a", "name": "b"})
+        run_verb(a, "snapshot_create", {"volume": "a", "name": "a@1"})
+        run_verb(a, "snapshot_create", {"volume": "a@1", "name": "a@2"})  # a snapshot of a snapshot
+        assert a.serves(a.volume("a@2")) and not b.serves(b.volume("a"))
+        with pytest.raises(ThinblockError, match="cannot be changed here"):
+            command = Pool.open(path, volumes=[], autocommit=False, purpose="command")
+            try:
+                run_verb(command, "volume_remove", {"name": "a@2", "kind": "snapshot"})
+            finally:
+                command.close()
+    finally:
+        a.close()
+        b.close()
+    _check(path)
