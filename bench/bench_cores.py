@@ -4,15 +4,15 @@
 
 Today one `thinblock serve` process owns a whole pool, so every volume of a
 pool shares one interpreter (one core, whatever the number of connections).
-Issue 22's per-volume owners would let each volume have its own process. The
+Owners per volume (issue 22) let each volume have its own process. The
 cases, side by side in one run:
 
   A  one process: `thinblock serve POOL` serving two 4 GiB volumes v1 and v2;
   B  two processes: two `thinblock serve`, each on its own pool holding one
      4 GiB volume (the best that per-volume owners of one pool could reach);
-  O  (--owners, for after issue 22) two `thinblock serve POOL --volume v1` /
-     `--volume v2` on one pool; while `serve` has no --volume option, the
-     row is skipped with a one-line message;
+  O  (--owners) two `thinblock serve POOL --volume v1` / `--volume v2` on
+     one pool: owners per volume (a thinblock whose serve has no --volume
+     skips the row with a one-line message);
   C  peer: one nbdkit `file` plugin process serving two 4 GiB files (dir=,
      export names are the file names).
 
@@ -123,7 +123,7 @@ def two_processes(scratch: Path) -> Iterator[list[str]]:
 
 @contextmanager
 def two_owners(scratch: Path) -> Iterator[list[str]]:
-    """O: two `thinblock serve POOL --volume V` on one pool (issue 22; not there yet)."""
+    """O: two `thinblock serve POOL --volume V` on one pool (owners per volume)."""
     pool = scratch / "o-pool"
     tb, env = make_pool(pool, VOLUMES)
     with ExitStack() as stack:

@@ -135,7 +135,7 @@ def one_run(work: Path, tb: list[str], env: dict[str, str]) -> dict[str, Any]:
         return {
             "handover_s": float(found.group(1)) if found else None,
             "gap_s": first_new[0] - started,
-            "acked_writes_to_v": len(acked),
+            "acked_writes_to_v": len(acked),  # distinct 4 KiB blocks, each read back
             "acked_writes_lost": lost,
             "writes_to_w": w_writes[0],
             "w_errors": len(w_errors),
@@ -166,7 +166,7 @@ def main() -> None:
     for i, r in enumerate(results, 1):
         print(
             f"run {i}: handover {r['handover_s']:.3f} s, gap to the first write on the new server {r['gap_s']:.3f} s;"
-            f" {r['acked_writes_to_v']} acknowledged writes to v, {r['acked_writes_lost']} lost;"
+            f" {r['acked_writes_to_v']} blocks of v acknowledged, {r['acked_writes_lost']} lost;"
             f" {r['writes_to_w']} writes to w meanwhile, {r['w_errors']} failed"
         )
 
