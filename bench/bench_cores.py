@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/bench_cores.py [--quick] [--json] [--owners]
 
-Today one `thinblock serve` process owns a whole pool, so every volume of a
-pool shares one interpreter (one core, whatever the number of connections).
+A `thinblock serve` of a whole pool serves every volume of it from one
+interpreter (one core, whatever the number of connections).
 Owners per volume (issue 22) let each volume have its own process. The
 cases, side by side in one run:
 
