@@ -16,7 +16,7 @@ import nbd
 
 from tests.cli import ROOT, thinblock
 
-__all__ = ["Server", "connect", "offered_contexts", "served_pool", "thinblock"]
+__all__ = ["Server", "connect", "listed_exports", "offered_contexts", "served_pool", "thinblock"]
 
 
 class Server:
@@ -130,6 +130,22 @@ def apply_steps(server: Server, name: str, model: bytearray, steps: list[NbdStep
             model[off : off + arg] = bytes(arg)
     h.flush()
     h.shutdown()
+
+
+def listed_exports(server: Server) -> list[tuple[str, str]]:
+    """(name, description) of every export NBD_OPT_LIST gives, through libnbd."""
+    h = nbd.NBD()
+    h.set_opt_mode(True)
+    h.connect_uri(server.unix_uri(""))
+    listed: list[tuple[str, str]] = []
+
+    def export(name: str, description: str) -> int:
+        listed.append((name, description))
+        return 0
+
+    assert h.opt_list(export) == len(listed)
+    h.opt_abort()
+    return listed
 
 
 def offered_contexts(server: Server, name: str) -> list[str]:

@@ -22,7 +22,7 @@ import nbd
 import pytest
 
 from tests.cli import thinblock
-from tests.nbd_server import Server
+from tests.nbd_server import Server, listed_exports
 
 MiB = 1 << 20
 
@@ -184,7 +184,7 @@ def test_a_volume_is_served_by_one_owner_and_others_are_told_who(tmp_path: Path)
             assert info.returncode != 0
             assert "Requested export not available" in info.stderr
             assert f"pid {sb.proc.pid}" in info.stderr, info.stderr
-            assert [n for n, *_ in _export_list(sa)] == ["a"]
+            assert [n for n, *_ in listed_exports(sa)] == ["a"]
         finally:
             _stop(sb)
         info = subprocess.run(
@@ -200,21 +200,6 @@ def test_a_volume_is_served_by_one_owner_and_others_are_told_who(tmp_path: Path)
     finally:
         _stop(sa)
     thinblock("pool", "check", pool)
-
-
-def _export_list(server: Server) -> list[tuple[str, str]]:
-    h = nbd.NBD()
-    h.set_opt_mode(True)
-    h.connect_uri(server.unix_uri(""))
-    names: list[tuple[str, str]] = []
-
-    def listed(name: str, desc: str) -> int:
-        names.append((name, desc))
-        return 0
-
-    h.opt_list(listed)
-    h.opt_abort()
-    return names
 
 
 def test_sigkill_of_one_owner_leaves_the_others_serving_and_its_flushed_bytes_intact(tmp_path: Path) -> None:
@@ -344,7 +329,7 @@ def test_serve_without_volume_beside_owners_serves_the_volumes_nobody_holds(tmp_
     sa = _serve(pool, tmp_path, "a")
     rest = Server(pool, "--socket", str(tmp_path / "rest.sock"), workdir=tmp_path)
     try:
-        assert [n for n, *_ in _export_list(rest)] == ["b", "c"]
+        assert [n for n, *_ in listed_exports(rest)] == ["b", "c"]
         h = _handle(rest, "c")
         h.pwrite(b"c" * MiB, 0)
         h.flush()
