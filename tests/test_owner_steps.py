@@ -136,3 +136,36 @@ def test_an_owner_changes_only_what_is_its_own(tmp_path: Path) -> None:
         a.close()
         b.close()
     _check(path)
+
+
+def test_a_grant_kept_after_all_never_hands_out_a_block_freed_meanwhile(tmp_path: Path) -> None:
+    """A handover or give-back that fails keeps its grants (restore_grant): a block
+    freed in the open transaction stays on the freed-block path (committed, punched,
+    synced), never allocatable at once; a block that was allocatable is again."""
+    path = _pool(tmp_path, 1024)
+    with Pool.open(path) as p:
+        p.create_volume("a", 64 * BS)
+    pool = Pool.open(path, volumes=["a"], autocommit=False, purpose="A")
+    try:
+        vol = pool.volume("a")
+        vol.write(0, b"S" * BS)
+        pool.commit()
+        dblock = vol._entry(0) >> 3
+        vol.trim(0, BS)  # freed in the open transaction: still mapped in committed state
+        space = pool.accounts.space
+        grant = pool.owner.grants[0] if pool.owner else None
+        assert grant is not None and grant.start <= dblock < grant.start + grant.count
+        with pool.lock:
+            idle_before = space.allocatable_blocks
+            was_idle = space.drop_grant(grant.start, grant.count)
+            assert space.allocatable_blocks == idle_before - len(was_idle)
+            space.restore_grant(grant.start, grant.count, was_idle)
+            assert space.busy[dblock] == 1 and dblock in space.pending_free
+            assert space.allocatable_blocks == idle_before
+        vol.write(BS, b"T" * 512)  # a fresh block: never the one just freed
+        assert vol._entry(1) >> 3 != dblock
+        assert vol.read(BS, BS) == b"T" * 512 + bytes(BS - 512)
+        pool.commit()
+    finally:
+        pool.close()
+    _check(path)

@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING
 
 from thinblock.core.mapping import BlockState, entry_dblock, entry_state
-from thinblock.core.pool_steps import fold_orphans, grant_blocks, punch_grant, return_grant
+from thinblock.core.pool_steps import fold_orphans, grant_blocks, punch_blocks, return_grant
 from thinblock.core.spacemap import to_runs
 from thinblock.errors import NoSpaceError, ThinblockError
 from thinblock.meta.base import Grant, Lease, MetadataStore, VolumeBusyError
@@ -68,6 +68,7 @@ class VolumeOwner:
         self.grants: list[Grant] = []
         self._granted = threading.Condition()  # _granting changed
         self._granting = 0  # grants committed, being punched (not allocatable yet)
+        self._wanting = 0  # requests in take_space (give_back_idle waits for them)
         self._leaving: set[int] = set()  # volumes being handed over: served no more
         self._grant_bytes = FIRST_GRANT_BYTES
         self._last_grant = 0.0
@@ -163,10 +164,20 @@ class VolumeOwner:
         after it, outside every lock, and only then are they allocatable. A thread that
         finds a grant on its way waits for it rather than taking another."""
         pool = self.pool
-        space = pool.accounts.space
-        bs = pool.block_size
         if not self._leases:
             raise NoSpaceError(f"pool {pool.path}: a command owning no volume takes no new space")
+        with self._granted:
+            self._wanting += 1
+        try:
+            self._gather(wanted, vol)
+        finally:
+            with self._granted:
+                self._wanting -= 1
+
+    def _gather(self, wanted: int, vol: Volume | None) -> None:
+        pool = self.pool
+        space = pool.accounts.space
+        bs = pool.block_size
         while True:
             with self._granted:
                 while self._granting:
@@ -194,10 +205,27 @@ class VolumeOwner:
                     raise NoSpaceError(f"pool {pool.path} is out of space: {exc.strerror}") from None
                 with self._granted:
                     self._granting += 1
+            in_flight = True
+
+            def done() -> None:
+                nonlocal in_flight
+                if in_flight:
+                    in_flight = False
+                    with self._granted:
+                        self._granting -= 1
+                        self._granted.notify_all()
+
             try:
                 try:
-                    punch_grant(self.meta, pool.store, lease, grant)
+                    punch_blocks(self.meta, pool.store, grant)
                 except OSError as exc:
+                    # No longer in flight before the return, which takes the pool-level
+                    # lock: a step holding that lock may be waiting for this grant.
+                    done()
+                    try:
+                        return_grant(self.meta, lease, grant)
+                    except (OSError, ThinblockError) as again:  # taken back by a later step
+                        log.warning("pool %s: a grant not given back after a failed punch: %s", pool.path, again)
                     raise NoSpaceError(f"pool {pool.path}: preparing granted space failed: {exc.strerror}") from None
 
                 def added(meta: object, grant: Grant = grant) -> None:
@@ -210,9 +238,7 @@ class VolumeOwner:
 
                 pool.between_commits(added)
             finally:
-                with self._granted:
-                    self._granting -= 1
-                    self._granted.notify_all()
+                done()
             log.debug(
                 "pool %s: granted %s at block %d to volume %d",
                 pool.path,
@@ -238,6 +264,9 @@ class VolumeOwner:
         wipe what the next taker wrote there."""
         pool = self.pool
         space = pool.accounts.space
+        with self._granted:
+            if self._wanting:  # a request is gathering grants: what lies idle is for it
+                return
         with pool.lock:
             if space.allocatable_blocks <= self.idle_limit():
                 return
@@ -251,7 +280,7 @@ class VolumeOwner:
                         return
                     if self._unsettled(grant):
                         continue
-                    space.drop_grant(grant.start, grant.count)
+                    was_idle = space.drop_grant(grant.start, grant.count)
                     self.grants.remove(grant)
                 lease = self._leases.get(grant.volume_id)
                 try:
@@ -260,9 +289,8 @@ class VolumeOwner:
                     return_grant(self.meta, lease, grant)
                 except (OSError, ThinblockError) as exc:
                     log.warning("pool %s: giving back grant %d+%d failed: %s", pool.path, grant.start, grant.count, exc)
-                    stored = self.meta.refcount_pages()
                     with pool.lock:
-                        space.add_grant(grant.start, grant.count, stored)
+                        space.restore_grant(grant.start, grant.count, was_idle)
                         self.grants.insert(0, grant)
                     return
                 log.debug("pool %s: gave back grant %d+%d", pool.path, grant.start, grant.count)
@@ -283,17 +311,18 @@ class VolumeOwner:
         lease = self._leases[vid]
         mine = [g for g in self.grants if g.volume_id == vid]
 
+        idle: dict[Grant, set[int]] = {}
+
         def drop(_meta: object) -> None:
             with pool.lock:
                 for grant in mine:
-                    space.drop_grant(grant.start, grant.count)
+                    idle[grant] = space.drop_grant(grant.start, grant.count)
                     self.grants.remove(grant)
 
         def put_back(_meta: object) -> None:
-            stored = self.meta.refcount_pages()
             with pool.lock:
                 for grant in mine:
-                    space.add_grant(grant.start, grant.count, stored)
+                    space.restore_grant(grant.start, grant.count, idle.get(grant, set()))
                     self.grants.append(grant)
 
         pool.between_commits(drop)

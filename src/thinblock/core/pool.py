@@ -892,33 +892,47 @@ class Pool:
     def drop_volume(self, vol: Volume) -> list[dict[str, Any]]:
         """Take vol out of the pool (call under the pool lock, with its range held): its
         pages lose a reference, and its dependents' origin becomes none (returned)."""
+        # An owner per volume rewrites a dependent it does not serve whole: from the
+        # store's row, not its own view, which another process may have changed since
+        # (pool_step holds the pool-level lock; _refuse_foreign_dependents refused live
+        # owners' ones). What it serves, its own view is the authority for.
+        foreign: dict[int, VolumeRow] = {}
+        mine: set[int] = set()
+        if self.owner is not None:
+            mine = {v.row.id for v in self.volumes.values() if v.row.origin_id == vol.row.id and self.serves(v)}
+            foreign = {row.id: row for row in self.meta.volumes() if row.id not in mine}
         self.txn.release_root(vol)
         self.volumes.tally(vol, False)
         del self.volumes[vol.name]
         vol.removed = True
         self.accounts.retally_set_aside(vol)  # its set-aside goes with it
         dependents = []
-        # An owner per volume rewrites a dependent's row whole: from the store's, not its
-        # own view of it, which another process may have changed since (pool_step holds
-        # the pool-level lock, and _refuse_foreign_dependents refused live owners' ones).
-        fresh = {row.id: row for row in self.meta.volumes()} if self.owner is not None else {}
         for other in sorted(self.volumes.values(), key=lambda v: v.name):
             if other.row.origin_id == vol.row.id:  # lineage ends here; the blocks stay shared
-                if self.owner is not None:
-                    stored = fresh.get(other.row.id)
-                    if stored is None:
-                        continue  # gone already: nothing to write
-                    with self.volumes.tallied(other):
-                        for column in dataclasses.fields(stored):
-                            setattr(other.row, column.name, getattr(stored, column.name))
-                    if other.row.origin_id != vol.row.id:
-                        continue  # it was given another origin meanwhile
+                if self.owner is not None and other.row.id not in mine and not self._follow_stored(other, foreign):
+                    continue
+                if other.row.origin_id != vol.row.id:
+                    continue  # it was given another origin meanwhile
                 other.row.origin_id = None
                 self.txn.mark_volume_dirty(other)
                 if not other.name.startswith(STAGING_PREFIX):  # the pool's own: a job's, no one's dependent
                     dependents.append({"name": other.name, "kind": other.row.kind, "origin": None})
         self.txn.forget_volume(vol)
         return dependents
+
+    def _follow_stored(self, other: Volume, foreign: dict[int, VolumeRow]) -> bool:
+        """drop_volume's rewrite of a dependent this owner does not serve: its row becomes
+        the stored one (renamed meanwhile: found under its new name). False if it is gone."""
+        stored = foreign.get(other.row.id)
+        if stored is None:
+            return False
+        with self.volumes.tallied(other):
+            if stored.name != other.name:
+                del self.volumes[other.name]
+                self.volumes[stored.name] = other
+            for column in dataclasses.fields(stored):
+                setattr(other.row, column.name, getattr(stored, column.name))
+        return True
 
     def refuse_if_busy(self, vol: Volume, what: str) -> None:
         if vol.users:

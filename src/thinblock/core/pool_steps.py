@@ -134,10 +134,8 @@ def grant_blocks(meta: MetadataStore, lease: Lease, blocks: int) -> Grant:
 def punch_grant(meta: MetadataStore, store: DataStore, lease: Lease, grant: Grant) -> None:
     """take_grant's second half, with no pool-level lock held: the grant's blocks
     punched and synced before any is handed out; on failure it is given back."""
-    block_size = int(meta.superblock()["block_size"])
     try:
-        store.punch(grant.start * block_size, grant.count * block_size)
-        store.flush()
+        punch_blocks(meta, store, grant)
     except OSError as exc:
         try:
             return_grant(meta, lease, grant)
@@ -150,6 +148,13 @@ def punch_grant(meta: MetadataStore, store: DataStore, lease: Lease, grant: Gran
                 again,
             )
         raise exc from None
+
+
+def punch_blocks(meta: MetadataStore, store: DataStore, grant: Grant) -> None:
+    """Punch a grant's blocks and sync: what a dead owner wrote there never shows."""
+    block_size = int(meta.superblock()["block_size"])
+    store.punch(grant.start * block_size, grant.count * block_size)
+    store.flush()
 
 
 def return_grant(meta: MetadataStore, lease: Lease, grant: Grant) -> None:

@@ -285,17 +285,38 @@ class SpaceMap:
                 self.busy[dblock] = 0
                 self.idle += 1
 
-    def drop_grant(self, start: int, count: int) -> None:
-        """The grant went back to the pool: none of its blocks is allocatable here now."""
+    def drop_grant(self, start: int, count: int) -> set[int]:
+        """The grant leaves this owner: none of its blocks is allocatable here now.
+        Returns the blocks that were allocatable (restore_grant's argument if the
+        grant stays ours after all)."""
         assert self.grant_mask is not None
         self.grant_mask[start : start + count] = bytes(count)
+        idle = set()
         for dblock in range(start, start + count):
             if not self.busy[dblock]:
                 self.busy[dblock] = 1
                 self.idle -= 1
+                idle.add(dblock)
         gone = set(range(start, start + count))
         self.pending_free = [d for d in self.pending_free if d not in gone]
         self.unsynced_free = [d for d in self.unsynced_free if d not in gone]
+        return idle
+
+    def restore_grant(self, start: int, count: int, idle: set[int]) -> None:
+        """A grant drop_grant took stays ours (giving it back failed): the blocks that were
+        allocatable are again; every other block at count zero here (freed since, or
+        waiting for its punch at the drop) takes the freed-block path, so it is
+        committed free, punched and synced before it is handed out (rules 1 and 2)."""
+        assert self.grant_mask is not None
+        self.grant_mask[start : start + count] = b"\x01" * count
+        for dblock in range(start, start + count):
+            if self.refcounts[dblock] or dblock in self.unpublished:
+                continue
+            if dblock in idle and self.busy[dblock]:
+                self.busy[dblock] = 0
+                self.idle += 1
+            elif self.busy[dblock]:
+                self.pending_free.append(dblock)
 
     def uncommitted_in(self, start: int, count: int) -> bool:
         """Owner mode: whether a count of [start, start + count) differs from the store's

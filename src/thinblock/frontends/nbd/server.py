@@ -652,13 +652,14 @@ class NBDServer:
         return True
 
     def hang_up_volume(self, vol: Volume) -> int:
-        """End the sessions using vol (and the snapshots taken of it), letting their
-        in-flight requests finish: a handover (`serve --volume --takeover`). How many."""
+        """End the sessions using vol and the snapshots taken of it (through snapshots of
+        snapshots), letting their in-flight requests finish: a handover (`serve
+        --volume --takeover`). How many."""
         with self.lock:
             sessions = [
                 s
                 for s in self.sessions
-                if s.export is not None and vol.row.id in (s.export.volume.row.id, s.export.volume.row.origin_id)
+                if s.export is not None and self.pool.base_volume_id(s.export.volume) == vol.row.id
             ]
         for session in sessions:
             session.handed_over = True
