@@ -169,3 +169,41 @@ def test_a_grant_kept_after_all_never_hands_out_a_block_freed_meanwhile(tmp_path
     finally:
         pool.close()
     _check(path)
+
+
+def _die(pool: Pool) -> None:
+    """What SIGKILL leaves: nothing committed or released; its locks go with its files."""
+    pool.committer.closed.set()
+    pool.store.close()
+    pool.meta.close()
+    pool._ownership.release()
+
+
+@pytest.mark.parametrize("shared_meanwhile", [False, True], ids=["alone", "snapshot-meanwhile"])
+def test_a_dead_owners_bytes_in_a_zeroed_block_never_show(tmp_path: Path, shared_meanwhile: bool) -> None:
+    """An owner wrote into a provisioned (ZEROED) block in place and died before any
+    commit. Its next owner zeroes it again, even when a command snapshotted the
+    volume meanwhile (the page is shared then, and the snapshot's end would unshare it)."""
+    path = _pool(tmp_path, 4096)
+    with Pool.open(path) as p:
+        p.create_volume("a", 64 * BS).provision(0, 4 * BS)
+    first = Pool.open(path, volumes=["a"], autocommit=False, purpose="A")
+    first.volume("a").write(0, b"X" * BS)
+    _die(first)
+    if shared_meanwhile:
+        command = Pool.open(path, volumes=[], autocommit=False, purpose="command")
+        run_verb(command, "snapshot_create", {"volume": "a", "name": "a@s"})
+        command.close()
+    second = Pool.open(path, volumes=["a"], autocommit=False, purpose="B")
+    try:
+        if shared_meanwhile:
+            run_verb(second, "volume_remove", {"name": "a@s", "kind": "snapshot"})
+            second.commit()
+        second.volume("a").write(0, b"y" * 512)  # the rest of the block must read zero
+        second.commit()
+        assert second.volume("a").read(0, BS) == b"y" * 512 + bytes(BS - 512)
+    finally:
+        second.close()
+    with Pool.open(path) as whole:
+        assert whole.volume("a").read(0, BS) == b"y" * 512 + bytes(BS - 512)
+    _check(path)

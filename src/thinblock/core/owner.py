@@ -11,9 +11,9 @@ I/O. This module holds what is this owner's alone:
 - its grants of free blocks: it allocates only from them (core/spacemap.py's
   owner mode), takes another when they run low (sized by how fast it writes,
   1 to 64 MiB), and gives back what it did not use when it closes;
-- the recovery of the volumes it took from an owner that died: their ZEROED
-  blocks may hold what that owner wrote and never committed, so they are zeroed
-  again before the first request (the rule spacemap's rule 2 keeps for free
+- the recovery of the volumes it takes: their ZEROED blocks may hold what an
+  owner that died wrote and never committed, so they are zeroed again (every
+  one, shared or not) before the first request (the rule spacemap's rule 2 keeps for free
   blocks, which a grant's taker punches).
 """
 
@@ -128,9 +128,13 @@ class VolumeOwner:
     # ----- recovery of volumes an owner left --------------------------------------
 
     def rezero(self) -> None:
-        """Zero again the ZEROED blocks our volumes hold alone (see the module's docstring)."""
+        """Zero again every ZEROED block our volumes map (see the module's docstring),
+        shared or not: a page shared now may have been the dead owner's alone when it
+        wrote into the block in place (a command may snapshot or clone a volume nobody
+        holds), and the sharing would hide the bytes only until it ends. A ZEROED block
+        reads zero for everyone, and nobody writes in place into a block two pages
+        reference, so zeroing it changes nothing anyone may see."""
         pool = self.pool
-        space = pool.accounts.space
         dblocks: set[int] = set()
         for vid in self._leases:
             vol = pool.volume_by_id(vid)
@@ -138,14 +142,9 @@ class VolumeOwner:
                 continue
             pool.txn.load_pages(vol.root.values())
             for page_id in vol.root.values():
-                page = pool.txn.page(page_id)
-                if page.refcount != 1:
-                    continue  # a shared page's blocks are never written in place
-                for entry in page.entries:
+                for entry in pool.txn.page(page_id).entries:
                     if entry and entry_state(entry) == BlockState.ZEROED:
-                        dblock = entry_dblock(entry)
-                        if space.refcounts[dblock] == 1:
-                            dblocks.add(dblock)
+                        dblocks.add(entry_dblock(entry))
         bs = pool.block_size
         for start, count in to_runs(sorted(dblocks)):
             pool.store.zero(start * bs, count * bs)
