@@ -1032,7 +1032,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="silence allowed in a write's payload while other clients wait for memory (default 20)",
     )
     p.add_argument(
-        "--takeover", action="store_true", help="rados: pools: fence off the live holder and serve (see docs/ceph.md)"
+        "--takeover",
+        action="store_true",
+        help="rados: pools: fence off the live holder and serve (see docs/ceph.md); with --volume: have those"
+        " volumes handed over by the server that owns them",
     )
     p.add_argument(
         "--volume",
