@@ -14,11 +14,10 @@ import time
 from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
-from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s, owner_socket_name
+from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s, owner_socket
 from thinblock.admin.jobs import Check, close_fds, run_job
 from thinblock.admin.verbs import run_verb
 from thinblock.backends import locate
-from thinblock.core.owner import owner_pid
 from thinblock.core.pool import Pool
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.progress import ProgressFn, no_progress
@@ -86,12 +85,12 @@ class SharedAdmin:
             return None
         vid = self.pool.base_volume_id(vol)
         holder = self.pool.meta.volume_holder(vid) if vid is not None else None
-        pid = owner_pid(holder) if holder else None
-        if holder and pid is None:
-            raise PoolBusyError(f"{vol.row.kind} {vol.name} is served by {holder}, which this host cannot reach")
-        if pid is None:
+        if holder is None:
             return None
-        return os.path.join(self.pool.location.runtime_dir(), owner_socket_name(pid))
+        sock = owner_socket(self.pool.location, holder)
+        if sock is None:
+            raise PoolBusyError(f"{vol.row.kind} {vol.name} is served by {holder}, which this host cannot reach")
+        return sock
 
     def call(self, verb: str, **args: Any) -> Any:
         target = self._owner_socket(verb, args)

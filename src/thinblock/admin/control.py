@@ -33,6 +33,8 @@ from typing import Any
 from thinblock.admin.jobs import JOBS, close_fds, run_job
 from thinblock.admin.schema import validate
 from thinblock.admin.verbs import VERBS, run_validated
+from thinblock.backends import Location
+from thinblock.core.owner import owner_pid
 from thinblock.core.pool import Pool
 from thinblock.errors import (
     NoSpaceError,
@@ -64,6 +66,13 @@ def control_socket_name(pool: Pool) -> str:
 
 def owner_socket_name(pid: int) -> str:
     return f"control.{pid}.sock"
+
+
+def owner_socket(pool: Location, holder: str) -> str | None:
+    """The control socket of the server a lease's holder names (core/owner.py's
+    owner_name), or None when that server is on another host."""
+    pid = owner_pid(holder)
+    return None if pid is None else os.path.join(pool.runtime_dir(), owner_socket_name(pid))
 
 
 IDLE_CLIENT_S = 300.0  # a control client silent this long is dropped

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 
-from thinblock.admin.control import ControlClient, control_timeout_s, owner_socket_name
+from thinblock.admin.control import ControlClient, control_timeout_s, owner_socket
 from thinblock.backends import Location
 from thinblock.core.owner import owner_pid
 from thinblock.core.registry import STAGING_PREFIX
@@ -39,8 +39,7 @@ def take_over(location: Location, names: list[str]) -> None:
             if holder is None:
                 log.info("takeover of volume %s: nobody serves it", name)
                 continue
-            pid = owner_pid(holder)
-            sock = os.path.join(location.runtime_dir(), owner_socket_name(pid)) if pid is not None else None
+            sock = owner_socket(location, holder)
             if sock is None or not os.path.exists(sock):
                 raise PoolBusyError(f"volume {name} is served by {holder}, which offers no control socket here")
             started = time.monotonic()
@@ -50,7 +49,7 @@ def take_over(location: Location, names: list[str]) -> None:
             except ThinblockError as exc:
                 raise PoolBusyError(
                     f"volume {name} is served by {holder}, which does not answer ({exc}); on a directory pool a"
-                    f" live process cannot be fenced off: stop it (kill {pid}), then serve the volume"
+                    f" live process cannot be fenced off: stop it (kill {owner_pid(holder)}), then serve the volume"
                 ) from None
             try:
                 done = client.call("volume_release", name=name)

@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING
 
 from thinblock.core.mapping import BlockState, entry_dblock, entry_state
-from thinblock.core.pool_steps import fold_orphans, grant_blocks, punch_blocks, return_grant
+from thinblock.core.pool_steps import fold_orphans, grant_blocks, punch_grant, return_grant
 from thinblock.core.spacemap import to_runs
 from thinblock.errors import NoSpaceError, ThinblockError
 from thinblock.meta.base import Grant, Lease, MetadataStore, VolumeBusyError
@@ -195,8 +195,7 @@ class VolumeOwner:
                 elif now - self._last_grant > 10 * FAST_GRANTS_S:
                     self._grant_bytes = max(MIN_GRANT_BYTES, self._grant_bytes // 2)
                 self._last_grant = now
-                # A small pool is shared in smaller grants: an eighth of it at most.
-                blocks = max(short, min(self._grant_bytes // bs, space.n_blocks // 8), 1)
+                blocks = max(short, self._grant_size(), 1)
                 lease = self.lease_of(vol)
                 try:
                     grant = grant_blocks(self.meta, lease, blocks)
@@ -216,15 +215,10 @@ class VolumeOwner:
 
             try:
                 try:
-                    punch_blocks(self.meta, pool.store, grant)
+                    # No longer in flight before a failed grant goes back, which takes the
+                    # pool-level lock: a step holding that lock may be waiting for it.
+                    punch_grant(self.meta, pool.store, lease, grant, before_return=done)
                 except OSError as exc:
-                    # No longer in flight before the return, which takes the pool-level
-                    # lock: a step holding that lock may be waiting for this grant.
-                    done()
-                    try:
-                        return_grant(self.meta, lease, grant)
-                    except (OSError, ThinblockError) as again:  # taken back by a later step
-                        log.warning("pool %s: a grant not given back after a failed punch: %s", pool.path, again)
                     raise NoSpaceError(f"pool {pool.path}: preparing granted space failed: {exc.strerror}") from None
 
                 def added(meta: object, grant: Grant = grant) -> None:
@@ -249,10 +243,14 @@ class VolumeOwner:
     def idle_limit(self) -> int:
         """How many allocatable blocks this owner keeps in its grants at most; the
         rest goes back to the pool (others may need it: a trimmed volume's space)."""
-        bs = self.pool.block_size
-        # Two grants' worth (as take_space sizes them): less would give back the grant
-        # just taken, and take it again at the next write.
-        return max(1, 2 * min(self._grant_bytes // bs, self.pool.accounts.space.n_blocks // 8))
+        # Two grants' worth: less would give back the grant just taken, and take it
+        # again at the next write.
+        return max(1, 2 * self._grant_size())
+
+    def _grant_size(self) -> int:
+        """The blocks a grant holds now: by the write rate, and an eighth of a small pool
+        at most (it is shared in smaller grants)."""
+        return min(self._grant_bytes // self.pool.block_size, self.pool.accounts.space.n_blocks // 8)
 
     def give_back_idle(self) -> None:
         """Return whole grants while more than idle_limit blocks lie allocatable in

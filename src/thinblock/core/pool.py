@@ -233,7 +233,7 @@ class Pool:
             space.allocate_from_grants(stored_counts)
             owned = self.owned = None  # the data store's header and birth table are the whole-pool owner's
         del stored_counts
-        self.txn = OpenTransaction(meta, space, self.volume_by_id)
+        self.txn = OpenTransaction(meta, space, self.volume_by_id, shared=self.owner is not None)
         self.host = location.host(sb)
         self.host.take_slack()
         self.data_path = location.data_name(sb)
@@ -821,11 +821,9 @@ class Pool:
     def check_new_name(self, name: str, kind: str = "volume") -> None:
         """A name a new volume or snapshot may take, or ThinblockError."""
         validate_name(name, kind)
-        if self.owner is not None and any(row.name == name for row in self.meta.volumes()):
-            # Another owner's volume made since this one opened (under pool_step, so
-            # none can be made meanwhile).
-            raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
-        if name in self.volumes:
+        # An owner per volume also asks the store: another owner's volume may have been
+        # made since this one opened (under pool_step, none can be made meanwhile).
+        if name in self.volumes or (self.owner is not None and any(row.name == name for row in self.meta.volumes())):
             raise ThinblockError(f"a volume or snapshot named {name!r} already exists in pool {self.path}")
 
     def share_contents(self, vol: Volume, source: Volume) -> None:
@@ -1016,11 +1014,14 @@ class Pool:
     def status(self) -> dict[str, Any]:
         """Live figures of the pool, from kept counters: O(1) in the number of volumes
         (`volume_info` gives each volume's)."""
+        # An owner per volume shows the pool's used count as every owner committed it (its
+        # own view may be behind), read before the pool lock: no store read under it.
+        committed = self.meta.superblock().get("used_blocks") if self.owner is not None else None
         with self.lock:
             self.accounts.refresh_reserved()  # the few reserved volumes with stale counts: exact set-asides
             figures = self.space_figures()
-            if self.owner is not None:  # the pool's, as committed by every owner (this view may be behind)
-                used = int(self.meta.superblock().get("used_blocks") or 0) * self.block_size
+            if committed is not None:
+                used = int(committed) * self.block_size
                 figures.update(used_bytes=used, free_bytes=self.size_bytes - used)
                 figures["available_bytes"] = max(0, figures["free_bytes"] - figures["reserved_bytes"])
             return {

@@ -22,6 +22,7 @@ import dataclasses
 import errno
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -131,15 +132,25 @@ def grant_blocks(meta: MetadataStore, lease: Lease, blocks: int) -> Grant:
     return grant
 
 
-def punch_grant(meta: MetadataStore, store: DataStore, lease: Lease, grant: Grant) -> None:
+def punch_grant(
+    meta: MetadataStore,
+    store: DataStore,
+    lease: Lease,
+    grant: Grant,
+    *,
+    before_return: Callable[[], None] | None = None,
+) -> None:
     """take_grant's second half, with no pool-level lock held: the grant's blocks
-    punched and synced before any is handed out; on failure it is given back."""
+    punched and synced before any is handed out; on failure it is given back (after
+    before_return, when given)."""
     try:
         punch_blocks(meta, store, grant)
     except OSError as exc:
+        if before_return is not None:
+            before_return()
         try:
             return_grant(meta, lease, grant)
-        except OSError as again:  # still ours, never allocated from: returned on release, or taken back
+        except (OSError, ThinblockError) as again:  # never allocated from: returned on release, or taken back
             log.warning(
                 "grant %d+%d of volume %d not given back after a failed punch: %s",
                 grant.start,

@@ -34,7 +34,7 @@ import numpy as np
 
 from thinblock.core.mapping import DBLOCK_SHIFT
 from thinblock.errors import CorruptionError
-from thinblock.meta.owners import REFCOUNT_ENTRIES
+from thinblock.meta.owners import REFCOUNT_ENTRIES, counts_of
 
 REFCOUNT_PAGE_ENTRIES = REFCOUNT_ENTRIES
 _PAGES_AT_ONCE = 1024  # became_exclusive: mapping pages walked in one numpy array (4 MiB)
@@ -325,7 +325,7 @@ class SpaceMap:
         for index in range(start // REFCOUNT_PAGE_ENTRIES, (start + count - 1) // REFCOUNT_PAGE_ENTRIES + 1):
             first = index * REFCOUNT_PAGE_ENTRIES
             lo, hi = max(start, first), min(start + count, first + REFCOUNT_PAGE_ENTRIES, self.n_blocks)
-            base = _padded(self.bases.get(index, b""), hi - first)[lo - first :]
+            base = counts_of(self.bases.get(index, b""), hi - first)[lo - first :]
             if bool(np.any(view[lo:hi].astype(np.int64) != base)):
                 return True
         return False
@@ -349,8 +349,8 @@ class SpaceMap:
             before = (sent or {}).get(index)
             if before is None:
                 before = self.bases.get(index, b"")
-            mine = view - _padded(before, n)
-            new = _padded(blob, n) + mine
+            mine = view - counts_of(before, n)
+            new = counts_of(blob, n) + mine
             if int(new.min(initial=0)) < 0:
                 raise CorruptionError(f"refcount page {index}: the store's counts fell below this owner's references")
             self.used_blocks += int(np.count_nonzero(new)) - int(np.count_nonzero(view))
@@ -383,12 +383,6 @@ def busy_map(refcounts: array[int]) -> bytearray:
     for lane in range(width):
         merged |= int.from_bytes(raw[lane::width], "little")
     return bytearray(merged.to_bytes(len(refcounts), "little").translate(_ONE_IF_NONZERO))
-
-
-def _padded(blob: bytes, n: int) -> np.ndarray:
-    """A refcount blob as n int64 counts (missing ones are zero)."""
-    counts = np.frombuffer(blob, dtype=np.uint32)[:n].astype(np.int64)
-    return counts if len(counts) == n else np.concatenate([counts, np.zeros(n - len(counts), dtype=np.int64)])
 
 
 def to_runs(blocks: list[int]) -> list[tuple[int, int]]:

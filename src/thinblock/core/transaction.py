@@ -56,7 +56,14 @@ class Built:
 class OpenTransaction:
     """One owner's uncommitted metadata changes, and the page cache they live in."""
 
-    def __init__(self, meta: MetadataStore, space: SpaceMap, volume_by_id: Callable[[int], Volume | None]) -> None:
+    def __init__(
+        self,
+        meta: MetadataStore,
+        space: SpaceMap,
+        volume_by_id: Callable[[int], Volume | None],
+        *,
+        shared: bool = False,
+    ) -> None:
         self.meta = meta  # page and root reads only: commits go through core/commit.py
         self.space = space
         self._volume_by_id = volume_by_id
@@ -66,9 +73,10 @@ class OpenTransaction:
         # (load_refcounts) or changed since. A page in neither is committed and unchanged.
         self.page_refs: dict[int, int] = {}
         self._next_page_id = meta.max_page_id() + 1
-        # Owner mode (core/owner.py): page ids come in ranges no other owner gets
+        # Owner mode (core/owner.py, shared): page ids come in ranges no other owner gets
         # (reserve_page_ids), and page counts are committed as changes from the count
-        # this owner last saw in the store (page_bases).
+        # this owner last saw in the store (page_bases, kept only then).
+        self.shared = shared
         self.reserve_page_ids: Callable[[int], int] | None = None
         self._page_id_end = 0
         self._spare_page_ids: list[int] = []  # first ids of ranges reserved ahead (top_up_page_ids)
@@ -97,10 +105,21 @@ class OpenTransaction:
                 raise ThinblockError(f"mapping page {page_id} is referenced but missing (run 'thinblock pool check')")
             # A count changed (or read) while the page was not loaded is the authority:
             # from now on the Page holds it.
-            self.page_bases.setdefault(page_id, found[0])
+            self._seen(page_id, found[0])
             page = Page.from_blob(page_id, self.page_refs.pop(page_id, found[0]), found[1])
             self.pages[page_id] = page
         return page
+
+    def _seen(self, page_id: int, count: int) -> None:
+        """Owner mode: a page's count as read from the store, the base of our changes."""
+        if self.shared:
+            self.page_bases.setdefault(page_id, count)
+
+    def _forget(self, page_id: int) -> None:
+        """A page leaves the cache: deleted, or referenced by nobody any more."""
+        self.pages.pop(page_id, None)
+        self.page_refs.pop(page_id, None)
+        self.page_bases.pop(page_id, None)
 
     def load_refcounts(self, page_ids: Iterable[int]) -> None:
         """Know the refcount of every page of page_ids, in one batch read of the store for
@@ -111,7 +130,7 @@ class OpenTransaction:
             return
         found = _all_found(missing, self.meta.page_refcounts(missing))
         for pid, count in found.items():
-            self.page_bases.setdefault(pid, count)
+            self._seen(pid, count)
         self.page_refs.update(found)
 
     def load_pages(self, page_ids: Iterable[int]) -> None:
@@ -123,7 +142,7 @@ class OpenTransaction:
         found = _all_found(missing, self.meta.pages(missing))
         pages = [Page.from_blob(pid, self.page_refs.get(pid, count), blob) for pid, (count, blob) in found.items()]
         for page in pages:  # all decoded first: a damaged one leaves the cache as it was
-            self.page_bases.setdefault(page.page_id, found[page.page_id][0])
+            self._seen(page.page_id, found[page.page_id][0])
             self.page_refs.pop(page.page_id, None)
             self.pages[page.page_id] = page
 
@@ -182,9 +201,7 @@ class OpenTransaction:
             now = stored.get(page_id)
             if now is None:
                 if page_id not in dirty and base is not None:
-                    self.pages.pop(page_id, None)
-                    self.page_refs.pop(page_id, None)
-                    self.page_bases.pop(page_id, None)
+                    self._forget(page_id)
                 continue
             if base is None:
                 continue  # made here, never committed
@@ -314,7 +331,7 @@ class OpenTransaction:
         for page_id in self._dirty_pages:
             page = self.pages[page_id]
             txn.pages[page_id] = None if page.refcount == 0 else (page.refcount, page.to_blob())
-        if self.reserve_page_ids is not None:  # owner mode: counts go as changes from what was seen
+        if self.shared:  # owner mode: counts go as changes from what was seen
             txn.page_ref_bases = {
                 pid: self.page_bases[pid] for pid in (*txn.pages, *txn.page_refcounts) if pid in self.page_bases
             }
@@ -348,10 +365,8 @@ class OpenTransaction:
         from a base (others' changes included); this view follows them."""
         for page_id, blob in built.txn.pages.items():
             if blob is None and page_id not in self._dirty_pages:
-                self.pages.pop(page_id, None)
-                self.page_refs.pop(page_id, None)
-                self.page_bases.pop(page_id, None)
-        if self.reserve_page_ids is None:
+                self._forget(page_id)
+        if not self.shared:
             return
         txn = built.txn
         for page_id, page_blob in txn.pages.items():
@@ -364,9 +379,7 @@ class OpenTransaction:
             current = page.refcount if page is not None else self.page_refs.get(page_id, sent)
             count = now + current - sent
             if count == 0:  # nobody references it now: the fold deletes it (core/pool_steps.py)
-                self.pages.pop(page_id, None)
-                self.page_refs.pop(page_id, None)
-                self.page_bases.pop(page_id, None)
+                self._forget(page_id)
                 continue
             if page is not None:
                 page.refcount = count

@@ -48,6 +48,11 @@ def _padded(a: np.ndarray, n: int) -> np.ndarray:
     return a if len(a) >= n else np.concatenate([a, np.zeros(n - len(a), dtype=np.int64)])
 
 
+def counts_of(blob: bytes | None, n: int) -> np.ndarray:
+    """A refcount blob as exactly n int64 counts (missing ones are zero, extra ones cut)."""
+    return _padded(_counts(blob), n)[:n]
+
+
 def refcount_page(
     index: int, stored: bytes | None, new: bytes, base: bytes | None, granted: np.ndarray | None = None
 ) -> bytes:
@@ -63,7 +68,7 @@ def refcount_page(
     if len(new) < len(base):  # a shorter view (the last page of a smaller pool): its tail is unchanged
         new = new + base[len(new) :]
     n = max(len(new), len(base), len(stored or b"")) // 4
-    s, b, w = (_padded(_counts(x), n) for x in (stored, base, new))
+    s, b, w = (counts_of(x, n) for x in (stored, base, new))
     result = s + w - b
     first = index * REFCOUNT_ENTRIES
     below = np.flatnonzero(result < 0)
@@ -97,7 +102,7 @@ def nonzero_change(stored: bytes | None, result: bytes) -> int:
     counts themselves, because no owner sees a block reach zero through the sum of
     several owners' changes (each drops one of two references on its own view)."""
     n = max(len(result), len(stored or b"")) // 4
-    before, after = (_padded(_counts(x), n) for x in (stored, result))
+    before, after = (counts_of(x, n) for x in (stored, result))
     return int(np.count_nonzero(after)) - int(np.count_nonzero(before))
 
 
