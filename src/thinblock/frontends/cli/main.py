@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from thinblock import __version__
 from thinblock.admin.access import open_admin
@@ -30,6 +30,9 @@ from thinblock.runtime import NBD_SOCKET, require_socket_room, socket_path_probl
 from thinblock.sizes import format_size, parse_size
 from thinblock.steps import timed
 from thinblock.tools.check import check_data_store, check_generation, check_metadata, check_privacy
+
+if TYPE_CHECKING:
+    from thinblock.frontends.cli.workers import WorkerSpec
 
 DEFAULT_POOL = os.environ.get("THINBLOCK_POOL", os.path.join("var", "default-pool"))
 
@@ -468,8 +471,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise UsageError('serve needs POOL: on the command line, or pool = "..." in the --config file')
     configure_from(args)
     log = logging.getLogger("thinblock.serve")
-    activated = systemd.listen_fds()
-    if activated and (args.socket or args.listen):
+    # A worker of serve --workers (cli/workers.py) serves its supervisor's sockets.
+    spec: WorkerSpec | None = getattr(args, "worker_spec", None)
+    activated = spec.listeners if spec is not None else systemd.listen_fds()
+    if spec is None and activated and (args.socket or args.listen):
         for sock, _name in activated:
             sock.close()
         raise UsageError(
@@ -536,6 +541,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         )
     if (runtime := location.runtime_path()) is not None:
         require_socket_room(runtime, location.shorter_runtime_path)
+    if args.workers > 1 and spec is None:
+        if args.metrics:
+            raise UsageError("--metrics is not available with --workers yet: each worker keeps its own figures")
+        _serve_with_workers(args, location, socket_path, (socket_mode, socket_gid), tcp, activated, tls is not None)
+        return
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     systemd.notify(f"STATUS=opening pool {args.pool}")
     try:
@@ -571,6 +581,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
             server = NBDServer(pool, read_only=args.read_only, tls=tls, authz=authz, limits=limits)
         except (OSError, ValueError) as exc:
             raise ThinblockError(f"cannot load TLS certificate/key: {exc}") from None
+        handoffs = None
+        if spec is not None:  # a worker: exports of its siblings are handed to them
+            from thinblock.frontends.nbd.workers import GroupCatalog, Handoffs, WorkerGroup
+
+            group = WorkerGroup(spec.group)
+            server.catalog = GroupCatalog(pool, read_only=args.read_only, group=group)
+            handoffs = Handoffs(server, group)
         if (tcp or activated_tcp) and tls is None:
             logging.getLogger("thinblock.nbd").warning(
                 "serving TCP without TLS (--insecure): anyone who can reach it can read and write every volume"
@@ -582,7 +599,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             if activated:
                 unix_path = None
                 for sock, name in activated:
-                    log.info("serving %s passed by socket activation (%s)", systemd.describe(sock), name)
+                    if spec is None:
+                        log.info("serving %s passed by socket activation (%s)", systemd.describe(sock), name)
                     server.listen_socket(sock)
                     name_or_address = sock.getsockname()
                     if isinstance(name_or_address, str):  # a unix socket (an abstract one has bytes)
@@ -628,12 +646,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 logging.getLogger("thinblock.metrics").info("metrics on %s", metrics.url)
                 print(f"metrics {metrics.url}", flush=True)
             served = sorted(name for name, vol in pool.volumes.items() if pool.serves(vol))
-            for uri in export_uris(served, socket_path=unix_path, tcp=bound, tls=tls is not None):
-                print(f"export {uri}", flush=True)
             status = f"serving {len(served)} volume(s) of {args.pool}"
             log.info("ready after %.3f s: %s", time.monotonic() - started, status)
-            print(f"ready: {status}", flush=True)
-            systemd.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={status}")
+            if spec is not None:
+                spec.report("ready")  # the supervisor prints the exports and tells systemd
+            else:
+                for uri in export_uris(served, socket_path=unix_path, tcp=bound, tls=tls is not None):
+                    print(f"export {uri}", flush=True)
+                print(f"ready: {status}", flush=True)
+                systemd.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={status}")
             while (signum := signals.next()) == signal.SIGHUP:
                 systemd.notify("RELOADING=1", "STATUS=reloading --tls-authz")
                 server.reload_authz()
@@ -651,12 +672,72 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 pool.cancel_waits()
                 host.close()
                 step.mark("FUSE mounts and control socket closed")
+                if handoffs is not None:
+                    handoffs.close()
                 server.close()
                 step.mark("connections drained")
                 if metrics is not None:
                     metrics.close()
                 pool.close()
                 step.mark("final commit done, pool closed")
+    print("stopped", flush=True)
+
+
+def _serve_with_workers(
+    args: argparse.Namespace,
+    location: Any,
+    socket_path: str,
+    socket_access: tuple[int, int | None],
+    tcp: tuple[str, int] | None,
+    activated: list[Any],
+    tls: bool,
+) -> None:
+    """serve --workers N: this process listens and supervises (cli/workers.py); each
+    worker runs cmd_serve on its share of the volumes and these sockets."""
+    import signal
+
+    from thinblock.frontends.cli import workers
+    from thinblock.frontends.nbd.server import export_uris
+
+    signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
+    unix_path: str | None = None
+    bound: tuple[str, int] | None = None
+    inode = None
+    if activated:
+        listeners = [sock for sock, _name in activated]
+        for sock in listeners:
+            name = sock.getsockname()
+            if isinstance(name, str):
+                unix_path = unix_path or name or None
+            elif isinstance(name, tuple):
+                bound = bound or (str(name[0]), int(name[1]))
+    else:
+        try:
+            listeners = workers.listen(socket_path, *socket_access, tcp)
+        except OSError as exc:
+            raise ThinblockError(f"cannot listen on {socket_path}: {exc.strerror or exc}") from None
+        unix_path, inode = socket_path, os.stat(socket_path).st_ino
+        if tcp is not None:
+            bound = (tcp[0], int(listeners[-1].getsockname()[1]))
+
+    def announce(names: list[str]) -> str:
+        for uri in export_uris(names, socket_path=unix_path, tcp=bound, tls=tls):
+            print(f"export {uri}", flush=True)
+        return f"serving {len(names)} volume(s) of {args.pool}"
+
+    def run_worker(spec: workers.WorkerSpec, names: list[str]) -> None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  what a client reads comes from the supervisor
+        args.worker_spec, args.volumes, args.takeover = spec, names, False
+        cmd_serve(args)
+
+    try:
+        workers.supervise(args, location, listeners, announce, run_worker, signals.next)
+    finally:
+        if activated:
+            for sock in listeners:
+                sock.close()
+        else:
+            workers.close_listeners(listeners, unix_path, inode)
     print("stopped", flush=True)
 
 
@@ -691,6 +772,12 @@ def _metrics_address(text: str) -> tuple[str, int]:
         return parse_address(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _workers_arg(text: str) -> int:
+    from thinblock.frontends.cli.workers import parse_workers
+
+    return parse_workers(text)
 
 
 def _octal_mode(text: str) -> int:
@@ -1044,6 +1131,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="own and serve just this volume (repeat for more), sharing the pool with other such servers"
         " (directory pools; see docs/architecture.md#backends-and-ownership)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_workers_arg,
+        default=1,
+        metavar="N|auto",
+        help="serve with N worker processes behind one socket, the volumes dealt out among them (directory"
+        " pools; auto: one per core; default 1: one process owning the whole pool)",
     )
     p.add_argument(
         "--metrics",

@@ -95,6 +95,17 @@ class ExportElsewhere(Exception):
     "not available") with the message, which names that server when it is known."""
 
 
+class ExportRouted(Exception):
+    """The export is served by a sibling process that can take this connection over
+    (serve --workers): the option naming it is left unanswered and a Route event
+    tells the shell where to hand the connection."""
+
+    def __init__(self, target: str, name: str) -> None:
+        super().__init__(f"export '{name}' is served by worker {target}")
+        self.target = target
+        self.name = name
+
+
 class Phase(Enum):
     GREETING = "greeting"  # waiting for the client flags
     OPTIONS = "options"
@@ -115,6 +126,16 @@ NEED_DATA = NeedData()
 @dataclass
 class StartTLS:
     """STARTTLS was acknowledged: send data_to_send(), then wrap the socket in TLS."""
+
+
+@dataclass
+class Route:
+    """The option at the head of the input names an export a sibling process serves:
+    hand the connection (handoff_state() and the socket) to `target`, which answers
+    that option itself. If it cannot, refuse_routed() answers it here."""
+
+    target: str
+    export_name: str
 
 
 @dataclass
@@ -153,7 +174,7 @@ class Closed:
     clean: bool = True
 
 
-Event = NeedData | PayloadPending | StartTLS | Transmission | Request | Closed
+Event = NeedData | PayloadPending | StartTLS | Route | Transmission | Request | Closed
 
 
 @dataclass
@@ -316,9 +337,75 @@ class ServerConnection:
             raise RemoteProtocolError(f"option {option} carries {length} bytes (limit {c.MAX_OPTION_BYTES})")
         if len(self._inbuf) < _OPTION_HEADER.size + length:
             return NEED_DATA
+        raw = bytes(self._inbuf[: _OPTION_HEADER.size + length])
         del self._inbuf[: _OPTION_HEADER.size]
         data = self._take(length) or b""
-        return self._handle_option(option, data)
+        try:
+            return self._handle_option(option, data)
+        except ExportRouted as routed:
+            # Nothing was answered for this option (lookups come before any reply):
+            # it goes back to the head of the input, for the process that serves it.
+            self._inbuf[0:0] = raw
+            return Route(routed.target, routed.name)
+
+    # ----- handing a connection to another process (serve --workers) ---------------
+
+    def handoff_state(self) -> dict[str, object]:
+        """What another process needs to go on with this connection in the option
+        phase: what was negotiated and the bytes received but not yet handled (the
+        option a Route left at their head first). JSON-serialisable."""
+        if self.phase is not Phase.OPTIONS or self._direct is not None:
+            raise LocalProtocolError("only a connection in the option phase can be handed over")
+        return {
+            "structured": self.neg.structured,
+            "no_zeroes": self.neg.no_zeroes,
+            "contexts": {str(k): v for k, v in self.neg.contexts.items()},
+            "contexts_export": self.neg.contexts_export,
+            "fixed": self._fixed,
+            "next_context_id": self._next_context_id,
+            "tls_active": self.tls_active,
+            "input": self._inbuf.hex(),
+        }
+
+    @classmethod
+    def resume(
+        cls, catalog: ExportCatalog, state: dict[str, object], *, tls_required: bool, tls_available: bool
+    ) -> ServerConnection:
+        """A connection handed over by another process (handoff_state), in the option
+        phase: no greeting is sent again. A malformed state is a RemoteProtocolError."""
+        conn = cls(catalog, tls_required=tls_required, tls_available=tls_available)
+        conn._outbuf.clear()  # the greeting went out from the process that accepted it
+        try:
+            contexts = state["contexts"]
+            assert isinstance(contexts, dict)
+            conn.neg = _Negotiated(
+                structured=bool(state["structured"]),
+                no_zeroes=bool(state["no_zeroes"]),
+                contexts={int(k): str(v) for k, v in contexts.items()},
+                contexts_export=None if state["contexts_export"] is None else str(state["contexts_export"]),
+            )
+            conn._fixed = bool(state["fixed"])
+            next_id = state["next_context_id"]
+            assert isinstance(next_id, int)
+            conn._next_context_id = next_id
+            conn.tls_active = bool(state["tls_active"])
+            conn._inbuf = bytearray.fromhex(str(state["input"]))
+        except (KeyError, AssertionError, ValueError, TypeError) as exc:
+            raise RemoteProtocolError(f"malformed hand-over state: {exc!r}") from None
+        conn.phase = Phase.OPTIONS
+        return conn
+
+    def refuse_routed(self, message: str) -> Closed | None:
+        """The process a Route named did not take the connection: answer the option
+        left at the head of the input with why (REP_ERR_UNKNOWN, the spec's "not
+        available"), or end the session for EXPORT_NAME, which has no error reply."""
+        _magic, option, length = _OPTION_HEADER.unpack_from(self._inbuf)
+        del self._inbuf[: _OPTION_HEADER.size + length]
+        if option == c.OPT_EXPORT_NAME:
+            self.phase = Phase.CLOSED
+            return Closed(f"export not available: {message}", clean=False)
+        self._error(option, c.REP_ERR_UNKNOWN, message)
+        return None
 
     def _reply(self, option: int, reply: int, payload: bytes = b"") -> None:
         self._outbuf += _OPTION_REPLY.pack(c.OPTION_REPLY_MAGIC, option, reply, len(payload)) + payload
@@ -469,6 +556,8 @@ class ServerConnection:
             export = self.catalog.lookup(name)
         except ExportRefused as exc:
             return Closed(f"refused export '{shown(name)}': {exc}", clean=False)
+        except ExportElsewhere as exc:
+            return Closed(f"export '{shown(name)}' is not available here: {exc}", clean=False)
         if export is None:
             return Closed(f"client asked for unknown export '{shown(name)}'", clean=False)
         self._outbuf += struct.pack(">QH", export.size_bytes, self._transmission_flags(export))

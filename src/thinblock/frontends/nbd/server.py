@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any, Protocol
 
 from thinblock.core.delta import changed_ranges
 from thinblock.core.pool import Pool
@@ -52,6 +53,7 @@ from thinblock.frontends.nbd.protocol import (
     PayloadPending,
     RemoteProtocolError,
     Request,
+    Route,
     ServerConnection,
     StartTLS,
     Transmission,
@@ -222,9 +224,18 @@ class PoolCatalog:
                 volumes = [v for v in self.pool.visible().values() if v.row.kind == "volume" and self.pool.serves(v)]
                 return volumes[0] if len(volumes) == 1 else None
             vol = self.pool.visible_volume(name)
-        if vol is not None and not self.pool.serves(vol):
-            raise ExportElsewhere(self.pool.served_elsewhere(vol))
+        if vol is None:
+            self.unknown(name)
+        elif not self.pool.serves(vol):
+            self.elsewhere(vol)
         return vol
+
+    def elsewhere(self, vol: Volume) -> None:
+        """vol exists and this process does not serve it: say who does (ExportElsewhere)."""
+        raise ExportElsewhere(self.pool.served_elsewhere(vol))
+
+    def unknown(self, name: str) -> None:
+        """No such export here (workers.py's catalog looks further)."""
 
 
 def describe(pool: Pool, vol: Volume) -> str:
@@ -441,6 +452,29 @@ def request_cost(req: Request) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Handed:
+    """A connection another process of the same server accepted and negotiated in
+    part, then handed here (serve --workers, workers.py): its protocol state, who
+    the client is, and, when it came over TLS, the client's certificate (that
+    process keeps the TLS session and relays its bytes)."""
+
+    state: dict[str, Any]
+    peer: str  # as the log names it: "127.0.0.1:50412" or "unix"
+    address: str | None  # the client's address, for the per-address limits
+    tls: bool
+    peercert: dict[str, Any] | None
+    via: str  # the process that handed it over
+    hops: int = 1  # hand-overs so far: bounded, so two workers never pass it back and forth forever
+
+
+class Router(Protocol):
+    """Where a Route event's connection goes (workers.py): send raises OSError or
+    ThinblockError, with why, when the target did not take it."""
+
+    def send(self, target: str, sock: socket.socket, handed: Handed) -> None: ...
+
+
 class _Refusing:
     """The catalog a connection past the cap sees: every export refused, with why."""
 
@@ -521,6 +555,7 @@ class NBDServer:
         self.budget = ByteBudget(SERVER_BUDGET_BYTES)
         self.large_budget = ByteBudget(LARGE_BUDGET_BYTES)
         self.stats = ServerStats()  # connections admitted and refused (metrics)
+        self.router: Router | None = None  # serve --workers: hands connections to siblings
 
     def memory_wanted(self) -> bool:
         """Whether a client's request waits for the server's memory budgets."""
@@ -592,6 +627,30 @@ class NBDServer:
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session.start()
+
+    def adopt(self, sock: socket.socket, handed: Handed) -> str | None:
+        """A connection handed over by a sibling process (serve --workers): admitted
+        under this server's limits and served from the option it was handed at. None
+        when taken, else why not (the sibling then answers that option with it)."""
+        if self.stopping.is_set():
+            return "the server is stopping"
+        with self.lock:
+            self._next_id += 1
+            sid = self._next_id
+        try:
+            session = Session(self, sock, sid, handed)
+        except RemoteProtocolError as exc:
+            return str(exc)
+        admitted = self.admission.admit(handed.address, session)
+        if isinstance(admitted, str):
+            self.stats.refuse(admitted.limit)
+            return str(admitted)
+        session.slot = admitted
+        self.stats.accept()
+        with self.lock:
+            self.sessions.add(session)
+        session.start()
+        return None
 
     def _refuse(self, sock: socket.socket, message: str) -> None:
         """Tell a client past the connection cap why (NBD_REP_ERR_POLICY on its options),
@@ -708,14 +767,19 @@ class Session:
     in-flight limit, its own reader.
     """
 
-    def __init__(self, server: NBDServer, sock: socket.socket, sid: int) -> None:
+    def __init__(self, server: NBDServer, sock: socket.socket, sid: int, handed: Handed | None = None) -> None:
         self.server = server
         self.sock: socket.socket = sock
-        peer = sock.getpeername() if sock.family != socket.AF_UNIX else None
-        self.name = f"#{sid} {peer[0]}:{peer[1]}" if peer else f"#{sid} unix"
-        self.conn = ServerConnection(
-            server.catalog, tls_required=server.ssl_context is not None, tls_available=server.ssl_context is not None
-        )
+        self.handed = handed
+        tls = server.ssl_context is not None
+        if handed is None:
+            self.peer = peer_name(sock)
+            self.name = f"#{sid} {self.peer}"
+            self.conn = ServerConnection(server.catalog, tls_required=tls, tls_available=tls)
+        else:
+            self.peer = handed.peer
+            self.name = f"#{sid} {handed.peer} (handed over by {handed.via})"
+            self.conn = ServerConnection.resume(server.catalog, handed.state, tls_required=tls, tls_available=tls)
         self.export: Export | None = None
         self.handed_over = False  # hung up for a handover (hang_up_volume): the log says so
         self.slots = ByteBudget(MAX_IN_FLIGHT)  # requests in flight, one unit each
@@ -768,11 +832,10 @@ class Session:
             raise
         return self.slot is None or self.server.admission.heard(self.slot)
 
-    def _claim_identity(self) -> None:
+    def _claim_identity(self, cert: dict[str, Any] | None) -> None:
         """Count this TLS connection against its certificate; past the per-certificate
         limit its options are refused with the reason (NBD_REP_ERR_POLICY)."""
-        assert isinstance(self.sock, ssl.SSLSocket)
-        identity = certificate_identity(self.sock.getpeercert())
+        identity = certificate_identity(cert)
         if identity is None or self.slot is None:
             return
         problem = self.server.admission.claim_identity(self.slot, identity)
@@ -800,12 +863,15 @@ class Session:
         self.deadline = time.monotonic() + limits.handshake_s
         try:
             self.sock.settimeout(limits.idle_s)  # until transmission: no client holds a slot forever
-            self._send([self.conn.data_to_send()])  # the greeting
-            if not self._first_byte():
-                displaced = self.slot is not None and self.slot.displaced
-                reason = "displaced by a newer connection: it had sent nothing" if displaced else "client closed"
+            if self.handed is not None:  # greeted and heard by the process that accepted it
+                reason = self._resume(self.handed)
             else:
-                reason = self._loop()
+                self._send([self.conn.data_to_send()])  # the greeting
+                if self._first_byte():
+                    reason = self._loop()
+                else:
+                    displaced = self.slot is not None and self.slot.displaced
+                    reason = "displaced by a newer connection: it had sent nothing" if displaced else "client closed"
         except RemoteProtocolError as exc:
             reason = f"protocol error: {exc}"
             log.warning("%s: %s", self.name, reason)
@@ -902,14 +968,17 @@ class Session:
                         self.server.status_queue.submit(self, functools.partial(self._work, event, cost))
                     else:
                         self.server.executor.submit(self._work, event, cost)
+            elif isinstance(event, Route):
+                if (ended := self._route(event)) is not None:
+                    return ended
             elif isinstance(event, StartTLS):
                 assert self.server.ssl_context is not None
                 self.sock = self.server.ssl_context.wrap_socket(self.sock, server_side=True)
                 self.inline_sends = False
                 assert isinstance(self.sock, ssl.SSLSocket)
                 log.info("%s: TLS started (%s, %s)", self.name, self.sock.version(), (self.sock.cipher() or ("?",))[0])
-                self._authorise()
-                self._claim_identity()
+                self._authorise(self.sock.getpeercert())
+                self._claim_identity(self.sock.getpeercert())
             elif isinstance(event, Transmission):
                 self.sock.settimeout(None)  # requests may be far apart; replies must not time out
                 if self.slot is not None:
@@ -936,6 +1005,69 @@ class Session:
             elif isinstance(event, Closed):
                 return event.reason
 
+    def _resume(self, handed: Handed) -> str:
+        """Serve a connection handed over by a sibling from where it was left: under
+        that client's TLS certificate, when it came over TLS (the sibling relays it)."""
+        if self.slot is not None and not self.server.admission.heard(self.slot):
+            return "displaced by a newer connection"
+        if handed.tls:
+            self._authorise(handed.peercert)
+            self._claim_identity(handed.peercert)
+        return self._loop()
+
+    def _route(self, event: Route) -> str | None:
+        """Hand this connection to the sibling serving the export its next option names
+        (serve --workers): the socket itself, or over TLS, whose session cannot move
+        between processes, one end of a socket pair whose bytes this session then
+        relays until either side closes. The reason the session ends here, or None
+        when the sibling refused and the option was answered with why."""
+        router = self.server.router
+        # A connection that came here already relayed keeps its client's TLS identity:
+        # it goes on as the socket pair it is, still relayed by the worker holding TLS.
+        tls = isinstance(self.sock, ssl.SSLSocket)
+        earlier = self.handed
+        peercert = self.sock.getpeercert() if isinstance(self.sock, ssl.SSLSocket) else None
+        handed = Handed(
+            state=self.conn.handoff_state(),
+            peer=self.peer,
+            address=self.slot.address if self.slot is not None else None,
+            tls=tls or (earlier is not None and earlier.tls),
+            peercert=earlier.peercert if earlier is not None and earlier.tls else peercert,
+            via=f"worker pid {os.getpid()}",
+            hops=earlier.hops + 1 if earlier is not None else 1,
+        )
+        hops = handed.hops
+        near: socket.socket | None = None
+        try:
+            if router is None:
+                raise ThinblockError("this server hands no connections over")
+            if hops > MAX_HOPS:
+                raise ThinblockError(f"it was handed over {hops - 1} times already")
+            if tls:
+                near, far = socket.socketpair()
+                try:
+                    router.send(event.target, far, handed)
+                finally:
+                    far.close()
+            else:
+                router.send(event.target, self.sock, handed)
+        except (OSError, ThinblockError) as exc:
+            if near is not None:
+                near.close()
+            why = (
+                f"export '{shown(event.export_name)}' is served by worker {event.target}, which did not take it: {exc}"
+            )
+            log.warning("%s: %s", self.name, why)
+            closed = self.conn.refuse_routed(why)
+            return closed.reason if closed is not None else None
+        if near is None:
+            return f"handed over to worker {event.target} (export '{shown(event.export_name)}')"
+        if self.slot is not None:
+            self.server.admission.serving(self.slot)
+        log.info("%s: export '%s' is served by worker %s: relaying its TLS", self.name, event.export_name, event.target)
+        relay(self.sock, near)
+        return f"relayed to worker {event.target} until it ended (export '{shown(event.export_name)}')"
+
     def _recv_into(self, buf: memoryview) -> int:
         """recv_into, except that in a write's payload the wait for its bytes looks every
         PAYLOAD_POLL_S: silent for payload_idle_s while other clients wait for memory,
@@ -959,14 +1091,13 @@ class Session:
             if time.monotonic() - since >= limit and self.server.memory_wanted():
                 raise _PayloadStalled(f"{what} stalled ({limit:g} s while other clients waited for memory)")
 
-    def _authorise(self) -> None:
+    def _authorise(self, cert: dict[str, Any] | None) -> None:
         """Under --tls-authz, the client's view of the exports is its certificate's grant
         (under the server lock, so a reload in between is never missed)."""
-        assert isinstance(self.sock, ssl.SSLSocket)
         with self.server.lock:
             if self.server.authz is None:
                 return
-            who, grant = self.server.authz.client(self.sock.getpeercert())
+            who, grant = self.server.authz.client(cert)
             self.conn.catalog = GrantedCatalog(
                 self.server.catalog, who, grant, self.name, refused=lambda: self.server.stats.refuse("authz")
             )
@@ -1172,6 +1303,47 @@ class Session:
         except Exception:
             log.exception("%s: request %d failed", self.name, req.command)
             return [conn.error_reply(req.cookie, c.EIO, "internal error")]
+
+
+def peer_name(sock: socket.socket) -> str:
+    """A client as the log names it: "127.0.0.1:50412", or "unix"."""
+    peer = sock.getpeername() if sock.family != socket.AF_UNIX else None
+    return f"{peer[0]}:{peer[1]}" if peer else "unix"
+
+
+RELAY_CHUNK_BYTES = 256 << 10
+MAX_HOPS = 16  # hand-overs of one connection (nbdinfo --list asks each export in turn)
+
+
+def relay(client: socket.socket, sibling: socket.socket) -> None:
+    """Copy bytes both ways between a TLS client and the sibling process serving it
+    until either side closes; then both are shut, so the other side ends too. Each
+    direction holds one chunk at most: a side that does not read stalls the copy
+    towards it, and through it, its peer's sends."""
+    client.settimeout(None)
+
+    def back() -> None:  # the sibling's replies, to the client
+        try:
+            while data := sibling.recv(RELAY_CHUNK_BYTES):
+                client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(client, socket.SHUT_RDWR)
+
+    thread = threading.Thread(target=back, name=f"{threading.current_thread().name}-relay", daemon=True)
+    thread.start()
+    try:
+        while data := client.recv(RELAY_CHUNK_BYTES):
+            sibling.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sibling.shutdown(socket.SHUT_WR)  # the sibling ends the session, its last replies still come back
+        thread.join()
+        sibling.close()
 
 
 def _remainder(views: list[memoryview], sent: int) -> list[bytes]:

@@ -1,0 +1,314 @@
+"""`thinblock serve POOL --workers N`: one listener, N worker processes.
+
+Python runs one thread of bytecode at a time, so one process serves a pool on
+one core. With --workers N the pool is served per volume (core/owner.py) by N
+processes forked from this one: the volumes are dealt out among them, each
+owns its share (leases, grants, its own commits), and all of them accept on the
+listening sockets made here, so clients keep one unix socket and one TCP port.
+A connection accepted by a worker that does not own the export it asks for is
+handed to the one that does (frontends/nbd/workers.py).
+
+This process serves nothing itself: it forwards SIGHUP (--tls-authz reload) and
+SIGINT/SIGTERM to the workers, and restarts a worker that dies, on the volumes
+of its share that nobody else took meanwhile (their leases died with it, so
+they are recovered as after any owner's death). A worker that keeps dying (more
+than RESTARTS times in RESTART_WINDOW_S) is not restarted again: its volumes
+are then refused, with why, and the others go on being served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from thinblock import systemd
+from thinblock.admin.handover import take_over, unheld_volumes
+from thinblock.backends import Location
+from thinblock.core.registry import STAGING_PREFIX
+from thinblock.errors import ThinblockError
+from thinblock.listen import bind_unix
+
+log = logging.getLogger("thinblock.serve")
+
+RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+LISTEN_BACKLOG = 4096
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
+
+
+@dataclass
+class WorkerSpec:
+    """What a forked worker's `serve` takes from its supervisor instead of making it."""
+
+    group: int  # the supervisor's pid: the group's name (frontends/nbd/workers.py)
+    listeners: list[tuple[socket.socket, str]]
+    ready_fd: int  # "ready" or "error: ..." is written here once, then it is closed
+
+    def report(self, text: str) -> None:
+        if self.ready_fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self.ready_fd, text.encode()[:4000] + b"\n")
+            os.close(self.ready_fd)
+        self.ready_fd = -1
+
+
+@dataclass
+class _Worker:
+    index: int
+    volumes: list[str]
+    pid: int = 0
+    deaths: list[float] = field(default_factory=list)
+    given_up: bool = False
+
+
+def parse_workers(text: str) -> int:
+    """--workers: a count from 1, or "auto" for the cores this process may use."""
+    if text == "auto":
+        return max(1, len(os.sched_getaffinity(0)))
+    if not text.isdigit() or not 1 <= int(text) <= 256:
+        raise argparse.ArgumentTypeError(f"invalid --workers {text!r}: a count from 1 to 256, or auto")
+    return int(text)
+
+
+def listen(socket_path: str | None, mode: int, gid: int | None, tcp: tuple[str, int] | None) -> list[socket.socket]:
+    """The listening sockets the workers share: the unix socket, and TCP if asked."""
+    made: list[socket.socket] = []
+    try:
+        if socket_path is not None:
+            made.append(bind_unix(socket_path, mode=mode, gid=gid))
+        if tcp is not None:
+            sock = socket.socket(socket.AF_INET6 if ":" in tcp[0] else socket.AF_INET, socket.SOCK_STREAM)
+            made.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(tcp)
+        for sock in made:
+            sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        for sock in made:
+            sock.close()
+        raise
+    return made
+
+
+class Supervisor:
+    """The workers of one `serve --workers N`, started, watched and stopped."""
+
+    def __init__(
+        self,
+        location: Location,
+        listeners: list[socket.socket],
+        run_worker: Callable[[WorkerSpec, list[str]], None],
+    ) -> None:
+        self.location = location
+        self.listeners = listeners
+        self.run_worker = run_worker
+        self.workers: list[_Worker] = []
+
+    def deal(self, names: list[str], count: int) -> None:
+        """Deal the volumes out to count workers (fewer when there are fewer volumes)."""
+        count = max(1, min(count, len(names)))
+        self.workers = [_Worker(i, names[i::count]) for i in range(count)]
+
+    def start_all(self) -> None:
+        try:
+            for worker in self.workers:
+                error = self._start(worker)
+                if error is not None:
+                    raise ThinblockError(f"worker {worker.index} could not start: {error}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, worker: _Worker) -> str | None:
+        """Fork the worker; None once it is serving, else why it is not (it has exited)."""
+        read_fd, write_fd = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        pid = os.fork()
+        if pid == 0:  # the worker: it never returns into the supervisor's code
+            code = 1
+            try:
+                os.close(read_fd)
+                signal.set_wakeup_fd(-1)
+                for signum in _SIGNALS:
+                    signal.signal(signum, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+                os.environ.pop("NOTIFY_SOCKET", None)  # readiness is the supervisor's to tell
+                spec = WorkerSpec(os.getppid(), [(s, "worker") for s in self.listeners], write_fd)
+                try:
+                    self.run_worker(spec, worker.volumes)
+                    code = 0
+                except (ThinblockError, OSError) as exc:
+                    spec.report(f"error: {exc}")
+                    log.error("worker %d: %s", worker.index, exc)
+                except BaseException as exc:
+                    spec.report(f"error: {exc!r}")
+                    log.exception("worker %d failed", worker.index)
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        os.close(write_fd)
+        worker.pid = pid
+        with os.fdopen(read_fd, "rb") as ready:
+            answer = ready.readline().decode(errors="replace").strip()
+        if answer == "ready":
+            log.info("worker %d (pid %d) serves %s", worker.index, pid, ", ".join(worker.volumes) or "no volume")
+            return None
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        worker.pid = 0
+        return answer.removeprefix("error: ") or "it exited before it was ready"
+
+    def names_served(self) -> list[str]:
+        """The workers' volumes and the snapshots of them, as the store has them now."""
+        meta = self.location.open_meta(readonly=True)
+        try:
+            rows = {row.id: row for row in meta.volumes()}
+        finally:
+            meta.close()
+        owned = {name for w in self.workers if not w.given_up for name in w.volumes}
+        served = []
+        for row in rows.values():
+            base = row
+            hops = 0
+            while base.kind == "snapshot" and base.origin_id in rows and hops <= len(rows):
+                base, hops = rows[base.origin_id], hops + 1
+            if base.name in owned and not row.name.startswith(STAGING_PREFIX):
+                served.append(row.name)
+        return sorted(served)
+
+    def forward(self, signum: int) -> None:
+        for worker in self.workers:
+            if worker.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signum)
+
+    def reap(self) -> None:
+        """Restart each worker that died (SIGCHLD), unless it keeps dying."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            worker = next((w for w in self.workers if w.pid == pid), None)
+            if worker is None:
+                continue
+            worker.pid = 0
+            how = (
+                f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+                if os.WIFSIGNALED(status)
+                else f"exit status {os.WEXITSTATUS(status)}"
+            )
+            self._restart(worker, how)
+
+    def _restart(self, worker: _Worker, how: str) -> None:
+        now = time.monotonic()
+        worker.deaths = [t for t in worker.deaths if now - t < RESTART_WINDOW_S] + [now]
+        if len(worker.deaths) > RESTARTS:
+            worker.given_up = True
+            log.error(
+                "worker %d ended (%s) %d times in %.0f s: not restarting it; its volumes (%s) are not served",
+                worker.index,
+                how,
+                len(worker.deaths),
+                RESTART_WINDOW_S,
+                ", ".join(worker.volumes),
+            )
+            return
+        free = set(unheld_volumes(self.location))
+        taken = [name for name in worker.volumes if name not in free]
+        if taken:
+            log.warning("worker %d: %s now served elsewhere; not taking them back", worker.index, ", ".join(taken))
+        worker.volumes = [name for name in worker.volumes if name in free]
+        log.warning("worker %d ended (%s): restarting it for %s", worker.index, how, ", ".join(worker.volumes))
+        error = self._start(worker)
+        if error is not None:
+            log.error("worker %d could not be restarted: %s", worker.index, error)
+            self._restart(worker, "failed to start")
+
+    def alive(self) -> bool:
+        return any(w.pid for w in self.workers)
+
+    def stop(self) -> None:
+        """SIGTERM to every worker, then wait for each: they drain and commit."""
+        self.forward(signal.SIGTERM)
+        for worker in self.workers:
+            while worker.pid:
+                try:
+                    os.waitpid(worker.pid, 0)
+                except ChildProcessError:
+                    pass
+                except InterruptedError:
+                    continue
+                worker.pid = 0
+
+
+def supervise(
+    args: argparse.Namespace,
+    location: Location,
+    listeners: list[socket.socket],
+    announce: Callable[[list[str]], str],
+    run_worker: Callable[[WorkerSpec, list[str]], None],
+    next_signal: Callable[[], int],
+) -> None:
+    """Run the workers until SIGINT or SIGTERM. announce prints the exports of the
+    names served and returns the status line; run_worker is `serve` in a worker."""
+    volumes: list[str] | None = args.volumes
+    if volumes and args.takeover:
+        take_over(location, volumes)
+    names = list(dict.fromkeys(volumes)) if volumes else unheld_volumes(location)
+    supervisor = Supervisor(location, listeners, run_worker)
+    supervisor.deal(names, args.workers)
+    supervisor.start_all()
+    why = "an error"
+    try:
+        status = announce(supervisor.names_served())
+        status = f"{status} with {len(supervisor.workers)} worker process(es)"
+        print(f"ready: {status}", flush=True)
+        systemd.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={status}")
+        while True:
+            signum = next_signal()
+            if signum == signal.SIGHUP:
+                supervisor.forward(signal.SIGHUP)
+            elif signum == signal.SIGCHLD:
+                supervisor.reap()
+                if not supervisor.alive():
+                    raise ThinblockError("every worker has ended and none can be restarted: stopping")
+            else:
+                why = signal.Signals(signum).name
+                break
+        systemd.notify("STOPPING=1", "STATUS=stopping: the workers finish requests and commit")
+        print("stopping: finishing requests and committing", flush=True)
+    finally:
+        started = time.monotonic()
+        supervisor.stop()
+        log.info(
+            "stopping on %s: %d worker(s) stopped in %.3f s", why, len(supervisor.workers), time.monotonic() - started
+        )
+
+
+def close_listeners(listeners: list[socket.socket], unix_path: str | None, inode: int | None) -> None:
+    """Close the shared listening sockets; remove the unix socket unless a newer
+    server's socket has replaced it meanwhile (its inode is not the one made here)."""
+    for sock in listeners:
+        with contextlib.suppress(OSError):
+            sock.close()
+    if unix_path is not None:
+        with contextlib.suppress(OSError):
+            if os.stat(unix_path).st_ino == inode:
+                os.unlink(unix_path)

@@ -1,0 +1,298 @@
+"""`thinblock serve POOL --workers N`: one socket, N worker processes owning the
+volumes between them, connections handed to the owner once an option names an
+export. Real servers, real clients (libnbd, nbdinfo, qemu-img), real TLS.
+
+Which worker accepts a connection is the kernel's choice, so every test that
+needs a hand-over forces one: a libnbd handle in option mode first asks about an
+export of one worker (NBD_OPT_INFO), then goes to an export of the other. Each
+connection is then handed over at least once, whoever accepted it.
+
+- one socket serves every volume; writes and reads through hand-overs match a
+  model; a snapshot taken through the CLI is served through the one socket;
+- TLS with --tls-authz: the grant holds through the hand-over (the accepting
+  worker relays the TLS bytes), and a SIGHUP that withdraws it ends the
+  connection at the owner;
+- a worker killed with SIGKILL is restarted on its volumes, flushed bytes
+  intact, while the other worker's client never sees an error;
+- a hand-over from a process that is not a worker of the group is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbd
+import pytest
+
+from tests.cli import thinblock
+from tests.nbd_server import Server
+from tests.nbd_tls_client import PKI
+from thinblock.backends import locate
+from thinblock.core.owner import owner_pid
+from thinblock.frontends.nbd.workers import handoff_address, parent_pid
+
+MiB = 1 << 20
+VOLUMES = ("a", "b", "c", "d")  # dealt out in order: worker 0 owns a and c, worker 1 b and d
+
+
+def _pool(tmp_path: Path) -> str:
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "256M")
+    for name in VOLUMES:
+        thinblock("volume", "create", pool, name, "--size", "16M")
+    return pool
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Server]:
+    pool = _pool(tmp_path)
+    server = Server(pool, "--workers", "2")
+    try:
+        yield server
+    finally:
+        server.stop()
+        log = server.log.read_text()
+        assert "Traceback" not in log, log
+        thinblock("pool", "check", pool)
+
+
+def holders(pool: str) -> dict[str, int | None]:
+    """The pid owning each volume, from the store's leases."""
+    meta = locate(pool).open_meta(readonly=False)  # the leases are read through a writable opening
+    try:
+        rows = {row.name: row.id for row in meta.volumes()}
+        out: dict[str, int | None] = {}
+        for name in VOLUMES:
+            holder = meta.volume_holder(rows[name])
+            out[name] = owner_pid(holder) if holder else None
+        return out
+    finally:
+        meta.close()
+
+
+def routed(uri_of: str, first: str | tuple[str, ...], export: str, tls_dir: Path | None = None) -> nbd.NBD:
+    """A handle on export that first asked about `first` (another worker's export, or
+    several in turn): its connection is handed over on the way, whichever worker
+    accepted it; asking about export, the other's, then export again hands it over
+    twice at least, once as a connection that came handed over already."""
+    h = nbd.NBD()
+    if tls_dir is not None:
+        h.set_tls(nbd.TLS_REQUIRE)
+        h.set_tls_certificates(str(tls_dir))
+    h.set_opt_mode(True)
+    h.connect_uri(uri_of)
+    for name in (first,) if isinstance(first, str) else first:
+        h.set_export_name(name)
+        h.opt_info()
+    h.set_export_name(export)
+    h.opt_go()
+    return h
+
+
+def test_one_socket_serves_the_volumes_of_every_worker(served: Server) -> None:
+    pool = served.pool
+    owners = holders(pool)
+    workers = {pid for pid in owners.values() if pid is not None}
+    assert len(workers) == 2, owners
+    assert all(parent_pid(pid) == served.proc.pid for pid in workers)
+    assert owners["a"] == owners["c"] != owners["b"] == owners["d"]
+    uri = served.unix_uri("")
+    models = {name: bytearray(16 * MiB) for name in VOLUMES}
+    for i, name in enumerate(VOLUMES):
+        other = VOLUMES[(i + 1) % 4]  # always the other worker's
+        h = routed(uri, other, name)
+        for j in range(8):
+            data = bytes([i * 16 + j + 1]) * (64 << 10)
+            off = (j * 3 + i) * (256 << 10)
+            h.pwrite(data, off)
+            models[name][off : off + len(data)] = data
+        h.flush()
+        assert h.pread(1 * MiB, 0) == bytes(models[name][: 1 * MiB])
+        h.shutdown()
+    log = served.log.read_text()
+    assert log.count("handed over to worker") >= 4, log
+
+    # The listing names every worker's exports; qemu-img reads each through the socket.
+    listing = subprocess.run(["nbdinfo", "--list", "--json", uri], capture_output=True, text=True, check=True)
+    assert sorted(e["export-name"] for e in json.loads(listing.stdout)["exports"]) == list(VOLUMES)
+    copy = Path(pool).parent / "copy.raw"
+    for name in VOLUMES:
+        subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "raw", served.unix_uri(name), str(copy)], check=True)
+        assert copy.read_bytes() == bytes(models[name]), name
+
+    # A snapshot through the CLI goes to a's worker; the other worker, which has never
+    # heard of it, hands a client asking for it over to a's.
+    thinblock("snapshot", "create", pool, "a@s1")
+    h = routed(uri, "b", "a@s1")
+    assert h.is_read_only()
+    assert h.pread(16 * MiB, 0) == bytes(models["a"])
+    h.shutdown()
+    h = routed(uri, "a", "b")
+    h.pwrite(b"\xee" * 4096, 0)
+    h.flush()
+    h.shutdown()
+    models["b"][:4096] = b"\xee" * 4096
+    listing = subprocess.run(["nbdinfo", "--list", "--json", uri], capture_output=True, text=True, check=True)
+    assert "a@s1" in [e["export-name"] for e in json.loads(listing.stdout)["exports"]]
+
+    # Pool-level commands work while the workers own every volume.
+    status = json.loads(thinblock("volume", "list", pool, "--json").stdout)
+    assert {v["name"] for v in status} >= {*VOLUMES, "a@s1"}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    return PKI(tmp_path_factory.mktemp("workers") / "pki")
+
+
+def test_tls_and_authz_hold_through_the_handover(tmp_path: Path, pki: PKI) -> None:
+    pool = _pool(tmp_path)
+    authz = tmp_path / "authz"
+    authz.write_text("admin rw *\nbackup ro b,c\n")
+    authz.chmod(0o600)
+    admin, backup = pki.client("admin", "/CN=admin"), pki.client("backup", "/CN=backup")
+    server = Server(pool, "--workers", "2", *pki.serve_args(authz))
+    try:
+        port = int(server.tcp_uri("a").rsplit(":", 1)[1].split("/")[0])
+        uri = f"nbds://localhost:{port}/"
+        h = routed(uri, "a", "b", admin)  # a and b: different workers
+        h.pwrite(b"\x5a" * 65536, 0)
+        h.flush()
+        assert h.pread(65536, 0) == b"\x5a" * 65536
+        h.shutdown()
+
+        # backup may read b and c (different workers) and nothing else, also when its
+        # connection, relayed by the worker holding its TLS, is handed over again.
+        h = routed(uri, ("b", "c"), "b", backup)
+        assert h.is_read_only()
+        assert h.pread(65536, 0) == b"\x5a" * 65536
+        with pytest.raises(nbd.Error):
+            h.pwrite(b"x" * 512, 0)
+        refused = nbd.NBD()
+        refused.set_tls(nbd.TLS_REQUIRE)
+        refused.set_tls_certificates(str(backup))
+        with pytest.raises(nbd.Error):
+            refused.connect_uri(uri + "a")
+
+        # The grant goes (SIGHUP to the supervisor, forwarded): the owner ends the
+        # connection, and the worker relaying its TLS closes it.
+        authz.write_text("admin rw *\n")
+        server.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        ended = False
+        while time.monotonic() < deadline and not ended:
+            try:
+                h.pread(512, 0)
+                time.sleep(0.1)
+            except nbd.Error:
+                ended = True
+        assert ended, server.log.read_text()
+        assert "grant withdrawn" in server.log.read_text()
+        assert "relaying its TLS" in server.log.read_text()
+    finally:
+        server.stop()
+        assert "Traceback" not in server.log.read_text(), server.log.read_text()
+    thinblock("pool", "check", pool)
+
+
+def test_a_killed_worker_is_restarted_and_the_others_keep_serving(served: Server) -> None:
+    pool = served.pool
+    owners = holders(pool)
+    victim = owners["b"]
+    assert victim is not None
+    uri = served.unix_uri("")
+    h = routed(uri, "a", "b")
+    flushed = bytes(range(256)) * 256
+    h.pwrite(flushed, 1 * MiB)
+    h.flush()
+
+    # A client of the other worker writes and reads all along.
+    survivor = routed(uri, "b", "a")
+    errors: list[BaseException] = []
+    done = threading.Event()
+    writes = 0
+
+    def keep_writing() -> None:
+        nonlocal writes
+        try:
+            while not done.is_set():
+                data = bytes([writes % 251 + 1]) * 4096
+                survivor.pwrite(data, (writes % 1024) * 4096)
+                assert survivor.pread(4096, (writes % 1024) * 4096) == data
+                writes += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=keep_writing)
+    thread.start()
+    try:
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(nbd.Error):  # its client's connection is gone
+            for _ in range(100):
+                h.pread(4096, 0)
+                time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = holders(pool)["b"]
+            if now is not None and now != victim:
+                break
+            time.sleep(0.1)
+        restarted = holders(pool)
+        assert restarted["b"] not in (None, victim), restarted
+        assert restarted["a"] == owners["a"]
+        h2 = routed(uri, "a", "b")
+        assert h2.pread(len(flushed), 1 * MiB) == flushed
+        h2.pwrite(b"\x01" * 4096, 0)
+        h2.flush()
+        h2.shutdown()
+        time.sleep(0.2)  # the survivor goes on writing across the restart
+    finally:
+        done.set()
+        thread.join()
+    assert not errors, errors
+    assert writes > 0
+    survivor.flush()
+    survivor.shutdown()
+    log = served.log.read_text()
+    assert "killed by SIGKILL): restarting it for b, d" in log, log
+
+
+def test_a_handover_from_outside_the_group_is_refused(served: Server) -> None:
+    worker = holders(served.pool)["a"]
+    assert worker is not None
+    victim_end, kept = socket.socketpair()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as ctl:
+        ctl.connect(handoff_address(served.proc.pid, worker))
+        forged = {"state": {}, "peer": "x", "address": None, "tls": True, "peercert": {}, "via": "me", "hops": 1}
+        socket.send_fds(ctl, [json.dumps(forged).encode()], [victim_end.fileno()])
+        answer = ctl.recv(4096)
+    victim_end.close()
+    assert answer == b"no: not a worker of this server"
+    kept.settimeout(5)
+    assert kept.recv(1) == b""  # the worker closed what it was sent
+    kept.close()
+    assert "refused a hand-over from pid" in served.log.read_text()
+
+
+def test_workers_are_refused_with_metrics(tmp_path: Path) -> None:
+    pool = _pool(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "thinblock", "serve", pool, "--workers", "2", "--metrics", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")},
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "--metrics is not available with --workers" in proc.stderr
+    bad = thinblock("serve", pool, "--workers", "zero", check=False)
+    assert bad.returncode == 2 and "--workers" in bad.stderr
