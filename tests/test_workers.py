@@ -272,7 +272,15 @@ def test_a_handover_from_outside_the_group_is_refused(served: Server) -> None:
     victim_end, kept = socket.socketpair()
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as ctl:
         ctl.connect(handoff_address(served.proc.pid, worker))
-        forged = {"state": {}, "peer": "x", "address": None, "tls": True, "peercert": {}, "via": "me", "hops": 1}
+        forged: dict[str, object] = {
+            "state": {},
+            "peer": "x",
+            "address": None,
+            "tls": True,
+            "peercert": {},
+            "via": "me",
+            "hops": 1,
+        }
         socket.send_fds(ctl, [json.dumps(forged).encode()], [victim_end.fileno()])
         answer = ctl.recv(4096)
     victim_end.close()
