@@ -11,9 +11,11 @@ from thinblock.frontends.nbd.protocol import (
     NEED_DATA,
     Closed,
     ExportInfo,
+    ExportRouted,
     PayloadPending,
     RemoteProtocolError,
     Request,
+    Route,
     ServerConnection,
     Transmission,
 )
@@ -207,3 +209,72 @@ def test_tls_required_refuses_plaintext_options() -> None:
     conn.receive_data(opt(c.OPT_EXPORT_NAME, b"a"))
     event = conn.next_event()
     assert isinstance(event, Closed) and not event.clean
+
+
+# ----- hand-over between worker processes (serve --workers) -----------------------
+
+
+class Elsewhere(Catalog):
+    """Export "b" is a sibling's: naming it routes the connection."""
+
+    def lookup(self, name: str) -> ExportInfo | None:
+        if name == "b":
+            raise ExportRouted("4242", name)
+        return super().lookup(name)
+
+
+def _meta_context(name: str, *queries: str) -> bytes:
+    data = struct.pack(">I", len(name)) + name.encode() + struct.pack(">I", len(queries))
+    for q in queries:
+        data += struct.pack(">I", len(q)) + q.encode()
+    return opt(c.OPT_SET_META_CONTEXT, data)
+
+
+def test_an_option_naming_a_siblings_export_is_left_for_it_and_answered_there() -> None:
+    conn = ServerConnection(Elsewhere())
+    conn.data_to_send()
+    conn.receive_data(struct.pack(">I", c.FLAG_C_FIXED_NEWSTYLE))
+    conn.receive_data(opt(c.OPT_STRUCTURED_REPLY))
+    go = opt(c.OPT_GO, struct.pack(">I", 1) + b"b" + struct.pack(">H", 0))
+    conn.receive_data(_meta_context("b", "base:allocation") + go)
+    event = conn.next_event()
+    assert event == Route("4242", "b")
+    assert [r[1] for r in replies(conn.data_to_send())] == [c.REP_ACK]  # STRUCTURED_REPLY only
+    state = conn.handoff_state()
+
+    # The sibling knows b; it answers the meta context option and GO, as if it had
+    # been there from the start: no greeting again, structured replies kept.
+    sibling = Catalog()
+    sibling.exports["b"] = ExportInfo("b", 8192, False)
+    there = ServerConnection.resume(sibling, state, tls_required=False, tls_available=False)
+    assert there.data_to_send() == b""
+    event = there.next_event()
+    assert isinstance(event, Transmission) and event.export.name == "b" and event.structured
+    assert list(event.contexts.values()) == ["base:allocation"]
+    kinds = [r[1] for r in replies(there.data_to_send())]
+    assert kinds[:2] == [c.REP_META_CONTEXT, c.REP_ACK] and kinds[-1] == c.REP_ACK
+
+
+def test_a_route_the_sibling_refused_is_answered_here() -> None:
+    conn = started()
+    conn.catalog = Elsewhere()
+    conn.receive_data(opt(c.OPT_INFO, struct.pack(">I", 1) + b"b" + struct.pack(">H", 0)))
+    assert isinstance(conn.next_event(), Route)
+    assert conn.refuse_routed("its worker is restarting") is None
+    (answer,) = replies(conn.data_to_send())
+    assert answer[1] == c.REP_ERR_UNKNOWN and answer[2] == b"its worker is restarting"
+    assert conn.next_event() is NEED_DATA  # the option is consumed; the client may go on
+    conn.receive_data(opt(c.OPT_EXPORT_NAME, b"b"))
+    assert isinstance(conn.next_event(), Route)
+    closed = conn.refuse_routed("gone")
+    assert isinstance(closed, Closed) and not closed.clean
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [{}, {"structured": True}, {"contexts": [], "structured": 1, "no_zeroes": 0, "contexts_export": None,
+                                "fixed": 1, "next_context_id": 1, "tls_active": 0, "input": "zz"}],
+)  # fmt: skip
+def test_a_malformed_handoff_state_is_a_remote_error(broken: dict[str, object]) -> None:
+    with pytest.raises(RemoteProtocolError):
+        ServerConnection.resume(Catalog(), broken, tls_required=False, tls_available=False)
