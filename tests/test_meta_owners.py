@@ -133,6 +133,69 @@ def test_a_commit_under_a_lost_lease_is_refused_and_changes_nothing(owners: Call
     assert a.volumes()[0].size_bytes == 4 << 20
 
 
+def _state(meta: MetadataStore) -> tuple[list[VolumeRow], list[tuple[int, int, int]]]:
+    return meta.volumes(), sorted(meta.all_roots())
+
+
+def test_an_owner_may_not_change_a_volume_another_lease_holds(owners: Callable[[], MetadataStore]) -> None:
+    a, b = owners(), owners()
+    la, lb = a.claim_volume(1, "server-a"), b.claim_volume(2, "server-b")
+    b.commit(Transaction(leases=[lb], roots={(2, 0): 7}))
+    before = _state(a)
+    b_row = VolumeRow(2, "b", 9 << 20, "on", 1.0)
+    for txn in (
+        Transaction(leases=[la], volumes=[b_row]),  # b's row
+        Transaction(leases=[la], roots={(2, 0): 8}),  # b's root entry
+        Transaction(leases=[la], roots={(2, 1): None}),
+        Transaction(leases=[la], deleted_volumes=[2]),  # b's removal
+        # refused whole: its own row does not go in either
+        Transaction(leases=[la], volumes=[VolumeRow(1, "a", 5 << 20, "on", 1.0)], roots={(2, 0): None}),
+    ):
+        with pytest.raises(OSError) as exc:
+            a.commit(txn)
+        refused(exc, errno.EPERM, "of volume 2", "held by server-b (epoch 1)", "volume 1 (epoch 1)")
+        assert _state(a) == before
+    # What a names is its own; a volume nobody holds is a pool-level step's, which names
+    # no lease; and the rule is another's live lease, not a lease this commit lacks.
+    a.commit(Transaction(leases=[la], volumes=[VolumeRow(1, "a", 5 << 20, "on", 1.0)], roots={(1, 0): 9}))
+    a.commit(Transaction(volumes=[VolumeRow(2, "b", 6 << 20, "on", 1.0, origin_id=1)]))
+    b.close()  # b dies (on SQLite its record stays, its lock goes)
+    a.commit(Transaction(leases=[la], volumes=[b_row], roots={(2, 0): None}))
+    assert [(v.id, v.size_bytes) for v in a.volumes()] == [(1, 5 << 20), (2, 9 << 20)]
+    assert sorted(a.all_roots()) == [(1, 0, 9)]
+
+
+def test_a_snapshots_roots_and_removal_are_its_volumes(owners: Callable[[], MetadataStore]) -> None:
+    a, c = owners(), owners()
+    la, lc = a.claim_volume(1, "server-a"), c.claim_volume(2, "server-c")
+    # 3 is a snapshot of 1, 4 a snapshot of 3: both a's, by their origins.
+    snaps = [
+        VolumeRow(3, "a@s", 1 << 20, "on", 1.0, kind="snapshot", origin_id=1),
+        VolumeRow(4, "a@t", 1 << 20, "on", 1.0, kind="snapshot", origin_id=3),
+    ]
+    a.commit(Transaction(leases=[la], volumes=snaps, roots={(3, 0): 7, (4, 0): 7}))
+    before = _state(c)
+    for txn in (
+        Transaction(leases=[lc], roots={(4, 0): None}),
+        Transaction(leases=[lc], deleted_volumes=[3]),
+        # a rewrite cannot take it away: the committed origin counts
+        Transaction(leases=[lc], volumes=[VolumeRow(4, "a@t", 1 << 20, "on", 1.0, kind="snapshot")], roots={(4, 0): 8}),
+        # a new snapshot of a's volume is a's to take
+        Transaction(leases=[lc], volumes=[VolumeRow(5, "a@u", 1 << 20, "on", 1.0, kind="snapshot", origin_id=1)]),
+    ):
+        with pytest.raises(OSError) as exc:
+            c.commit(txn)
+        refused(exc, errno.EPERM, "a snapshot of volume 1", "held by server-a (epoch 1)")
+        assert _state(c) == before
+    # An existing snapshot's row is not: a clone's owner rolling back to it sets its
+    # exclusive count (core/snapshot.py's rollback).
+    counted = VolumeRow(
+        3, "a@s", 1 << 20, "on", 1.0, kind="snapshot", origin_id=1, exclusive_blocks=0, exclusive_epoch=5
+    )
+    c.commit(Transaction(leases=[lc], volumes=[counted]))
+    assert [v.exclusive_epoch for v in c.volumes() if v.id == 3] == [5]
+
+
 # ----- shared counts as changes -----------------------------------------------------------
 
 

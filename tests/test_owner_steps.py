@@ -8,6 +8,7 @@ locks on the leases file.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import pytest
 from thinblock import Pool, ThinblockError
 from thinblock.admin.verbs import run_verb
 from thinblock.core.snapshot import clone, create_snapshot
+from thinblock.errors import CommitError, UncleanCloseError
+from thinblock.meta.base import Transaction
 from thinblock.tools.check import check_metadata
 
 BS = 4096
@@ -206,4 +209,46 @@ def test_a_dead_owners_bytes_in_a_zeroed_block_never_show(tmp_path: Path, shared
         second.close()
     with Pool.open(path) as whole:
         assert whole.volume("a").read(0, BS) == b"y" * 512 + bytes(BS - 512)
+    _check(path)
+
+
+def test_an_owner_that_bypasses_the_core_check_is_refused_by_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check_may_change is the core's rule; the store keeps it too (meta/owners.py's
+    check_volume_writes): B, owning b, changes nothing of A's volume a or its snapshot,
+    whether its core check is patched away or it commits to the store itself."""
+    path = _pool(tmp_path)
+    with Pool.open(path) as p:
+        p.create_volume("a", 64 * BS).write(0, b"a" * BS)
+        p.create_volume("b", 64 * BS)
+        create_snapshot(p, "a", "a@s")
+    a = Pool.open(path, volumes=["a"], autocommit=False, purpose="A")
+    b = Pool.open(path, volumes=["b"], autocommit=False, purpose="B")
+    a_id, snap_id = a.volume("a").row.id, a.volume("a@s").row.id
+    stored = (a.meta.volumes(), sorted(a.meta.all_roots()))
+    try:
+        monkeypatch.setattr(b, "check_may_change", lambda vol: None)
+        with pytest.raises(CommitError, match="volume 1 is not this owner's to change: it is held by A"):
+            run_verb(b, "volume_resize", {"name": "a", "size_bytes": 128 * BS})
+        assert b.owner is not None
+        for txn in (
+            Transaction(leases=b.owner.leases(), deleted_volumes=[a_id]),
+            Transaction(leases=b.owner.leases(), roots={(snap_id, 0): None}),
+        ):
+            with pytest.raises(OSError) as exc:
+                b.meta.commit(txn)
+            assert exc.value.errno == errno.EPERM and "held by A" in str(exc.value)
+        assert (a.meta.volumes(), sorted(a.meta.all_roots())) == stored  # nothing changed
+        a.volume("a").write(BS, b"A" * BS)  # and A goes on
+        a.commit()
+        with pytest.raises(UncleanCloseError):  # B's refused resize is still pending
+            b.close()
+    finally:
+        b.close()
+        a.close()
+    with Pool.open(path) as whole:
+        assert whole.volume("a").size_bytes == 64 * BS
+        assert whole.volume("a").read(0, 2 * BS) == b"a" * BS + b"A" * BS
+        assert whole.volume("a@s").read(0, 2 * BS) == b"a" * BS + bytes(BS)
     _check(path)

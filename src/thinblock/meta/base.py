@@ -17,7 +17,9 @@ processes, may commit to one store at once:
 - A volume is changed only by the owner holding its lease (`claim_volume`): a
   lock that dies with its process, and the volume's owner epoch, bumped by every
   claim. A transaction names the leases it writes under (`Transaction.leases`)
-  and is refused whole unless every one still holds (the guarded commit).
+  and is refused whole unless every one still holds (the guarded commit), and
+  if it changes the row, root table or removal of a volume (or of a snapshot of
+  one) that another live lease holds (`owners.check_volume_writes`).
 - Counts that owners share (dblock refcount pages, page refcounts, superblock
   counters) are committed as changes, not values: given the base an owner's
   change was made on, the store writes stored + (new - base), so owners never

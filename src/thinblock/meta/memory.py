@@ -118,6 +118,7 @@ class MemoryMetadata(MetadataStore):
         with self._lock:
             s = self.state
             owners.check_leases(txn.leases, self._current)
+            owners.check_volume_writes(txn, self._link, self._current)  # every lease here is live
             fenced = {vid for vid, epoch in txn.fenced if (held := s.leases.get(vid)) is not None and held[1] == epoch}
             result = CommitResult()
             superblock = copy.deepcopy(s.superblock)
@@ -194,6 +195,10 @@ class MemoryMetadata(MetadataStore):
             return result
 
     # ----- ownership per volume ------------------------------------------------------
+
+    def _link(self, volume_id: int) -> owners.Link | None:
+        row = self.state.volumes.get(volume_id)
+        return None if row is None else (row.kind, row.origin_id)
 
     def _current(self, volume_id: int) -> tuple[str, int] | None:
         held = self.state.leases.get(volume_id)

@@ -1,8 +1,9 @@
 """The rules of several owners' commits to one metadata store (meta/base.py's
 ownership contract), in one place for every backend that has them.
 
-A store applies a transaction in three steps, all inside its atomic commit:
-`check_leases` (the guarded commit), then each shared count through `counts`
+A store applies a transaction in four steps, all inside its atomic commit:
+`check_leases` (the guarded commit), `check_volume_writes` (an owner writes
+only what no other lease holds), then each shared count through `counts`
 and `refcount_page` (stored + (new - base), with freeing checked against the
 stored value), then `check_grants`. Each raises OSError naming what it refused,
 and the store then rolls the whole commit back.
@@ -36,6 +37,89 @@ def check_leases(leases: Iterable[Lease], current: Callable[[int], tuple[str, in
                 f" it is now held by {holder}",
                 errno.ESTALE,
             )
+
+
+# (kind, origin id) of a volume row: what links a snapshot to the volume it was taken of.
+Link = tuple[str, int | None]
+
+
+def check_volume_writes(
+    txn: Transaction,
+    stored: Callable[[int], Link | None],
+    holder: Callable[[int], tuple[str, int] | None],
+) -> None:
+    """A commit under leases (an owner's) writes no volume row, root table entry or
+    removal of a volume that a lease it does not name holds: the core's
+    Pool.check_may_change, kept by the store too, so that an owner that bypasses it
+    (a bug, a caller of the store itself) changes nothing of another's volume.
+
+    stored: volume id -> its committed (kind, origin id), None when absent; holder:
+    volume id -> the (owner, epoch) of the live lease holding it, None when nobody
+    live does. Pool-level steps of a process owning no volume (create, remove,
+    clone, the fold, a dependent's origin, a stale exclusive count) name no lease
+    and are not refused here: their rule is the pool-level lock.
+
+    A snapshot has no lease of its own: its roots and its removal (and a new
+    snapshot's row) are the volume's it was taken of, found through the origins of
+    snapshots, as core/pool.py's base_volume_id does. An existing snapshot's row
+    alone is not: another volume's owner rewrites it legitimately (a clone's
+    rollback to the snapshot sets the snapshot's exclusive count to zero).
+
+    Mapping pages are not checked: which volumes hold a page is known only from the
+    root tables, which have no index by page id, so telling a page's volumes would
+    cost a scan of every root table per commit (meta/sqlite.py); a page no root of
+    another's volume names is harmless until a root entry names it, and that is
+    checked here."""
+    if not txn.leases:
+        return
+    named = {(lease.volume_id, lease.owner, lease.epoch) for lease in txn.leases}
+    new: dict[int, Link] = {row.id: (row.kind, row.origin_id) for row in txn.volumes}
+    links: dict[int, Link | None] = {}
+    foreign: dict[int, tuple[str, int] | None] = {}
+
+    def committed(vid: int) -> Link | None:
+        if vid not in links:
+            links[vid] = stored(vid)
+        return links[vid]
+
+    def link(vid: int) -> Link | None:  # the committed row first: a rewrite cannot unlink it
+        got = committed(vid)
+        return got if got is not None else new.get(vid)
+
+    def base(vid: int) -> int | None:
+        seen = {vid}
+        got = link(vid)
+        while got is not None and got[0] == "snapshot":
+            origin = got[1]
+            if origin is None or origin in seen:
+                return None
+            seen.add(origin)
+            vid, got = origin, link(origin)
+        return vid
+
+    def check(vid: int, what: str, *, through_origin: bool = True) -> None:
+        for target in {vid, base(vid) if through_origin else vid}:
+            if target is None:
+                continue
+            if target not in foreign:
+                now = holder(target)
+                foreign[target] = None if now is None or (target, *now) in named else now
+            held = foreign[target]
+            if held is not None:
+                whose = "it is" if target == vid else f"it is a snapshot of volume {target},"
+                mine = ", ".join(f"volume {lease.volume_id} (epoch {lease.epoch})" for lease in txn.leases)
+                raise refused(
+                    f"{what} of volume {vid} is not this owner's to change: {whose} held by {held[0]}"
+                    f" (epoch {held[1]}), and this commit names the leases of {mine}",
+                    errno.EPERM,
+                )
+
+    for row in txn.volumes:
+        check(row.id, "the row", through_origin=committed(row.id) is None)  # a new snapshot's: its volume's
+    for vid in txn.deleted_volumes:
+        check(vid, "the removal")
+    for vid in sorted({vid for vid, _index in txn.roots}):
+        check(vid, "the root table")
 
 
 def _counts(blob: bytes | None) -> np.ndarray:

@@ -419,7 +419,7 @@ class SqliteMetadata(MetadataStore):
         try:
             c.execute("BEGIN IMMEDIATE")
             try:
-                result = _apply(c, txn)
+                result = _apply(c, txn, lambda vid: self._live_holder(c, vid))
             except BaseException:
                 c.execute("ROLLBACK")
                 raise
@@ -463,6 +463,23 @@ class SqliteMetadata(MetadataStore):
     def _owner_row(self, volume_id: int) -> tuple[str, int] | None:
         row = self.conn.execute("SELECT owner, epoch FROM volume_owners WHERE volume_id = ?", (volume_id,)).fetchone()
         return None if row is None else (str(row[0]), int(row[1]))
+
+    def _live_holder(self, c: sqlite3.Connection, volume_id: int) -> tuple[str, int] | None:
+        """Inside a commit: the (owner, epoch) of the live lease on the volume, or None.
+        Without _owner_lock, which a claim takes before the connection's lock: the
+        leases this object holds are read as they are, others' by their OFD lock."""
+        recorded = _stored_owner(c, volume_id)
+        if recorded is None:
+            return None
+        mine = self._held.get(volume_id)
+        if mine is not None:
+            return (mine.owner, mine.epoch)
+        fd = self._leases_fd
+        # A store that never opened the leases file holds no lease: it cannot tell a
+        # live holder from a dead one, and counts the record as live (refusing is safe).
+        if fd < 0 or range_locked(fd, 1 + volume_id, 1):
+            return recorded
+        return None
 
     def claim_volume(self, volume_id: int, owner: str) -> Lease:
         if not owner:
@@ -634,10 +651,19 @@ def _stored_refcount(c: sqlite3.Connection, page_id: int) -> int | None:
     return None if row is None else int(row[0])
 
 
-def _apply_shared(c: sqlite3.Connection, txn: Transaction, result: CommitResult) -> Transaction:
+def _stored_link(c: sqlite3.Connection, volume_id: int) -> owners.Link | None:
+    row = c.execute("SELECT kind, origin_id FROM volumes WHERE id = ?", (volume_id,)).fetchone()
+    return None if row is None else (str(row[0]), None if row[1] is None else int(row[1]))
+
+
+def _apply_shared(
+    c: sqlite3.Connection, txn: Transaction, result: CommitResult, holder: Callable[[int], tuple[str, int] | None]
+) -> Transaction:
     """txn with every count that has a base turned into the value to store (stored +
-    new - base, meta/owners.py), after the lease check; result gets those values."""
+    new - base, meta/owners.py), after the lease check and the check of what it may
+    change (holder: a volume's live lease); result gets those values."""
     owners.check_leases(txn.leases, lambda vid: _stored_owner(c, vid))
+    owners.check_volume_writes(txn, lambda vid: _stored_link(c, vid), holder)
     c.executemany("UPDATE volume_owners SET owner = '' WHERE volume_id = ? AND epoch = ?", txn.fenced)
     superblock = dict(txn.superblock)
     if txn.counter_bases:
@@ -717,10 +743,10 @@ def _apply_shared(c: sqlite3.Connection, txn: Transaction, result: CommitResult)
     )
 
 
-def _apply(c: sqlite3.Connection, txn: Transaction) -> CommitResult:
+def _apply(c: sqlite3.Connection, txn: Transaction, holder: Callable[[int], tuple[str, int] | None]) -> CommitResult:
     result = CommitResult()
     if txn.shared():
-        txn = _apply_shared(c, txn, result)
+        txn = _apply_shared(c, txn, result, holder)
     if txn.superblock:
         c.executemany(
             "INSERT OR REPLACE INTO superblock VALUES (?, ?)",
