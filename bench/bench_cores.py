@@ -1,6 +1,6 @@
 """Scale on cores (issue 22): two volumes served by one process vs by two, and nbdkit.
 
-    .venv/bin/python bench/bench_cores.py [--quick] [--json] [--owners]
+    .venv/bin/python bench/bench_cores.py [--quick] [--json] [--owners] [--workers] [--cases A,W,C]
 
 A `thinblock serve` of a whole pool serves every volume of it from one
 interpreter (one core, whatever the number of connections).
@@ -13,6 +13,9 @@ cases, side by side in one run:
   O  (--owners) two `thinblock serve POOL --volume v1` / `--volume v2` on
      one pool: owners per volume (a thinblock whose serve has no --volume
      skips the row with a one-line message);
+  W  (--workers) one `thinblock serve POOL --workers 2`: two worker processes
+     behind one socket, each owning one volume (connections accepted by the
+     other worker are handed over to the owner);
   C  peer: one nbdkit `file` plugin process serving two 4 GiB files (dir=,
      export names are the file names).
 
@@ -21,8 +24,8 @@ sequentially (1 MiB, so that reads find data), then 4 KiB random read and
 random write with two jobs, one connection to each volume (iodepth 16 each,
 time-based, 15 s; --quick 5 s over 1 GiB). On A's v1 alone: the same with one
 job and one connection. Each comparison runs twice, the order reversed the
-second time (run 1: A, B, [O,] C; run 2: C, [O,] B, A). Ratios B/A, A/C, B/C
-(and O/A, O/C). fio shares the machine's cores with the servers.
+second time (run 1: A, B, [O, W,] C; run 2: C, [W, O,] B, A). Ratios B/A,
+A/C, B/C (and O/A, O/C, W/A, W/C). --cases picks some of them. fio shares the machine's cores with the servers.
 """
 
 from __future__ import annotations
@@ -50,10 +53,11 @@ CASES = {
     "A": "one process",
     "B": "two processes",
     "O": "two owners",
+    "W": "--workers 2",
     "C": "nbdkit file",
 }
 WORKLOADS = ("randread", "randwrite")
-RATIOS = (("B", "A"), ("A", "C"), ("B", "C"), ("O", "A"), ("O", "C"))
+RATIOS = (("B", "A"), ("A", "C"), ("B", "C"), ("O", "A"), ("O", "C"), ("W", "A"), ("W", "C"))
 
 
 class Unavailable(Exception):
@@ -137,6 +141,16 @@ def two_owners(scratch: Path) -> Iterator[list[str]]:
 
 
 @contextmanager
+def workers(scratch: Path) -> Iterator[list[str]]:
+    """W: one `thinblock serve POOL --workers 2`: one socket, a worker per volume."""
+    pool = scratch / "w-pool"
+    tb, env = make_pool(pool, VOLUMES)
+    sock = str(scratch / "w.sock")
+    with server([*tb, "serve", str(pool), "--workers", "2", "--socket", sock], sock, scratch / "w.log", env):
+        yield [unix_uri(v, sock) for v in VOLUMES]
+
+
+@contextmanager
 def nbdkit_dir(scratch: Path) -> Iterator[list[str]]:
     """C: one nbdkit process, file plugin with dir=, one sparse 4 GiB file per export."""
     files = scratch / "c-files"
@@ -149,7 +163,7 @@ def nbdkit_dir(scratch: Path) -> Iterator[list[str]]:
         yield [unix_uri(v, sock) for v in VOLUMES]
 
 
-STARTERS = {"A": one_process, "B": two_processes, "O": two_owners, "C": nbdkit_dir}
+STARTERS = {"A": one_process, "B": two_processes, "O": two_owners, "W": workers, "C": nbdkit_dir}
 
 
 def fio_volumes(uris: list[str], rw: str, bs: str, iodepth: int, size: str, runtime: int | None) -> dict[str, Any]:
@@ -237,9 +251,13 @@ def main() -> None:
         action="store_true",
         help="also two `serve POOL --volume V` on one pool (issue 22; skipped while serve has no --volume)",
     )
+    parser.add_argument("--workers", action="store_true", help="also one `serve POOL --workers 2` (W)")
+    parser.add_argument("--cases", metavar="A,W,C", help="run only these cases, in this order (then reversed)")
     args = parser.parse_args()
     region, runtime = ("1G", 5) if args.quick else (VOLUME, 15)
-    order = ["A", "B", *(["O"] if args.owners else []), "C"]
+    order = ["A", "B", *(["O"] if args.owners else []), *(["W"] if args.workers else []), "C"]
+    if args.cases:
+        order = [k for k in args.cases.split(",") if k in CASES]
     scratch = Path(tempfile.mkdtemp(prefix="tb-cores-bench-", dir=args.dir))
     runs: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
@@ -254,7 +272,7 @@ def main() -> None:
                 try:
                     results[key] = run_case(key, scratch, region, runtime)
                 except Unavailable as e:
-                    skipped[key] = f"`thinblock serve --volume` is not available yet (usage error: {e})"
+                    skipped[key] = f"this thinblock's serve refused the arguments (usage error: {e})"
                     print(f"{key} ({CASES[key]}): {skipped[key]}; row skipped", file=sys.stderr, flush=True)
             runs.append(
                 {"order": [k for k in this_order if k in results], "results": results, "ratios": ratios(results)}
