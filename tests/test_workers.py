@@ -291,6 +291,39 @@ def test_a_handover_from_outside_the_group_is_refused(served: Server) -> None:
     assert "refused a hand-over from pid" in served.log.read_text()
 
 
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"
+
+
+def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path) -> None:
+    pool = _pool(tmp_path)
+    server = Server(pool, "--workers", "2")
+    workers = {pid for pid in holders(pool).values() if pid is not None}
+    assert len(workers) == 2
+    server.proc.kill()
+    server.proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_running(pid) for pid in workers):
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in workers), "a worker outlived its supervisor"
+    assert "[worker 0]" in server.log.read_text() and "[worker 1]" in server.log.read_text()
+    thinblock("pool", "check", pool)
+    again = Server(pool, "--workers", "2")  # the socket left behind is a dead one: replaced
+    try:
+        h = routed(again.unix_uri(""), "a", "b")
+        h.pwrite(b"\x07" * 512, 0)
+        h.flush()
+        h.shutdown()
+    finally:
+        again.stop()
+    thinblock("pool", "check", pool)
+
+
 def test_workers_are_refused_with_metrics(tmp_path: Path) -> None:
     pool = _pool(tmp_path)
     proc = subprocess.run(

@@ -65,6 +65,8 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         record.levelname_lower = record.levelname.lower()
         message = record.getMessage()
+        if (worker := getattr(record, "worker", None)) is not None:  # serve --workers: which one said it
+            message = f"[worker {worker}] {message}"
         safe = logging.makeLogRecord({**vars(record), "msg": _one_line(message), "args": None})
         safe.exc_info, safe.exc_text, safe.stack_info = None, None, None
         line = super().format(safe)
@@ -129,6 +131,19 @@ def configure(level: str = "info", path: str | None = None, fmt: str = "text") -
     root.setLevel(LEVELS[level])
     root.propagate = False  # the lines go here once, not again through the root logger
     return handler
+
+
+class WorkerTag(logging.Filter):
+    """Marks every line of one worker of serve --workers with its index (`[worker 1]`
+    in text, "worker": 1 in JSON), since the workers share the log."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self.index
+        return True
 
 
 def configure_from(args: argparse.Namespace) -> logging.Handler:

@@ -469,10 +469,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     started = time.monotonic()
     if args.pool is None:
         raise UsageError('serve needs POOL: on the command line, or pool = "..." in the --config file')
-    configure_from(args)
+    handler = configure_from(args)
     log = logging.getLogger("thinblock.serve")
     # A worker of serve --workers (cli/workers.py) serves its supervisor's sockets.
     spec: WorkerSpec | None = getattr(args, "worker_spec", None)
+    if spec is not None:
+        from thinblock.logsetup import WorkerTag
+
+        handler.addFilter(WorkerTag(spec.index))
     activated = spec.listeners if spec is not None else systemd.listen_fds()
     if spec is None and activated and (args.socket or args.listen):
         for sock, _name in activated:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -39,6 +40,7 @@ from thinblock.listen import bind_unix
 log = logging.getLogger("thinblock.serve")
 
 RESTARTS = 3
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_WINDOW_S = 60.0
 LISTEN_BACKLOG = 4096
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
@@ -49,6 +51,7 @@ class WorkerSpec:
     """What a forked worker's `serve` takes from its supervisor instead of making it."""
 
     group: int  # the supervisor's pid: the group's name (frontends/nbd/workers.py)
+    index: int  # which worker: its log lines say so
     listeners: list[tuple[socket.socket, str]]
     ready_fd: int  # "ready" or "error: ..." is written here once, then it is closed
 
@@ -68,6 +71,17 @@ class _Worker:
     pid: int = 0
     deaths: list[float] = field(default_factory=list)
     given_up: bool = False
+
+
+def end_with_parent(supervisor: int) -> None:
+    """SIGTERM when the supervisor dies, however it dies (prctl PR_SET_PDEATHSIG), so a
+    killed supervisor leaves no worker serving on behind it; it stops as on any
+    SIGTERM, finishing requests and committing. Exits at once if it died already."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != supervisor:
+        os._exit(1)
 
 
 def parse_workers(text: str) -> int:
@@ -134,6 +148,7 @@ class Supervisor:
         sys.stdout.flush()
         sys.stderr.flush()
         old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        supervisor = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker: it never returns into the supervisor's code
             code = 1
@@ -144,7 +159,8 @@ class Supervisor:
                     signal.signal(signum, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
                 os.environ.pop("NOTIFY_SOCKET", None)  # readiness is the supervisor's to tell
-                spec = WorkerSpec(os.getppid(), [(s, "worker") for s in self.listeners], write_fd)
+                end_with_parent(supervisor)
+                spec = WorkerSpec(supervisor, worker.index, [(s, "worker") for s in self.listeners], write_fd)
                 try:
                     self.run_worker(spec, worker.volumes)
                     code = 0
