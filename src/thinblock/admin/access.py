@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
 from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s, owner_socket
-from thinblock.admin.jobs import Check, close_fds, run_job
+from thinblock.admin.jobs import Check, run_job
 from thinblock.admin.verbs import run_verb
 from thinblock.backends import locate
 from thinblock.core.pool import Pool
@@ -106,11 +106,38 @@ class SharedAdmin:
             client.close()
 
     def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
-        close_fds(fds)
-        raise PoolBusyError(
-            f"pool {self.pool.path} is served per volume: {verb.replace('_', ' ')} jobs run only on a pool served"
-            " whole, for now (stop its servers, or serve it without --volume)"
-        )
+        with self.for_job(verb, args) as admin:
+            return admin.job(verb, fds, progress, **args)
+
+    @contextlib.contextmanager
+    def for_job(self, verb: str, args: dict[str, Any]) -> Iterator[LocalAdmin | ControlClient]:
+        """Where a job runs: at the server owning its volume (the volume a snapshot was
+        taken of), over its control socket, as a job goes to a whole-pool server; or, on
+        a volume nobody holds or a new one, here, on the pool opened as the owner of
+        just that volume (or of none: the staging volume an import builds is this
+        process's from the start, core/owner.py), which gives its leases up at the end."""
+        name = str(args.get("name"))
+        vol = self.pool.visible_volume(name)
+        vid = self.pool.base_volume_id(vol) if vol is not None else None
+        base = self.pool.volume_by_id(vid)
+        holder = self.pool.meta.volume_holder(vid) if vid is not None else None
+        if holder is not None:
+            sock = owner_socket(self.pool.location, holder)
+            if sock is None:
+                raise PoolBusyError(f"{name} is served by {holder}, which this host cannot reach")
+            try:
+                client = ControlClient(sock, self.timeout_s)
+            except ThinblockError as exc:
+                raise PoolBusyError(f"the server owning {name} does not answer: {exc}") from None
+            try:
+                yield client
+            finally:
+                client.close()
+            return
+        owned = [base.name] if base is not None else []
+        purpose = f"thinblock {verb.replace('volume_', '').replace('_', '-')}"
+        with Pool.open(self.pool.location, autocommit=False, purpose=purpose, volumes=owned) as pool:
+            yield LocalAdmin(pool)
 
 
 DEFAULT_WAIT_S = 60.0

@@ -11,6 +11,7 @@ checked by the same schema as every other verb before anything runs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import Any
 
 from thinblock.admin.schema import validate
 from thinblock.core.pool import Pool
-from thinblock.errors import OpError, ThinblockError
+from thinblock.errors import OpError, PoolBusyError, ThinblockError
 from thinblock.progress import ProgressFn
 from thinblock.transfer import diffs, imaging
 from thinblock.transfer.common import visible
@@ -37,6 +38,7 @@ from thinblock.transfer.qcow2 import open_qcow2
 from thinblock.transfer.sparsify import sparsify
 
 Check = Callable[[], None] | None
+log = logging.getLogger("thinblock.jobs")
 FDS_NEEDED = {"file": 1, "stream": 1, "nbd": 0, "qcow2": 1, "rbd": 1}  # qcow2: plus one per backing file
 
 
@@ -188,6 +190,8 @@ def run_job(
     raises when whoever asked for it went away."""
     try:
         validate(verb, args)
+        if pool.owner is not None:
+            check_owned(pool, str(args["name"]))
         return JOBS[verb](pool, list(fds), progress, check, **args)
     except OSError as exc:
         if isinstance(exc, OpError):  # the pool's own refusals keep their errno
@@ -198,6 +202,32 @@ def run_job(
         raise ThinblockError(f"{verb.replace('_', '-')} failed: {exc.strerror or exc}{where}") from None
     finally:
         close_fds(fds)
+        if pool.owner is not None:
+            _settle(pool)
+
+
+def check_owned(pool: Pool, name: str) -> None:
+    """An owner per volume runs a job only on what it serves: one of its volumes, or a
+    snapshot of one (the command line sends a job to the owner of its volume, and runs
+    one on a volume nobody holds, or a new one, itself: admin/access.py)."""
+    vol = pool.visible_volume(name)
+    if vol is None:
+        if pool.owner is not None and pool.owner.owned_ids() and any(r.name == name for r in pool.meta.volumes()):
+            raise PoolBusyError(f"volume {name} is not served here ({pool.owner.name}): it is newer than this server")
+        return  # a new volume (import), or none: the job says which
+    if not pool.serves(vol) and not (pool.owner is not None and not pool.owner.owned_ids()):
+        raise PoolBusyError(pool.served_elsewhere(vol))
+
+
+def _settle(pool: Pool) -> None:
+    """After a job of an owner per volume: its changes committed, the leases of the
+    staging volumes it made and dropped are given up (a server runs many jobs)."""
+    assert pool.owner is not None
+    try:
+        pool.commit()
+        pool.owner.forget_staging()
+    except (OSError, ThinblockError) as exc:  # kept until the owner closes
+        log.warning("pool %s: after a job: %s", pool.path, exc)
 
 
 def close_fds(fds: list[int]) -> None:

@@ -28,9 +28,10 @@ import time
 from typing import TYPE_CHECKING
 
 from thinblock.core.mapping import BlockState, entry_dblock, entry_state
-from thinblock.core.pool_steps import fold_orphans, grant_blocks, punch_grant, return_grant
+from thinblock.core.pool_steps import fold_orphans, grant_blocks, punch_grant, recover_stale_grants, return_grant
+from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.spacemap import to_runs
-from thinblock.errors import NoSpaceError, ThinblockError
+from thinblock.errors import NoSpaceError, PoolBusyError, ThinblockError
 from thinblock.meta.base import Grant, Lease, MetadataStore, VolumeBusyError
 from thinblock.sizes import format_size
 
@@ -65,6 +66,7 @@ class VolumeOwner:
         self.pool = pool
         self.name = name
         self._leases: dict[int, Lease] = {}  # volume id -> lease
+        self._staging: set[int] = set()  # leases of staging volumes this owner made
         self.grants: list[Grant] = []
         self._granted = threading.Condition()  # _granting changed
         self._granting = 0  # grants committed, being punched (not allocatable yet)
@@ -100,6 +102,25 @@ class VolumeOwner:
     def adopt(self, leases: dict[int, Lease]) -> None:
         self._leases = dict(leases)
 
+    def claim_staging(self, vid: int) -> None:
+        """Hold the lease of a staging volume this owner makes (a job's, before its row is
+        committed): while it is held the volume is this job's, and one whose lease nobody
+        holds was left by an owner that died, for any pool-level step to remove
+        (Pool.drop_stale_staging). Given up once the volume is gone (forget_staging), or
+        when the owner closes."""
+        self._leases[vid] = self.meta.claim_volume(vid, self.name)
+        self._staging.add(vid)
+
+    def forget_staging(self) -> None:
+        """After a job, once its changes are committed: give up the leases of its staging
+        volumes that are gone (dropped, or adopted), unless a grant is under one (it goes
+        back when the owner closes). A staging volume made a volume keeps its lease."""
+        gone = {vid for vid in self._staging if self.pool.volume_by_id(vid) is None}
+        gone -= {g.volume_id for g in self.grants}
+        for vid in gone:
+            self._staging.discard(vid)
+            self.meta.release_volume(self._leases.pop(vid))
+
     def leases(self) -> list[Lease]:
         return list(self._leases.values())
 
@@ -119,10 +140,11 @@ class VolumeOwner:
 
     def lease_of(self, vol: Volume | None) -> Lease:  # take_space has checked there is one
         """The lease a grant for vol is taken under (any of ours for a volume not ours)."""
-        if vol is not None and vol.row.id in self._leases:
-            return self._leases[vol.row.id]
+        # The volume a staging one replaces first: its lease lasts beyond the job.
         if vol is not None and vol.replaces is not None and vol.replaces.row.id in self._leases:
             return self._leases[vol.replaces.row.id]
+        if vol is not None and vol.row.id in self._leases:
+            return self._leases[vol.row.id]
         return next(iter(self._leases.values()))
 
     # ----- recovery of volumes an owner left --------------------------------------
@@ -151,6 +173,34 @@ class VolumeOwner:
         if dblocks:
             pool.store.flush()
             log.info("pool %s: zeroed %d ZEROED blocks again of the volumes taken over", pool.path, len(dblocks))
+
+    def drop_stale_staging(self) -> None:
+        """Remove the staging volumes a job that died left (their lease is held by
+        nobody: every owner holds the lease of the staging volumes it makes), as the
+        whole pool's open does; a staged snapshot of a volume another server holds is
+        left to that server (it removes it when it next opens). Their grants are taken
+        back first, so none is left for a volume that does not exist."""
+        pool = self.pool
+        stale = [
+            vol.name
+            for vol in list(pool.volumes.values())
+            if vol.name.startswith(STAGING_PREFIX) and vol.row.id not in self._leases
+        ]
+        if not stale:
+            return
+        with pool.pool_step():
+            recover_stale_grants(self.meta)
+            for name in stale:
+                vol = pool.volumes.get(name)
+                if vol is None or self.meta.volume_holder(vol.row.id) is not None:
+                    continue
+                try:
+                    pool.check_may_change(vol)
+                except PoolBusyError:
+                    continue
+                log.info("pool %s: removing staging volume %s left by an interrupted job", pool.path, name)
+                pool.catch_up()
+                pool.remove_volume(name)
 
     # ----- grants -----------------------------------------------------------------
 
@@ -370,6 +420,7 @@ class VolumeOwner:
             except (OSError, ThinblockError) as exc:
                 problems.append(f"grant {grant.start}+{grant.count} not given back: {exc}")
         self.grants = []
+        self._staging = set()
         for lease in self._leases.values():
             try:
                 self.meta.release_volume(lease)

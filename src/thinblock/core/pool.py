@@ -613,6 +613,11 @@ class Pool:
             ownership.release()
             raise
         step.mark("metadata loaded")
+        assert pool.owner is not None
+        try:
+            pool.owner.drop_stale_staging()
+        except (OSError, ThinblockError) as exc:  # left for the next open
+            log.warning("pool %s: removing staging volumes left by interrupted jobs failed: %s", pool.path, exc)
         return pool
 
     def __enter__(self) -> Pool:
@@ -734,6 +739,8 @@ class Pool:
             self.txn.load_refcounts(sharing.root.values())
         if self.owner is not None:  # an id no other owner gets
             self._next_volume_id = self.meta.reserve_ids("volume", 1)
+            if staging:  # a job's: held by this owner from before its row exists
+                self.owner.claim_staging(self._next_volume_id)
         row = VolumeRow(self._next_volume_id, name, size_bytes, detect_zeroes, time.time(), kind=kind)
         self._next_volume_id += 1
         vol = Volume(self, row, {})
@@ -793,6 +800,12 @@ class Pool:
         origin = self.base_volume_id(vol) if vol.row.kind == "snapshot" else None
         if origin is not None and origin in owner.owned_ids():
             return
+        if vol.name.startswith(STAGING_PREFIX) and not self.meta.volume_holder(vol.row.id):
+            # A staging volume left by a job that died (its maker held its lease): any
+            # step may remove it, unless the volume it was staged from is another's.
+            origin = origin if origin is not None and self.meta.volume_holder(origin) else None
+            if origin is None:
+                return
         if not owner.owned_ids():
             held = [vid for vid in (vol.row.id, origin) if vid is not None and self.meta.volume_holder(vid)]
             if not held:

@@ -14,6 +14,7 @@ returns, with no lock held.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 from thinblock.core.delta import changed_ranges
 from thinblock.core.pool import Pool, validate_volume_size
@@ -45,6 +46,16 @@ def share_into(pool: Pool, vol: Volume, name: str, kind: str, *, staging: bool =
     return new
 
 
+@contextlib.contextmanager
+def _pool_step(pool: Pool) -> Iterator[None]:
+    """A job's change of the volume table (a staging volume made, published, adopted):
+    for an owner per volume, a pool-level step on counts that follow the store's, as
+    every administration verb is (admin/verbs.run_validated); nothing otherwise."""
+    with pool.pool_step():
+        pool.catch_up()
+        yield
+
+
 def _share_counted(pool: Pool, *volumes: Volume) -> None:
     """Volumes that now hold the same pages (share_contents) own nothing alone: their
     exclusive counts are exactly 0 (core/exclusive.py)."""
@@ -71,21 +82,22 @@ def stage(pool: Pool, source: Volume, purpose: str, *, kind: str = "volume") -> 
     staged snapshot replaces nothing. Its name starts with STAGING_PREFIX, which user
     names cannot; one left behind by a crash is removed when the pool is next opened.
     Committed."""
-    with source.ranges.hold_all(exclusive=False), pool.lock:
-        if source.removed:
-            raise ThinblockError(f"no volume {source.name!r} in pool {pool.path}")
-        _weigh(pool, source, purpose)
-        staged = share_into(pool, source, pool.staging_name(purpose), kind, staging=True)
-        if kind == "volume":
-            pool.accounts.stand_in(staged, source)
-    try:
-        pool.commit()
-    except BaseException:
-        # The copy is in memory, pending: take it away again before anything uses
-        # it, so no later commit writes it (a failing layer below may fail this too).
-        with contextlib.suppress(Exception):
-            pool.remove_volume(staged.name)
-        raise
+    with _pool_step(pool):
+        with source.ranges.hold_all(exclusive=False), pool.lock:
+            if source.removed:
+                raise ThinblockError(f"no volume {source.name!r} in pool {pool.path}")
+            _weigh(pool, source, purpose)
+            staged = share_into(pool, source, pool.staging_name(purpose), kind, staging=True)
+            if kind == "volume":
+                pool.accounts.stand_in(staged, source)
+        try:
+            pool.commit()
+        except BaseException:
+            # The copy is in memory, pending: take it away again before anything uses
+            # it, so no later commit writes it (a failing layer below may fail this too).
+            with contextlib.suppress(Exception):
+                pool.remove_volume(staged.name)
+            raise
     return staged
 
 
@@ -100,11 +112,16 @@ def stage_empty(
     replace (adopt), whose reservation its blocks count toward (core/reservation.py),
     so an import that fits the volume's set-aside never fails for want of space."""
     validate_volume_size(size_bytes)
-    with pool.lock:
-        staged = pool.add_volume(pool.staging_name(purpose), size_bytes, detect_zeroes, staging=True)
-        if replacing is not None:
-            pool.accounts.stand_in(staged, replacing)
-        return staged
+    with _pool_step(pool):
+        with pool.lock:
+            staged = pool.add_volume(pool.staging_name(purpose), size_bytes, detect_zeroes, staging=True)
+            if replacing is not None:
+                pool.accounts.stand_in(staged, replacing)
+        if pool.owner is not None:
+            # Its row exists before a grant is taken for it (no grant of a volume that
+            # does not exist is left if the job dies): nothing to sync, it is empty.
+            pool.commit()
+    return staged
 
 
 def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
@@ -112,35 +129,36 @@ def publish_staged(pool: Pool, renames: list[tuple[Volume, str]]) -> None:
     metadata commit: a crash leaves every one of them hidden (removed at the next
     open) or every one visible, never some. The names are checked first; nothing
     changes if one is taken (or invalid)."""
-    with pool.lock:
-        for staged, name in renames:
-            if staged.removed or pool.volumes.get(staged.name) is not staged:
-                raise ThinblockError(f"the staging volume for {name} is gone")
-            pool.check_new_name(name, staged.row.kind)
-        if len({name for _, name in renames}) != len(renames):
-            raise ThinblockError("two staging volumes cannot take one name")
-        hidden = [(staged, staged.name) for staged, _ in renames]
-        for staged, name in renames:
-            with pool.volumes.tallied(staged):  # visible now: into the pool's totals
-                del pool.volumes[staged.name]
-                staged.row.name = name
-                pool.volumes[name] = staged
-            pool.txn.mark_volume_dirty(staged)
-    try:
-        pool.commit()
-    except BaseException:
-        # The commit that would show them failed: they are hidden again, so the job's
-        # cleanup (or the next open) removes them, and no later commit publishes what
-        # the job reported as failed.
+    with _pool_step(pool):
         with pool.lock:
-            for staged, old in hidden:
-                if pool.volumes.get(staged.name) is staged:
-                    with pool.volumes.tallied(staged):
-                        del pool.volumes[staged.name]
-                        staged.row.name = old
-                        pool.volumes[old] = staged
-                    pool.txn.mark_volume_dirty(staged)
-        raise
+            for staged, name in renames:
+                if staged.removed or pool.volumes.get(staged.name) is not staged:
+                    raise ThinblockError(f"the staging volume for {name} is gone")
+                pool.check_new_name(name, staged.row.kind)
+            if len({name for _, name in renames}) != len(renames):
+                raise ThinblockError("two staging volumes cannot take one name")
+            hidden = [(staged, staged.name) for staged, _ in renames]
+            for staged, name in renames:
+                with pool.volumes.tallied(staged):  # visible now: into the pool's totals
+                    del pool.volumes[staged.name]
+                    staged.row.name = name
+                    pool.volumes[name] = staged
+                pool.txn.mark_volume_dirty(staged)
+        try:
+            pool.commit()
+        except BaseException:
+            # The commit that would show them failed: they are hidden again, so the job's
+            # cleanup (or the next open) removes them, and no later commit publishes what
+            # the job reported as failed.
+            with pool.lock:
+                for staged, old in hidden:
+                    if pool.volumes.get(staged.name) is staged:
+                        with pool.volumes.tallied(staged):
+                            del pool.volumes[staged.name]
+                            staged.row.name = old
+                            pool.volumes[old] = staged
+                        pool.txn.mark_volume_dirty(staged)
+            raise
 
 
 def clone(pool: Pool, snapshot: str, name: str) -> Volume:
@@ -206,34 +224,39 @@ def adopt(
     staged snapshot of the volume taken with the staging volume), refused too if the
     volume was written since: adopting would silently discard those writes, which
     their clients were told had been done."""
-    with pool.quiesced(volume, kind="volume") as vol, staging.ranges.hold_all(exclusive=True), pool.lock:
-        pool.refuse_if_busy(vol, verb)
-        if unchanged_since is not None:
-            written = sum(n for _, n in changed_ranges(unchanged_since, vol))
-            resized = vol.size_bytes != unchanged_since.size_bytes
-            if written or resized:
-                what = f"{format_size(written)} differ" if written else ""
-                if resized:
-                    sizes = f"resized from {format_size(unchanged_since.size_bytes)} to {format_size(vol.size_bytes)}"
-                    what = f"{what}, {sizes}" if what else sizes
-                raise ThinblockError(
-                    f"cannot {verb} volume {volume}: it was written while the job ran ({what}), and finishing the"
-                    " job would discard those writes; nothing was changed: stop the writer and run it again"
-                )
-        if snapshot is not None:
-            pool.check_new_name(snapshot, "snapshot")
-            _weigh(pool, vol, "snapshot")
-        pool.txn.load_refcounts([*vol.root.values(), *staging.root.values()])  # before anything changes
-        # The pages vol will hold alone once its own are released and staging dropped: the
-        # recount below (and staging's release) reads them, so they are read now.
-        old = set(vol.root.values())
-        pool.txn.load_pages([pid for pid in staging.root.values() if pool.txn.page_refcount(pid) - (pid in old) == 1])
-        pool.txn.release_root(vol)
-        pool.share_contents(vol, staging)
-        pool.drop_volume(staging)
-        # vol holds staging's pages alone now, as staging did: counted once, O(its pages)
-        # like the share itself.
-        pool.accounts.set_exclusive(vol, vol.recount_exclusive())
-        snap = share_into(pool, vol, snapshot, "snapshot") if snapshot is not None else None
-    pool.commit()
+    with _pool_step(pool):
+        with pool.quiesced(volume, kind="volume") as vol, staging.ranges.hold_all(exclusive=True), pool.lock:
+            pool.refuse_if_busy(vol, verb)
+            if unchanged_since is not None:
+                written = sum(n for _, n in changed_ranges(unchanged_since, vol))
+                resized = vol.size_bytes != unchanged_since.size_bytes
+                if written or resized:
+                    what = f"{format_size(written)} differ" if written else ""
+                    if resized:
+                        sizes = (
+                            f"resized from {format_size(unchanged_since.size_bytes)} to {format_size(vol.size_bytes)}"
+                        )
+                        what = f"{what}, {sizes}" if what else sizes
+                    raise ThinblockError(
+                        f"cannot {verb} volume {volume}: it was written while the job ran ({what}), and finishing the"
+                        " job would discard those writes; nothing was changed: stop the writer and run it again"
+                    )
+            if snapshot is not None:
+                pool.check_new_name(snapshot, "snapshot")
+                _weigh(pool, vol, "snapshot")
+            pool.txn.load_refcounts([*vol.root.values(), *staging.root.values()])  # before anything changes
+            # The pages vol will hold alone once its own are released and staging dropped: the
+            # recount below (and staging's release) reads them, so they are read now.
+            old = set(vol.root.values())
+            pool.txn.load_pages(
+                [pid for pid in staging.root.values() if pool.txn.page_refcount(pid) - (pid in old) == 1]
+            )
+            pool.txn.release_root(vol)
+            pool.share_contents(vol, staging)
+            pool.drop_volume(staging)
+            # vol holds staging's pages alone now, as staging did: counted once, O(its pages)
+            # like the share itself.
+            pool.accounts.set_exclusive(vol, vol.recount_exclusive())
+            snap = share_into(pool, vol, snapshot, "snapshot") if snapshot is not None else None
+        pool.commit()
     return snap

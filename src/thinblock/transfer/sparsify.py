@@ -39,7 +39,15 @@ def sparsify(pool: Pool, name: str, progress: ProgressFn) -> dict[str, Any]:
         tell.add(piece[1])
 
     run_all(step, (piece for offset, n, _data in extents for piece in chunks(offset, n, SPARSIFY_STEP)))
-    pool.settle_frees()  # the freed blocks are punched and free before this returns
+    if pool.owner is None:
+        pool.settle_frees()  # the freed blocks are punched and free before this returns
+        freed = pool.space_figures()["free_bytes"] - free_before
+    else:
+        # An owner per volume frees into the pool once committed (whoever is granted the
+        # blocks next punches them), and its own figures are those of its grants: what
+        # went back is what was unmapped, which this volume held alone.
+        pool.commit()
+        freed = totals[1]
     tell.end()
     return {
         "volume": name,
@@ -47,6 +55,6 @@ def sparsify(pool: Pool, name: str, progress: ProgressFn) -> dict[str, Any]:
         "unmapped_bytes": totals[1],
         "zeroed_bytes": totals[2],
         "shared_zero_bytes": totals[3],
-        "freed_bytes": pool.space_figures()["free_bytes"] - free_before,
+        "freed_bytes": freed,
         "seconds": elapsed(start),
     }

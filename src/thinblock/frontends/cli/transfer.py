@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from thinblock.admin.access import LocalAdmin, open_admin, wait_s
+from thinblock.admin.access import Admin, LocalAdmin, SharedAdmin, open_admin, wait_s
 from thinblock.admin.jobs import close_fds
 from thinblock.errors import ThinblockError
 from thinblock.formats.rbd import IMAGE_V2
@@ -43,7 +43,8 @@ def _job(args: argparse.Namespace, label: str, verb: str, fds: list[int], **job_
             job_signals() as signals,
             progress_bar("recovering free space", show) as recovering,
             progress_bar(label, show) as bar,
-            open_admin(args.pool, progress=signals.checked(recovering)) as admin,
+            open_admin(args.pool, progress=signals.checked(recovering)) as found,
+            _job_admin(found, verb, job_args) as admin,
         ):
             handed = True  # the job owns the files from here on, and closes them
             try:
@@ -59,6 +60,16 @@ def _job(args: argparse.Namespace, label: str, verb: str, fds: list[int], **job_
     finally:
         if not handed:
             close_fds(fds)
+
+
+@contextlib.contextmanager
+def _job_admin(admin: Admin, verb: str, job_args: dict[str, Any]) -> Iterator[Admin]:
+    """On a pool served per volume, where the job runs: at its volume's server, or here."""
+    if isinstance(admin, SharedAdmin):
+        with admin.for_job(verb, job_args) as chosen:
+            yield chosen
+    else:
+        yield admin
 
 
 def _summary(args: argparse.Namespace, data: Any, human: Callable[[Any], str], *, to_stderr: bool = False) -> None:
