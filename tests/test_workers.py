@@ -33,7 +33,7 @@ from pathlib import Path
 import nbd
 import pytest
 
-from tests.cli import thinblock
+from tests.cli import export_bytes, thinblock
 from tests.nbd_server import Server
 from tests.nbd_tls_client import PKI
 from thinblock.backends import locate
@@ -143,6 +143,10 @@ def test_one_socket_serves_the_volumes_of_every_worker(served: Server) -> None:
     models["b"][:4096] = b"\xee" * 4096
     listing = subprocess.run(["nbdinfo", "--list", "--json", uri], capture_output=True, text=True, check=True)
     assert "a@s1" in [e["export-name"] for e in json.loads(listing.stdout)["exports"]]
+
+    # Jobs go to the worker owning their volume.
+    assert export_bytes(pool, "b") == bytes(models["b"])
+    assert export_bytes(pool, "a@s1") == bytes(models["a"])
 
     # Pool-level commands work while the workers own every volume.
     status = json.loads(thinblock("volume", "list", pool, "--json").stdout)
