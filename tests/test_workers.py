@@ -295,6 +295,64 @@ def test_a_handover_from_outside_the_group_is_refused(served: Server) -> None:
     assert "refused a hand-over from pid" in served.log.read_text()
 
 
+def _new_holder(pool: str, name: str, old: int | None) -> int | None:
+    """Wait (bounded) until name is held by a process other than old; its pid or None."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = holders(pool)[name]
+        if now is not None and now != old:
+            return now
+        time.sleep(0.1)
+    return None
+
+
+def _refusal(uri: str) -> str:
+    """The error a client asking for this export gets, as qemu-img shows the server's
+    message (libnbd keeps only the error code)."""
+    proc = subprocess.run(["qemu-img", "info", uri], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0, f"{uri} was served"
+    return proc.stderr
+
+
+def test_a_worker_that_keeps_dying_is_left_down_and_its_volumes_refused(served: Server) -> None:
+    pool = served.pool
+    pid = holders(pool)["b"]
+    for _ in range(3):  # three deaths are restarted ...
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        pid = _new_holder(pool, "b", pid)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)  # ... the fourth in a minute is not
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "not restarting it" not in served.log.read_text():
+        time.sleep(0.1)
+    assert "not restarting it; its volumes (b, d) are not served" in served.log.read_text()
+    assert holders(pool)["b"] is None
+    assert "no server holds it now" in _refusal(served.unix_uri("b"))
+    h = nbd.NBD()  # the other worker serves on
+    h.connect_uri(served.unix_uri("a"))
+    h.pwrite(b"\x01" * 4096, 0)
+    h.flush()
+    h.shutdown()
+
+
+def test_a_volume_taken_over_by_another_server_leaves_the_group(served: Server, tmp_path: Path) -> None:
+    pool = served.pool
+    worker = holders(pool)["b"]
+    other = Server(pool, "--volume", "b", "--takeover", "--socket", str(tmp_path / "other.sock"))
+    try:
+        assert holders(pool)["b"] == other.proc.pid
+        assert f"pid {other.proc.pid}" in _refusal(served.unix_uri("b"))  # names who serves it
+        assert worker is not None and parent_pid(worker) == served.proc.pid  # the worker serves on
+        h = routed(served.unix_uri(""), "a", "d")  # its other volume stays
+        h.pwrite(b"\x02" * 4096, 0)
+        h.flush()
+        h.shutdown()
+    finally:
+        other.stop()
+    assert "restarting" not in served.log.read_text()
+
+
 def _running(pid: int) -> bool:
     """Whether pid is a live process (not gone, not a zombie waiting to be reaped)."""
     try:
