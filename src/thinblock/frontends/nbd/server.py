@@ -1323,27 +1323,24 @@ def relay(client: socket.socket, sibling: socket.socket) -> None:
     client.settimeout(None)
 
     def back() -> None:  # the sibling's replies, to the client
-        try:
-            while data := sibling.recv(RELAY_CHUNK_BYTES):
-                client.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                socket.socket.shutdown(client, socket.SHUT_RDWR)
+        _copy(sibling, client)
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(client, socket.SHUT_RDWR)
 
     thread = threading.Thread(target=back, name=f"{threading.current_thread().name}-relay", daemon=True)
     thread.start()
-    try:
-        while data := client.recv(RELAY_CHUNK_BYTES):
-            sibling.sendall(data)
-    except OSError:
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            sibling.shutdown(socket.SHUT_WR)  # the sibling ends the session, its last replies still come back
-        thread.join()
-        sibling.close()
+    _copy(client, sibling)
+    with contextlib.suppress(OSError):
+        sibling.shutdown(socket.SHUT_WR)  # the sibling ends the session, its last replies still come back
+    thread.join()
+    sibling.close()
+
+
+def _copy(source: socket.socket, dest: socket.socket) -> None:
+    """Bytes from source to dest until source closes or either breaks."""
+    with contextlib.suppress(OSError):
+        while data := source.recv(RELAY_CHUNK_BYTES):
+            dest.sendall(data)
 
 
 def _remainder(views: list[memoryview], sent: int) -> list[bytes]:
