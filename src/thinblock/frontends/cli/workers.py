@@ -300,7 +300,9 @@ def supervise(
         while True:
             signum = next_signal()
             if signum == signal.SIGHUP:
+                systemd.notify("RELOADING=1", "STATUS=reloading --tls-authz in every worker")
                 supervisor.forward(signal.SIGHUP)
+                systemd.notify("READY=1", f"STATUS={status}")
             elif signum == signal.SIGCHLD:
                 supervisor.reap()
                 if not supervisor.alive():
