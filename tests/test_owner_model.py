@@ -5,13 +5,18 @@ call, the grant's, its return's and the fold's included, and owners that die.
 The model is plain bytes per volume: what reads must show, and what the last
 successful commit made durable. Any request may fail (ENOSPC: the pool is small
 and split in grants; an injected fault); a failed one changes nothing. An owner
-that dies loses only what it had not committed; the other never notices. At the
+that dies loses only what it had not committed; the other never notices.
+Reservations are set and removed on the owners' volumes (through run_verb, as the
+owner's control socket runs them), and a write to a range the pool reported
+`thinblock:guaranteed` never fails with ENOSPC while the other owner fills the
+pool (unless a fault fired or commits fail: the promise is about pool space). At the
 end every owner closes, `pool check` finds nothing wrong (refcounts, grants,
 pages), and the whole pool's owner reads exactly the model.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -79,7 +84,10 @@ class OwnersMachine(RuleBasedStateMachine):
             armed.arm(None)
 
     def _mutate(self, name: str, verb: str, off: int, length: int, data: bytes | None = None) -> None:
-        vol = self.pools[name].volume(name)
+        pool = self.pools[name]
+        vol = pool.volume(name)
+        # Reported guaranteed over the whole range, with commits healthy: no ENOSPC.
+        sure = pool.commit_failure is None and all(ok for _n, ok in vol.guaranteed_status(off, length))
         try:
             if verb == "write":
                 assert data is not None
@@ -90,7 +98,10 @@ class OwnersMachine(RuleBasedStateMachine):
                 vol.write_zeroes(off, length)
         except OpError as exc:
             # ENOSPC is an ordinary result here; any other error only from a fault.
-            assert exc.errno == 28 or self._fired(name), exc
+            assert exc.errno == errno.ENOSPC or self._fired(name), exc
+            assert not (sure and exc.errno == errno.ENOSPC and not self._fired(name)), (
+                f"{verb} of {name} at {off}+{length}: reported guaranteed, got ENOSPC: {exc}"
+            )
             return
         self.model[name][off : off + length] = data if data is not None else bytes(length)
         self.since_commit[name].append((off, data if data is not None else bytes(length)))
@@ -106,6 +117,27 @@ class OwnersMachine(RuleBasedStateMachine):
     def trim_or_zero(self, name: str, block: int, n: int, zero: bool) -> None:
         off = block * BS
         self._mutate(name, "zero" if zero else "trim", off, min(n * BS, VOL - off))
+
+    @rule(name=st.sampled_from(NAMES), seed=st.integers(0, 9))
+    def fill(self, name: str, seed: int) -> None:
+        """The owner writes its volume block by block until the pool is full (ENOSPC)."""
+        for block in range(VOL // BS):
+            data = random.Random(seed * 100 + block).randbytes(BS)
+            before = bytes(self.model[name][block * BS : (block + 1) * BS])
+            self._mutate(name, "write", block * BS, BS, data)
+            if self.model[name][block * BS : (block + 1) * BS] == before and before != data:
+                return  # refused: full (or a fault)
+
+    @rule(name=st.sampled_from(NAMES), full=st.booleans())
+    def reserve(self, name: str, full: bool) -> None:
+        """Reserve the whole volume, or drop its reservation, in its owner's pool-level step."""
+        self._disarm(name)
+        try:
+            run_verb(self.pools[name], "volume_set", {"name": name, "reserve": "full" if full else "none"})
+        except OpError as exc:
+            assert full and exc.errno == errno.ENOSPC, exc  # the pool cannot set it aside
+            return
+        self._committed(name)
 
     @rule(name=st.sampled_from(NAMES))
     def commit(self, name: str) -> None:

@@ -340,3 +340,35 @@ def test_serve_without_volume_beside_owners_serves_the_volumes_nobody_holds(tmp_
         _stop(rest)
         _stop(sa)
     thinblock("pool", "check", pool)
+
+
+def test_a_reservation_on_one_owners_volume_holds_while_another_owner_fills_the_pool(tmp_path: Path) -> None:
+    pool = _pool(tmp_path, "32M", {"a": "8M", "b": "32M"})
+    sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
+    try:
+        # Sent to a's server (it owns a), weighed and committed in its pool-level step.
+        thinblock("volume", "set", pool, "a", "--reserve", "full")
+        status = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+        assert status["reserved_bytes"] == 8 * MiB, status
+        ha, hb = _handle(sa, "a"), _handle(sb, "b")
+        # b fills everything the reservation leaves, and gets ENOSPC.
+        written = 0
+        with pytest.raises(nbd.Error) as full:
+            for off in range(0, 32 * MiB, MiB):
+                hb.pwrite(b"b" * MiB, off)
+                written += MiB
+        assert full.value.errno == "ENOSPC"
+        assert written >= 16 * MiB, written
+        hb.flush()
+        # Every byte of a's reservation is written without one ENOSPC, b's data kept.
+        for off in range(0, 8 * MiB, MiB):
+            ha.pwrite(b"a" * MiB, off)
+        ha.flush()
+        assert ha.pread(8 * MiB, 0) == b"a" * (8 * MiB)
+        assert hb.pread(written, 0) == b"b" * written
+        ha.shutdown()
+        hb.shutdown()
+    finally:
+        _stop(sa)
+        _stop(sb)
+    thinblock("pool", "check", pool)

@@ -135,6 +135,10 @@ class VolumeOwner:
         """The handover of vid failed: it is served here again."""
         self._leaving.discard(vid)
 
+    def holds(self, vid: int) -> bool:
+        """Whether this owner holds vid's lease (a volume being handed over included)."""
+        return vid in self._leases
+
     def owned_ids(self) -> set[int]:
         return set(self._leases) - self._leaving
 
@@ -294,8 +298,9 @@ class VolumeOwner:
         """How many allocatable blocks this owner keeps in its grants at most; the
         rest goes back to the pool (others may need it: a trimmed volume's space)."""
         # Two grants' worth: less would give back the grant just taken, and take it
-        # again at the next write.
-        return max(1, 2 * self._grant_size())
+        # again at the next write. Beyond that, what its volumes' reservations set
+        # aside: its allocation gate keeps that unused, and would take it again at once.
+        return max(1, 2 * self._grant_size()) + self.pool.accounts.reserved_blocks()
 
     def _grant_size(self) -> int:
         """The blocks a grant holds now: by the write rate, and an eighth of a small pool

@@ -26,7 +26,7 @@ from thinblock.backends import Location, Ownership, locate
 from thinblock.core.commit import Committer
 from thinblock.core.mapping import PAGE_ENTRIES
 from thinblock.core.owner import VolumeOwner, owner_name
-from thinblock.core.pool_steps import grant_figures, recover_stale_grants
+from thinblock.core.pool_steps import grant_figures, pool_room, recover_stale_grants, reservation_claims
 from thinblock.core.registry import STAGING_PREFIX, VolumeRegistry
 from thinblock.core.reservation import replaced_id, target_blocks
 from thinblock.core.space import SpaceAccounts
@@ -574,12 +574,6 @@ class Pool:
                         f"{name!r} is a {row.kind}, not a volume: a snapshot is served by the server of the volume it was taken of"
                     )
                 ids[name] = row.id
-            reserved = sorted(r.name for r in rows.values() if r.reserve_bytes)
-            if reserved:
-                raise ThinblockError(
-                    f"pool {location.name} has volumes with a reservation ({', '.join(reserved[:3])}):"
-                    " reservations are not yet kept across owners per volume; serve the pool whole"
-                )
             label = owner_name(purpose)
             # Under the pool-level lock: a command's step that found these volumes unheld
             # has committed by then, and what is loaded below is what it left.
@@ -661,6 +655,8 @@ class Pool:
             clients += hang_up(vol)  # one that opened it while the first were hung up
             with self.pool_step(), vol.ranges.hold_all(exclusive=True):
                 owner.release_volume(vol.row.id)
+                with self.lock:  # its set-aside is kept by the grant steps from now on
+                    self.accounts.retally_set_aside(vol)
         except BaseException:
             owner.stay(vol.row.id)
             raise
@@ -760,7 +756,10 @@ class Pool:
             yield
             return
         with self.meta.pool_lock():
-            yield
+            try:
+                yield
+            finally:
+                self.accounts.pool_room = None  # the room catch_up found holds only in this step
 
     def catch_up(self) -> None:
         """An owner per volume, at a pool-level step: its views of the shared counts (block
@@ -769,11 +768,16 @@ class Pool:
         if self.owner is None:
             return
 
+        owner = self.owner
+
         def follow(meta: MetadataStore) -> None:
             stored = meta.refcount_pages()
+            # What a reservation this step grows may take (SpaceAccounts.check_reservable).
+            room = pool_room(meta, owner.name, stored)
             with self.lock:
                 self.accounts.space.refresh(stored)
                 self.txn.catch_up()
+                self.accounts.pool_room = room
 
         self.between_commits(follow)
 
@@ -1030,12 +1034,19 @@ class Pool:
         # An owner per volume shows the pool's used count as every owner committed it (its
         # own view may be behind), read before the pool lock: no store read under it.
         committed = self.meta.superblock().get("used_blocks") if self.owner is not None else None
+        # ... and the set-asides of the volumes other holders hold or nobody does, as
+        # committed (its own it counts itself: they may be newer).
+        others_reserved = 0
+        if self.owner is not None:
+            set_aside, _unused = reservation_claims(self.meta, self.block_size)
+            others_reserved = sum(n for holder, n in set_aside.items() if holder is None or holder != self.owner.name)
         with self.lock:
             self.accounts.refresh_reserved()  # the few reserved volumes with stale counts: exact set-asides
             figures = self.space_figures()
             if committed is not None:
                 used = int(committed) * self.block_size
                 figures.update(used_bytes=used, free_bytes=self.size_bytes - used)
+                figures["reserved_bytes"] += others_reserved * self.block_size
                 figures["available_bytes"] = max(0, figures["free_bytes"] - figures["reserved_bytes"])
             return {
                 **figures,
@@ -1082,12 +1093,12 @@ class Pool:
         if reserve_bytes < RESERVE_FULL:
             raise ThinblockError(f"invalid reservation {reserve_bytes}")
         accounts = self.accounts
-        if self.owner is not None and reserve_bytes:
-            raise ThinblockError(
-                f"reservations are not yet kept across owners per volume: serve pool {self.path} whole to set one"
-            )
         with self.lock:
             vol = self.volume(name, kind="volume")
+            # An owner per volume: only its own volumes' (the command line sends it to the
+            # owner: admin/access.py), in a pool-level step that commits it (run_verb), so
+            # every later grant step sees the new set-aside.
+            self.check_may_change(vol)
             for owner in (vol, *vol.replacements):  # exact counts: the decision may fail
                 owner.fresh_exclusive()
             accounts.check_reservable(vol, accounts.set_aside(vol, reserve_bytes), "reserve space for")

@@ -4,6 +4,13 @@ orphan pages. Each runs under the store's pool-level lock, is short, and is one
 guarded commit: a step that fails changes nothing in the store and may simply
 be run again.
 
+A grant never hands out what other volumes' reservations set aside
+(core/reservation.py's still_needed, from the committed rows, grants and counts):
+the free space outside every grant keeps whatever the other owners' grants do not
+cover of their volumes' set-asides, and the whole set-aside of every volume
+nobody holds. The grantee's own set-asides may be granted to it: its allocation
+gate keeps them for its reserved volumes.
+
 Why a grant's blocks are punched by the owner that took it, before it allocates
 from them: a block at count zero may still hold bytes an owner wrote but never
 committed (it died, or its commit failed and it was killed before retrying).
@@ -27,6 +34,7 @@ from collections.abc import Callable
 import numpy as np
 
 from thinblock.core.mapping import entry_dblock, mapped_pairs
+from thinblock.core.reservation import replaced_id, set_aside_blocks, still_needed
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import ThinblockError
 from thinblock.meta.base import Grant, Lease, MetadataStore, Transaction
@@ -87,10 +95,53 @@ def grant_problems(meta: MetadataStore, n_blocks: int, volume_ids: set[int]) -> 
     return problems
 
 
-def _free_mask(meta: MetadataStore, n_blocks: int) -> np.ndarray:
+def reservation_claims(
+    meta: MetadataStore, block_size: int, stored: dict[int, bytes] | None = None
+) -> tuple[dict[str | None, int], dict[str, int]]:
+    """The pool's reservations as committed, per holder (None: volumes nobody holds):
+    the blocks their volumes' reservations set aside, and the blocks at count zero in
+    each holder's grants (what its gate keeps for them first). stored: the refcount
+    pages, when the caller has read them. Under the pool-level lock, or as a figure."""
+    rows = meta.volumes()
+    replacing: dict[int, int] = {}
+    for row in rows:  # a staging volume's blocks count toward the volume it replaces
+        replaced = replaced_id(row)
+        if replaced is not None:
+            replacing[replaced] = replacing.get(replaced, 0) + row.exclusive_blocks
+    set_aside: dict[str | None, int] = {}
+    for row in rows:
+        if row.kind != "volume" or not row.reserve_bytes:
+            continue
+        blocks = set_aside_blocks(row, block_size, replacement_blocks=replacing.get(row.id, 0))
+        holder = meta.volume_holder(row.id)
+        set_aside[holder] = set_aside.get(holder, 0) + blocks
+    unused: dict[str, int] = {}
+    grants = meta.grants() if set_aside else []
+    if grants:
+        counts = meta.refcount_pages() if stored is None else stored
+        for g in grants:
+            holder = meta.volume_holder(g.volume_id)
+            if holder is not None:
+                idle = int(np.count_nonzero(refcounts_in(counts, g.start, g.count) == 0))
+                unused[holder] = unused.get(holder, 0) + idle
+    return set_aside, unused
+
+
+def pool_room(meta: MetadataStore, holder: str, stored: dict[int, bytes] | None = None) -> int:
+    """What holder may be granted now (under the pool-level lock): the free blocks outside
+    every grant less what other holders' reservations still need of them."""
+    sb = meta.superblock()
+    block_size = int(sb["block_size"])
+    counts = meta.refcount_pages() if stored is None else stored
+    free = int(np.count_nonzero(_free_mask(meta, int(sb["size_bytes"]) // block_size, counts)))
+    set_aside, unused = reservation_claims(meta, block_size, counts)
+    return free - still_needed(set_aside, unused, but=holder)
+
+
+def _free_mask(meta: MetadataStore, n_blocks: int, stored: dict[int, bytes]) -> np.ndarray:
     """True for each block at count zero in committed state that no grant holds."""
     counts = np.zeros(n_blocks, dtype=np.uint32)
-    for index, blob in meta.refcount_pages().items():
+    for index, blob in stored.items():
         start = index * REFCOUNT_PAGE_ENTRIES
         if start >= n_blocks:
             continue
@@ -120,13 +171,25 @@ def grant_blocks(meta: MetadataStore, lease: Lease, blocks: int) -> Grant:
     with meta.pool_lock():
         recover_stale_grants(meta)  # dead owners' grants hold free space: theirs first
         sb = meta.superblock()
-        free = _free_mask(meta, int(sb["size_bytes"]) // int(sb["block_size"]))
+        block_size = int(sb["block_size"])
+        stored = meta.refcount_pages()
+        free = _free_mask(meta, int(sb["size_bytes"]) // block_size, stored)
         starts = np.flatnonzero(free)
         if not starts.size:
             raise OSError(errno.ENOSPC, "the pool has no free block outside the grants other owners hold")
+        # What other volumes' reservations still need stays in the free space.
+        set_aside, unused = reservation_claims(meta, block_size, stored)
+        kept = still_needed(set_aside, unused, but=lease.owner)
+        budget = len(starts) - kept
+        if budget <= 0:
+            raise OSError(
+                errno.ENOSPC,
+                f"the pool's {len(starts)} free blocks outside the grants other owners hold are set aside"
+                f" for other volumes' reservations ({kept} blocks)",
+            )
         start = int(starts[0])
         taken = np.flatnonzero(~free[start : start + blocks])
-        count = int(taken[0]) if taken.size else min(blocks, len(free) - start)
+        count = min(int(taken[0]) if taken.size else min(blocks, len(free) - start), budget)
         grant = Grant(lease.volume_id, lease.epoch, start, count)
         meta.commit(Transaction(leases=[lease], grants=[grant]))
     return grant

@@ -62,3 +62,27 @@ def covers_every_block(row: VolumeRow, block_size: int) -> bool:
     if row.kind == "snapshot" or not row.reserve_bytes:
         return False
     return row_target(row, block_size) >= -(-row.size_bytes // block_size)
+
+
+# ----- across owners (ownership per volume: core/owner.py, core/pool_steps.py) --------
+# Each owner allocates only from its grants, and its own allocation gate (core/space.py)
+# keeps its volumes' set-asides out of what its other volumes may take, so the blocks
+# lying unused in its grants hold its reservations first. What they do not cover must
+# stay in the free space outside every grant: a grant to anyone else leaves it there.
+# None as a holder stands for the volumes nobody holds (their set-asides wait in the
+# free space whole, for whoever takes them next).
+
+
+def still_needed(
+    set_aside_by_holder: dict[str | None, int], unused_by_holder: dict[str, int], but: str | None = None
+) -> int:
+    """What reservations still need from the free space outside every grant: for each
+    holder except `but` (the owner being granted space, whose own set-asides its gate
+    keeps), its volumes' set-asides less the unused blocks of its grants."""
+    total = 0
+    for holder, set_aside in set_aside_by_holder.items():
+        if holder is not None and holder == but:
+            continue
+        credit = unused_by_holder.get(holder, 0) if holder is not None else 0
+        total += max(0, set_aside - credit)
+    return total

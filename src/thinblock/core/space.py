@@ -76,6 +76,10 @@ class SpaceAccounts:
         self.owner: VolumeOwner | None = None
         self._wanted: tuple[int, Volume | None] = (0, None)
         self._no_grant: str | None = None  # why the last grant failed, told to the next request
+        # Owner mode, during a pool-level step (Pool.catch_up, under the pool-level lock):
+        # the free blocks outside every grant less what other holders' reservations still
+        # need of them (core/reservation.py's still_needed). None outside a step.
+        self.pool_room: int | None = None
 
     # ----- reservations (the rule: core/reservation.py) ------------------------------
     # The exclusive count is a lower bound (core/exclusive.py), which only over-reserves;
@@ -115,14 +119,20 @@ class SpaceAccounts:
         vol.replacements.append(staging)
         self.retally_set_aside(vol)
 
+    def counts_reservation(self, vol: Volume) -> bool:
+        """Whether vol's set-aside is this process's to keep: every volume's for the whole
+        pool's owner; an owner per volume keeps only its own volumes' (what other holders'
+        reservations need, its grant steps leave in the free space: core/pool_steps.py)."""
+        return self.owner is None or self.owner.holds(vol.row.id)
+
     def retally_set_aside(self, vol: Volume) -> None:
         """vol's reservation, size or exclusive count changed, or it went: the pool's
         reserved total follows (O(1), so the allocation gate never sums volumes). For a
         staging volume, the volume it replaces is counted again."""
-        counted = 0 if vol.removed else self.set_aside(vol)
+        counted = 0 if vol.removed or not self.counts_reservation(vol) else self.set_aside(vol)
         self.reserved_total += counted - vol.set_aside_counted
         vol.set_aside_counted = counted
-        if vol.row.reserve_bytes and not vol.removed:
+        if vol.row.reserve_bytes and not vol.removed and self.counts_reservation(vol):
             self.reserved_volumes.add(vol)
         else:
             self.reserved_volumes.discard(vol)
@@ -156,10 +166,22 @@ class SpaceAccounts:
         return self.reserved_total != before
 
     def check_reservable(self, vol: Volume, new_set_aside: int, what: str, freed: int = 0, why: str = "") -> None:
-        """Refuse (ENOSPC, nothing changed) when vol's set-aside cannot grow to new_set_aside."""
+        """Refuse (ENOSPC, nothing changed) when vol's set-aside cannot grow to new_set_aside.
+
+        An owner per volume weighs it in a pool-level step, against the room the step
+        found outside every grant (pool_room) plus what lies unused in its own grants,
+        less its own volumes' set-asides; the change is committed before the step ends,
+        so every later grant step leaves the new set-aside in the free space."""
         self.refresh_reserved()
         extra = new_set_aside - self.set_aside(vol)
-        available = self.space.free_blocks + freed - self.reserved_blocks()
+        if extra <= 0:
+            return
+        if self.owner is None:
+            available = self.space.free_blocks + freed - self.reserved_blocks()
+        elif self.pool_room is None:
+            raise ThinblockError(f"pool {self.path}: a reservation grows only in a pool-level step (Pool.pool_step)")
+        else:
+            available = self.pool_room + self.space.allocatable_blocks + freed - self.reserved_blocks()
         if extra > available:
             raise NoSpaceError(
                 f"cannot {what} {vol.name}: its reservation needs {format_size(extra * self.block_size)} more"
@@ -215,17 +237,19 @@ class SpaceAccounts:
             raise NoSpaceError(
                 f"the host filesystem under pool {self.path} is full: new space is refused until freed space returns"
             )
+        # An owner per volume counts only its own volumes' set-asides here (reserved_total):
+        # its grants hold them first, and its grant steps keep the rest (core/pool_steps.py).
         others = self.reserved_total - (self.own_set_aside(vol) if vol is not None else 0)
         if n_blocks <= self.space.allocatable_blocks - others:
             return
+        if others and self.refresh_reserved():  # stale counts over-reserve: recount, then decide
+            return self.check_space(n_blocks, vol)
         if self.owner is not None:
             if self._no_grant is not None:
                 why, self._no_grant = self._no_grant, None
                 raise NoSpaceError(why)
-            self._wanted = (n_blocks, vol)
+            self._wanted = (n_blocks + others, vol)  # the grants must hold the others' set-asides too
             raise GrantNeeded(f"pool {self.path}: {n_blocks} blocks are needed beyond this owner's grants")
-        if others and self.refresh_reserved():  # stale counts over-reserve: recount, then decide
-            return self.check_space(n_blocks, vol)
         if n_blocks <= self.space.free_blocks - others:
             # Freed blocks become usable once committed, punched and synced: the caller
             # commits twice with the pool lock released, then plans again.

@@ -28,7 +28,7 @@ from thinblock.core.mapped import Mapped, mapped_entries, positions
 from thinblock.core.mapping import PAGE_ENTRIES, BlockState, entry_dblock, entry_state, entry_valid, mapped_pairs
 from thinblock.core.pool import check_data_size
 from thinblock.core.pool_steps import grant_problems
-from thinblock.core.reservation import replaced_id, set_aside_blocks
+from thinblock.core.reservation import replaced_id, set_aside_blocks, still_needed
 from thinblock.core.spacemap import REFCOUNT_PAGE_ENTRIES
 from thinblock.errors import CorruptionError, ThinblockError
 from thinblock.meta.base import RESERVE_FULL, MetadataStore, VolumeRow
@@ -391,8 +391,11 @@ def _check_lineage_and_reservations(
         reserved += set_aside_blocks(
             row, block_size, exclusive=int(owned[index[row.id]]), replacement_blocks=replacing.get(row.id, 0)
         )
-    if reserved > free:
-        problems.append(f"reservations set aside {reserved} blocks but only {free} are free")
+    # A checked pool is held by nobody (grants left by dead owners are free blocks
+    # here): every set-aside is needed whole from the free space (the same rule).
+    needed = still_needed({None: reserved}, {})
+    if needed > free:
+        problems.append(f"reservations set aside {needed} blocks but only {free} are free")
     return problems
 
 
