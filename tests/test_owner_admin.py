@@ -85,7 +85,7 @@ def test_pool_grow_wakes_a_writer_held_by_the_wait_policy_in_another_owner(tmp_p
 
 def test_pool_set_is_followed_by_every_owner(tmp_path: Path) -> None:
     pool = _pool(tmp_path, "16M", {"a": "64M", "b": "64M"})
-    thinblock("pool", "set", pool, "--when-full", "wait:120")
+    thinblock("pool", "set", pool, "--when-full", "wait:45")
     sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
     try:
         ha, hb = _handle(sa, "a"), _handle(sb, "b")
@@ -93,19 +93,19 @@ def test_pool_set_is_followed_by_every_owner(tmp_path: Path) -> None:
         hb.pwrite(b"b" * (4 * MiB), 0)
         ha.flush()
         hb.flush()
-        # Both owners started under wait:120; the command changes it to error.
+        # Both owners started under wait:45; the command changes it to error.
         thinblock("pool", "set", pool, "--when-full", "error", "--low-water", "10")
         status = _status(pool)
         assert status["when_full"] == "error" and status["low_water_percent"] == 10
         for h, name in ((ha, "a"), (hb, "b")):
             # Whatever is left goes to the first owner to ask; then each fails at once
-            # (under the old wait:120 it would be held two minutes).
+            # (under the old wait:45 it would be held 45 s).
             started = time.monotonic()
             with pytest.raises(nbd.Error) as full:
                 for off in range(16 * MiB, 64 * MiB, MiB):
                     h.pwrite(name.encode() * MiB, off)
             assert full.value.errno == "ENOSPC"
-            assert time.monotonic() - started < 60, f"owner of {name} still waited"
+            assert time.monotonic() - started < 30, f"owner of {name} still waited"
         assert ha.pread(8 * MiB, 0) == b"a" * (8 * MiB)
         assert hb.pread(4 * MiB, 0) == b"b" * (4 * MiB)
         ha.shutdown()
