@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
 from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s, owner_socket
+from thinblock.admin.follow import tell_owners
 from thinblock.admin.jobs import Check, run_job
 from thinblock.admin.verbs import run_verb
 from thinblock.backends import locate
@@ -95,7 +96,10 @@ class SharedAdmin:
     def call(self, verb: str, **args: Any) -> Any:
         target = self._owner_socket(verb, args)
         if target is None:
-            return run_verb(self.pool, verb, args)
+            result = run_verb(self.pool, verb, args)
+            if verb in ("pool_grow", "pool_set"):  # a pool-level step here: the owners follow now
+                tell_owners(self.pool)
+            return result
         try:
             client = ControlClient(target, self.timeout_s)
         except ThinblockError as exc:

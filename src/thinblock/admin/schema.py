@@ -223,6 +223,7 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
     "delta": {"source": (name_text, True), "target": (name_text, True)},
     "fuse_mount": {"mountpoint": (text, True)},
     "volume_release": {"name": (name_text, True)},
+    "pool_follow": {},
     # jobs (admin/jobs.py): they also take open files and report progress
     "import": {
         "name": (name_text, True),

@@ -28,7 +28,8 @@ import time
 from typing import TYPE_CHECKING
 
 from thinblock.core.mapping import BlockState, entry_dblock, entry_state
-from thinblock.core.pool_steps import fold_orphans, grant_blocks, punch_grant, recover_stale_grants, return_grant
+from thinblock.core.pool_settings import take_grant_growing
+from thinblock.core.pool_steps import fold_orphans, punch_grant, recover_stale_grants, return_grant
 from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.spacemap import to_runs
 from thinblock.errors import NoSpaceError, PoolBusyError, ThinblockError
@@ -251,8 +252,8 @@ class VolumeOwner:
                 self._last_grant = now
                 blocks = max(short, self._grant_size(), 1)
                 lease = self.lease_of(vol)
-                try:
-                    grant = grant_blocks(self.meta, lease, blocks)
+                try:  # the pool's size and policy followed first; autogrow when none is free
+                    grant = take_grant_growing(pool, lease, blocks, short)
                 except OSError as exc:
                     raise NoSpaceError(f"pool {pool.path} is out of space: {exc.strerror}") from None
                 with self._granted:

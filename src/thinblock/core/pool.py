@@ -26,6 +26,7 @@ from thinblock.backends import Location, Ownership, locate
 from thinblock.core.commit import Committer
 from thinblock.core.mapping import PAGE_ENTRIES
 from thinblock.core.owner import VolumeOwner, owner_name
+from thinblock.core.pool_settings import grow_shared, set_policy_shared
 from thinblock.core.pool_steps import grant_figures, pool_room, recover_stale_grants, reservation_claims
 from thinblock.core.registry import STAGING_PREFIX, VolumeRegistry
 from thinblock.core.reservation import replaced_id, target_blocks
@@ -355,8 +356,9 @@ class Pool:
         return self.accounts.host_figures()
 
     def grow(self, size_bytes: int, *, commit: bool = True) -> list[str]:
-        """Grow the pool online (SpaceAccounts.grow)."""
-        self._whole_pool_only("grow it")
+        """Grow the pool online (SpaceAccounts.grow; per volume, a pool-level step)."""
+        if self.owner is not None:
+            return grow_shared(self, size_bytes)
         return self.accounts.grow(size_bytes, commit=commit)
 
     def settle_frees(self) -> None:
@@ -379,12 +381,6 @@ class Pool:
         autocommit, by a command, takes this for long work: the data written so far
         goes to disk while more is written, instead of all in the final sync)."""
         self.committer.start()
-
-    def _whole_pool_only(self, what: str) -> None:
-        if self.owner is not None:
-            raise ThinblockError(
-                f"pool {self.path} is served per volume: to {what}, stop its servers (serve --volume) first"
-            )
 
     # ----- opening and creating -------------------------------------------------
 
@@ -1018,8 +1014,11 @@ class Pool:
         self.commit()
 
     def set_policy(self, changes: dict[str, Any]) -> None:
-        """Change the out-of-space policy (see space_policy); validated before anything changes."""
-        self._whole_pool_only("change its out-of-space policy")
+        """Change the out-of-space policy (see space_policy); validated before anything changes.
+        Per volume, a pool-level step every owner follows (core/pool_settings.py)."""
+        if self.owner is not None:
+            set_policy_shared(self, changes)
+            return
         with self.lock:
             self.policy.update(changes)
             self.txn.touch()

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from thinblock.core.pool_settings import autogrow_soon
 from thinblock.errors import ThinblockError
 from thinblock.sizes import format_size, parse_size
 
@@ -81,16 +82,31 @@ def parse_low_water(value: object) -> float | None:
 class SpacePolicy:
     def __init__(self, pool: Pool, superblock: dict[str, Any]) -> None:
         self.pool = pool
-        self.when_full: str = str(superblock.get("when_full") or "error")
-        self.low_water: float | None = superblock.get("low_water")
-        self.on_low_water: str | None = superblock.get("on_low_water")
-        autogrow = superblock.get("autogrow")
-        self.autogrow: tuple[int, int] | None = (int(autogrow[0]), int(autogrow[1])) if autogrow else None
+        self.when_full = "error"
+        self.low_water: float | None = None
+        self.on_low_water: str | None = None
+        self.autogrow: tuple[int, int] | None = None
         self._fired: set[str] = set()  # marks crossed and not yet re-armed (POOL_KEY or a volume name)
+        self.follow(superblock)
         self._checking = False
         self.fired_count = 0
 
     # ----- settings ---------------------------------------------------------------
+
+    def follow(self, superblock: dict[str, Any]) -> None:
+        """The settings as stored (at open; and, for an owner per volume, whenever a
+        pool-level step may have changed them: core/pool_settings.py). A pool mark
+        whose settings changed is armed again."""
+        autogrow = superblock.get("autogrow")
+        stored = (
+            str(superblock.get("when_full") or "error"),
+            superblock.get("low_water"),
+            superblock.get("on_low_water"),
+            (int(autogrow[0]), int(autogrow[1])) if autogrow else None,
+        )
+        if stored != (self.when_full, self.low_water, self.on_low_water, self.autogrow):
+            self.when_full, self.low_water, self.on_low_water, self.autogrow = stored
+            self._fired.discard(POOL_KEY)
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -208,8 +224,14 @@ class SpacePolicy:
         """Grow by STEP (or enough STEPs for short_blocks) up to MAX; whether it grew."""
         if self.autogrow is None or short_blocks <= 0:
             return False
-        step, maximum = self.autogrow
         pool = self.pool
+        if pool.owner is not None:
+            # An owner per volume grows in a pool-level step, which may not start under
+            # the pool lock held here (core/pool_settings.py); a shortage is answered
+            # by the grant step itself, so only a low-water crossing comes here.
+            autogrow_soon(pool, self.low_water if self.low_water is not None else 100.0)
+            return False
+        step, maximum = self.autogrow
         short_bytes = short_blocks * pool.block_size
         new_size = min(maximum - maximum % pool.block_size, pool.size_bytes + -(-short_bytes // step) * step)
         if new_size <= pool.size_bytes:

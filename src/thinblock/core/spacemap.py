@@ -105,7 +105,11 @@ class SpaceMap:
         extra = n_blocks - self.n_blocks
         if extra > 0:
             self.refcounts.extend(array("I", bytes(4 * extra)))
-            self.busy.extend(bytes(extra))
+            if self.grant_mask is None:
+                self.busy.extend(bytes(extra))
+            else:  # owner mode: the new blocks are the pool's, allocatable here once granted
+                self.busy.extend(b"\x01" * extra)
+                self.grant_mask.extend(bytes(extra))
 
     def allocate(self, count: int) -> list[int]:
         """Hand out `count` free dblocks, as contiguous as the free space allows.

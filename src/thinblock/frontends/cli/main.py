@@ -17,6 +17,7 @@ from thinblock import __version__
 from thinblock.admin.access import open_admin
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
+from thinblock.core.pool_settings import follow_pool
 from thinblock.core.space_policy import parse_autogrow, parse_low_water, parse_when_full
 from thinblock.errors import OpError, OutputClosed, PoolBusyError, ThinblockError
 from thinblock.frontends.cli import config, maps, transfer
@@ -618,15 +619,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     bound = (tcp[0], server.listen_tcp(*tcp))
             host = MountHost(pool)
             where = f"the control socket of pool {args.pool}"
-            # An owner per volume hosts no FUSE mounts: attach needs the whole pool.
             if pool.owner is None:
                 control = ControlServer(pool, {"fuse_mount": host.mount})
-            else:
+            else:  # an owner per volume hosts the mounts of its own volumes (fuse/host.py)
 
                 def release(name: str) -> dict[str, object]:
+                    host.refuse_release(name)
                     return {"name": name, "clients_closed": pool.give_up(name, server.hang_up_volume)}
 
-                control = ControlServer(pool, {"volume_release": release})
+                control = ControlServer(
+                    pool,
+                    {"volume_release": release, "fuse_mount": host.mount, "pool_follow": lambda: follow_pool(pool)},
+                )
         except OSError as exc:
             server.close()
             raise ThinblockError(f"cannot listen on {where}: {exc.strerror or exc}") from None
@@ -813,11 +817,24 @@ def cmd_fuse_daemon(args: argparse.Namespace) -> None:
     from thinblock.frontends.fuse.fs import mount
 
     configure_from(args)
-    with Pool.open(args.pool, purpose="thinblock fuse-daemon (attach)") as pool:
+    # With --volume (a pool served per volume, fuse/attach.py): the owner of just that
+    # volume, holding its lease until unmounted, showing only --show.
+    volumes = [args.volume] if args.volume else None
+    with Pool.open(args.pool, purpose="thinblock fuse-daemon (attach)", volumes=volumes) as pool:
         logging.getLogger("thinblock.fuse").info("serving %s at %s", args.pool, args.mountpoint)
-        control = ControlServer(pool)
+        verbs: dict[str, Callable[..., Any]] = {}
+        if volumes is not None:
+
+            def release(name: str) -> None:
+                raise ThinblockError(
+                    f"volume {name} is attached (thinblock attach): detach it first ('thinblock detach POOL"
+                    f" {args.show or name}'), then serve it"
+                )
+
+            verbs = {"pool_follow": lambda: follow_pool(pool), "volume_release": release}
+        control = ControlServer(pool, verbs)
         try:
-            mount(pool, args.mountpoint)
+            mount(pool, args.mountpoint, only=args.show or args.volume)
         finally:
             control.close()
     logging.getLogger("thinblock.fuse").info("unmounted; pool committed and closed")
@@ -1173,6 +1190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = add(sub, "fuse-daemon", cmd_fuse_daemon, "internal: the FUSE daemon started by attach")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--volume", help="own just this volume (a pool served per volume)")
+    p.add_argument("--show", help="with --volume: the one volume or snapshot of it to show")
     add_log_options(p)
 
     p = add(

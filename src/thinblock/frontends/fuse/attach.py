@@ -5,6 +5,12 @@ user's runtime tree, thinblock/runtime.py) and the loop devices' backing files
 (losetup). `attach` starts the pool's daemon if
 needed and binds a direct-I/O loop device to the volume's file; `detach`
 removes the loop device first, then the FUSE mount once nothing uses it.
+
+On a pool served per volume (serve --volume) each attached volume or snapshot
+has a mount of its own (volume_dir_for): hosted by the server owning the volume
+(over its control socket, `fuse_mount`), or, when nobody holds it, by a daemon
+that opens the pool as the owner of just that volume and holds its lease until
+detach. Either way the volume's bytes go through its one owner.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thinblock.backends import locate
-from thinblock.errors import ThinblockError
+from thinblock.core.registry import STAGING_PREFIX
+from thinblock.errors import PoolBusyError, ThinblockError
+from thinblock.meta.base import VolumeRow
 from thinblock.paths import child_path
 from thinblock.privacy import create_private_file
 from thinblock.runtime import CONTROL_SOCKET, private_runtime_dir, release_runtime_dir, runtime_base
@@ -49,6 +57,22 @@ def _pool_dir(pool: str) -> Path:
 def runtime_dir_for(key: str) -> Path:
     """The runtime directory of the pool whose location key this is; its mount is `mnt`."""
     return RUNTIME_DIR / hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def volume_dir_for(key: str, name: str) -> Path:
+    """The runtime directory of one volume or snapshot attached on a pool served per
+    volume (its mount is `mnt`, showing that name only)."""
+    return runtime_dir_for(f"{key}\0volume\0{name}")
+
+
+def _base_name(rows: dict[str, VolumeRow], name: str) -> str:
+    """The volume a snapshot was taken of (through snapshots of snapshots): its owner serves it."""
+    by_id = {row.id: row for row in rows.values()}
+    row, seen = rows[name], set()
+    while row.kind == "snapshot" and row.origin_id in by_id and row.id not in seen:
+        seen.add(row.id)
+        row = by_id[row.origin_id]
+    return row.name
 
 
 def _mounts() -> list[tuple[str, str]]:
@@ -116,7 +140,7 @@ def _write_private(path: Path, value: object) -> None:
     tmp.replace(path)
 
 
-def _backing(device: str) -> str:
+def backing_file(device: str) -> str:
     name = os.path.basename(os.path.realpath(device))
     try:
         return Path(f"/sys/block/{name}/loop/backing_file").read_text().strip()
@@ -144,20 +168,51 @@ def _start_daemon(pool: str, pdir: Path, log_args: list[str]) -> None:
     sock = _served_by(pool)
     if sock is not None:
         # `thinblock serve` holds the pool: it mounts the volumes itself (fuse/host.py).
-        from thinblock.admin.control import ControlClient
-
-        client = ControlClient(sock)
-        try:
-            pid = int(client.call("fuse_mount", mountpoint=str(mnt))["pid"])
-        finally:
-            client.close()
-        info = {"pid": pid, "pool": locate(pool).key(), "mnt": str(mnt), "hosted": True}
-        _write_private(pdir / "daemon.json", info)
+        _hosted_by(sock, pool, pdir, mnt)
         return
+    _spawn_daemon(pool, pdir, mnt, log_args)
+
+
+def _start_for_volume(pool: str, pdir: Path, name: str, base: str, log_args: list[str]) -> None:
+    """A pool served per volume: the server owning base (the volume, or the one the
+    snapshot name was taken of) mounts name itself; nobody holds it: a daemon owning
+    just base does."""
+    from thinblock.admin.control import owner_socket
+
+    location = locate(pool)
+    mnt = Path(private_runtime_dir(pdir.name, "mnt"))
+    meta = location.open_meta(readonly=False)  # the lease probe needs the lease file
+    try:
+        row = next((r for r in meta.volumes() if r.name == base), None)
+        holder = meta.volume_holder(row.id) if row is not None else None
+    finally:
+        meta.close()
+    if holder is None:
+        _spawn_daemon(pool, pdir, mnt, ["--volume", base, "--show", name, *log_args])
+        return
+    sock = owner_socket(location, holder)
+    if sock is None or not os.path.exists(sock):
+        raise PoolBusyError(f"volume {base} is served by {holder}, which offers no control socket here")
+    _hosted_by(sock, pool, pdir, mnt)
+
+
+def _hosted_by(sock: str, pool: str, pdir: Path, mnt: Path) -> None:
+    from thinblock.admin.control import ControlClient
+
+    client = ControlClient(sock)
+    try:
+        pid = int(client.call("fuse_mount", mountpoint=str(mnt))["pid"])
+    finally:
+        client.close()
+    info = {"pid": pid, "pool": locate(pool).key(), "mnt": str(mnt), "hosted": True}
+    _write_private(pdir / "daemon.json", info)
+
+
+def _spawn_daemon(pool: str, pdir: Path, mnt: Path, args: list[str]) -> None:
     log = os.fdopen(create_private_file(str(pdir / "daemon.log"), exclusive=False), "ab")
     log.seek(0, os.SEEK_END)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "thinblock", "fuse-daemon", locate(pool).key(), str(mnt), *log_args],
+        [sys.executable, "-m", "thinblock", "fuse-daemon", locate(pool).key(), str(mnt), *args],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=log,
@@ -191,21 +246,27 @@ def attach(pool: str, volume: str, *, log_args: list[str] | None = None) -> str:
     """The loop device for pool/volume, attaching it (and starting the daemon) if needed;
     log_args (--log-level, --log-file, --log-format) go to a daemon started here, whose
     log is otherwise daemon.log in the pool's runtime directory."""
-    meta = locate(pool).open_meta(readonly=True)  # clear errors for a missing pool
+    location = locate(pool)
+    meta = location.open_meta(readonly=True)  # clear errors for a missing pool
     try:
-        kinds = {row.name: row.kind for row in meta.volumes()}
+        rows = {row.name: row for row in meta.volumes() if not row.name.startswith(STAGING_PREFIX)}
     finally:
         meta.close()
-    if volume not in kinds:
+    if volume not in rows:
         raise ThinblockError(f"no volume {volume!r} in pool {pool}")
+    kinds = {name: row.kind for name, row in rows.items()}
     require_loop_devices()
-    pdir = _pool_dir(pool)
+    per_volume = location.served_per_volume()
+    pdir = volume_dir_for(location.key(), volume) if per_volume else _pool_dir(pool)
     private_runtime_dir(pdir.name)  # ours alone before anything in it is trusted
     backing = str(child_path(pdir / "mnt", volume))  # before anything starts: the name may be hostile
     info = _daemon_info(pdir)
     if info is None or not _alive(int(info["pid"])) or not is_mounted(pdir / "mnt"):  # type: ignore[call-overload]
         _cleanup_dead(pdir)
-        _start_daemon(pool, pdir, log_args or [])
+        if per_volume:
+            _start_for_volume(pool, pdir, volume, _base_name(rows, volume), log_args or [])
+        else:
+            _start_daemon(pool, pdir, log_args or [])
     for device, back in _loops():
         if back == backing:
             return device
@@ -310,8 +371,8 @@ def detach_volume(pool: str, volume: str) -> list[str]:
     returns them, or one sentence if the volume is not attached."""
     meta = locate(pool).open_meta(readonly=True)  # clear errors for a missing pool
     meta.close()
-    pdir = _pool_dir(pool)
-    devices = [a.device for a, where in _attachments() if where == pdir and a.volume == volume]
+    pdirs = {_pool_dir(pool), volume_dir_for(locate(pool).key(), volume)}  # the whole pool's mount, or its own
+    devices = [a.device for a, where in _attachments() if where in pdirs and a.volume == volume]
     if not devices:
         raise ThinblockError(
             f"volume {volume} of pool {pool} is not attached ('thinblock attach --list' shows what is)"
@@ -326,7 +387,7 @@ def detach(device: str) -> None:
     (a dead daemon's leftovers too), and then its runtime folder."""
     if not os.path.exists(device):
         raise ThinblockError(f"{device} does not exist: give a loop device that attach printed, or POOL VOLUME")
-    backing = _backing(device)
+    backing = backing_file(device)
     real = os.path.realpath(device)
     found = [(a.device, pdir) for a, pdir in _attachments() if os.path.realpath(a.device) == real]
     if not found:

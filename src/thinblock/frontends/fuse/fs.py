@@ -77,9 +77,12 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
 
     use_ns = True
 
-    def __init__(self, pool: Pool, mountpoint: str | None = None) -> None:
+    def __init__(self, pool: Pool, mountpoint: str | None = None, only: str | None = None) -> None:
         self.pool = pool
         self.mountpoint = mountpoint  # resolved; None: no loop devices are told of resizes
+        # An owner per volume mounts each volume it serves on its own (fuse/attach.py):
+        # then only that one is a file here.
+        self.only = only
         self.started = time.time_ns()
         self._handles: dict[int, Export] = {}  # open file handles
         self._handles_lock = threading.Lock()
@@ -132,7 +135,7 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
     def _volume(self, path: str) -> Volume:
         name = path.lstrip("/")
         vol = self.pool.visible_volume(name)
-        if vol is None or safe_name_problem(name) is not None:
+        if vol is None or safe_name_problem(name) is not None or self.only not in (None, name):
             raise mfusepy.FuseOSError(errno.ENOENT)
         return vol
 
@@ -156,7 +159,8 @@ class VolumeFS(mfusepy.Operations):  # type: ignore[misc]
         if path != "/":
             raise mfusepy.FuseOSError(errno.ENOTDIR)
         # A name that cannot be a file (paths.py) is not listed: it never reaches a host path.
-        return [".", "..", *sorted(n for n in self.pool.visible() if safe_name_problem(n) is None)]
+        names = self.pool.visible() if self.only is None else [n for n in self.pool.visible() if n == self.only]
+        return [".", "..", *sorted(n for n in names if safe_name_problem(n) is None)]
 
     def open(self, path: str, flags: int) -> int:
         vol = self._volume(path)
@@ -275,10 +279,10 @@ class _FUSE(mfusepy.FUSE):  # type: ignore[misc]
 FUSE_MAX_THREADS = 16
 
 
-def mount(pool: Pool, mountpoint: str, *, foreground: bool = True) -> None:
-    """Serve the pool's volumes at mountpoint until unmounted (blocks)."""
+def mount(pool: Pool, mountpoint: str, *, foreground: bool = True, only: str | None = None) -> None:
+    """Serve the pool's volumes (or only the one named) at mountpoint until unmounted (blocks)."""
     mountpoint = os.path.realpath(mountpoint)  # as the kernel names a loop device's backing file
-    fs = VolumeFS(pool, mountpoint)
+    fs = VolumeFS(pool, mountpoint, only)
     try:
         _FUSE(
             fs,

@@ -18,15 +18,14 @@ from typing import Any
 
 from thinblock.core.pool import read_status
 from thinblock.errors import ThinblockError
-from thinblock.frontends.fuse.attach import _pool_dir, attach, detach, list_attached, require_loop_devices
-from thinblock.paths import child_path
+from thinblock.frontends.fuse.attach import attach, backing_file, detach, list_attached, require_loop_devices
 from thinblock.sizes import format_size
 
 
-def _volume_status(pool: str, volume: str) -> tuple[dict[str, Any], int]:
-    """The volume's figures and the pool's used bytes, after making the daemon commit."""
-    path = child_path(_pool_dir(pool) / "mnt", volume)
-    fd = os.open(path, os.O_RDONLY)
+def _volume_status(pool: str, volume: str, device: str) -> tuple[dict[str, Any], int]:
+    """The volume's figures and the pool's used bytes, after making the daemon commit
+    (through the file under the device: the pool's mount, or the volume's own)."""
+    fd = os.open(backing_file(device), os.O_RDONLY)
     try:
         os.fsync(fd)  # FUSE fsync -> Volume.flush -> a pool commit
     finally:
@@ -72,7 +71,7 @@ def format_volume(pool: str, volume: str, fstype: str, extra: list[str], *, forc
     was_attached = any(a.pool == real and a.volume == volume for a in list_attached())
     device = attach(pool, volume)
     try:
-        vol, used_before = _volume_status(pool, volume)
+        vol, used_before = _volume_status(pool, volume, device)
         prezeroed = vol["data_bytes"] == 0
         if not prezeroed and not force:
             _refuse_data(volume, device, int(vol["data_bytes"]))
@@ -89,7 +88,7 @@ def format_volume(pool: str, volume: str, fstype: str, extra: list[str], *, forc
         elapsed = time.perf_counter() - start
         if proc.returncode != 0:
             raise ThinblockError(f"{cmd[0]} failed: {proc.stderr.strip() or proc.stdout.strip()}")
-        vol_after, used_after = _volume_status(pool, volume)
+        vol_after, used_after = _volume_status(pool, volume, device)
     finally:
         if not was_attached:
             detach(device)
