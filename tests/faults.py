@@ -156,6 +156,21 @@ class FaultyMeta(_Armed):
         result: dict[int, tuple[int, bytes]] = self.inner.pages(page_ids)
         return result
 
+    def roots(self, volume_id: int) -> dict[int, int]:
+        """A root table's read (a runtime claim reads its volume's again) fails on command too."""
+        fault = self._hit("roots")
+        if fault is not None:
+            raise _error(fault.kind, "root table read")
+        result: dict[int, int] = self.inner.roots(volume_id)
+        return result
+
+    def volumes(self) -> Any:
+        """The volume rows' read (a runtime claim, a pool-level step) fails on command too."""
+        fault = self._hit("volumes")
+        if fault is not None:
+            raise _error(fault.kind, "volume table read")
+        return self.inner.volumes()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

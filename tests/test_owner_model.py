@@ -64,13 +64,19 @@ class OwnersMachine(RuleBasedStateMachine):
         # written in place keeps what reached it, as on any disk).
         self.since_commit: dict[str, list[tuple[int, bytes]]] = {name: [] for name in NAMES}
         self.snapshots_taken = 0
+        # Two owners (processes), keyed "a" and "b" after the volume each opens with;
+        # a volume moves between them (hand_over_or_die_then_claim).
         self.pools: dict[str, Pool] = {}
         self.faults: dict[str, tuple[FaultyMeta, FaultyStore]] = {}
+        self.holder = {name: name for name in NAMES}  # volume -> the owner serving it
         for name in NAMES:
             self._open(name)
 
+    def _held(self, owner: str) -> list[str]:
+        return [v for v in NAMES if self.holder[v] == owner]
+
     def _open(self, name: str) -> None:
-        pool = Pool.open(self.path, volumes=[name], autocommit=False, purpose=f"owner of {name}")
+        pool = Pool.open(self.path, volumes=self._held(name), autocommit=False, purpose=f"owner {name}")
         meta, store = FaultyMeta(pool.meta), FaultyStore(pool.store)
         install(pool, meta=meta, store=store)
         self.pools[name], self.faults[name] = pool, (meta, store)
@@ -84,8 +90,9 @@ class OwnersMachine(RuleBasedStateMachine):
             armed.arm(None)
 
     def _mutate(self, name: str, verb: str, off: int, length: int, data: bytes | None = None) -> None:
-        pool = self.pools[name]
-        vol = pool.volume(name)
+        pool = self.pools[self.holder[name]]
+        name, volume = self.holder[name], name  # faults are the owner's
+        vol = pool.volume(volume)
         # Reported guaranteed over the whole range, with commits healthy: no ENOSPC.
         sure = pool.commit_failure is None and all(ok for _n, ok in vol.guaranteed_status(off, length))
         try:
@@ -100,11 +107,11 @@ class OwnersMachine(RuleBasedStateMachine):
             # ENOSPC is an ordinary result here; any other error only from a fault.
             assert exc.errno == errno.ENOSPC or self._fired(name), exc
             assert not (sure and exc.errno == errno.ENOSPC and not self._fired(name)), (
-                f"{verb} of {name} at {off}+{length}: reported guaranteed, got ENOSPC: {exc}"
+                f"{verb} of {volume} at {off}+{length}: reported guaranteed, got ENOSPC: {exc}"
             )
             return
-        self.model[name][off : off + length] = data if data is not None else bytes(length)
-        self.since_commit[name].append((off, data if data is not None else bytes(length)))
+        self.model[volume][off : off + length] = data if data is not None else bytes(length)
+        self.since_commit[volume].append((off, data if data is not None else bytes(length)))
 
     @rule(name=st.sampled_from(NAMES), block=st.integers(0, VOL // BS - 1), n=st.integers(1, 6), seed=st.integers(0, 9))
     def write(self, name: str, block: int, n: int, seed: int) -> None:
@@ -131,13 +138,14 @@ class OwnersMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(NAMES), full=st.booleans())
     def reserve(self, name: str, full: bool) -> None:
         """Reserve the whole volume, or drop its reservation, in its owner's pool-level step."""
-        self._disarm(name)
+        owner = self.holder[name]
+        self._disarm(owner)
         try:
-            run_verb(self.pools[name], "volume_set", {"name": name, "reserve": "full" if full else "none"})
+            run_verb(self.pools[owner], "volume_set", {"name": name, "reserve": "full" if full else "none"})
         except OpError as exc:
             assert full and exc.errno == errno.ENOSPC, exc  # the pool cannot set it aside
             return
-        self._committed(name)
+        self._committed(owner)
 
     @rule(name=st.sampled_from(NAMES))
     def commit(self, name: str) -> None:
@@ -148,9 +156,11 @@ class OwnersMachine(RuleBasedStateMachine):
             return
         self._committed(name)
 
-    def _committed(self, name: str) -> None:
-        self.durable[name] = bytes(self.model[name])
-        self.since_commit[name] = []
+    def _committed(self, owner: str) -> None:
+        """A commit of this owner: every volume it serves is durable as it reads now."""
+        for name in self._held(owner):
+            self.durable[name] = bytes(self.model[name])
+            self.since_commit[name] = []
 
     @rule(
         name=st.sampled_from(NAMES),
@@ -173,8 +183,14 @@ class OwnersMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(NAMES))
     def die_and_come_back(self, name: str) -> None:
         _die(self.pools[name])
-        self._open(name)  # its lease is free at once: the lock died with its descriptor
-        got = self.pools[name].volume(name).read(0, VOL)
+        self._open(name)  # its leases are free at once: the locks died with its descriptor
+        for volume in self._held(name):
+            self._after_death(self.pools[name], volume)
+
+    def _after_death(self, pool: Pool, name: str) -> None:
+        """What a dead owner left of volume name reads what was durable, or what one of
+        its writes since wrote; that is the model from now on."""
+        got = pool.volume(name).read(0, VOL)
         for sector in range(0, VOL, 512):
             allowed = {self.durable[name][sector : sector + 512]}
             for off, data in self.since_commit[name]:
@@ -182,46 +198,98 @@ class OwnersMachine(RuleBasedStateMachine):
                     allowed.add(data[sector - off : sector - off + 512])
             assert got[sector : sector + 512] in allowed, f"{name} at {sector}: neither durable nor written"
         self.model[name] = bytearray(got)
-        self._committed(name)
+        self.durable[name] = bytes(got)
+        self.since_commit[name] = []
+
+    @rule(
+        name=st.sampled_from(NAMES),
+        die=st.booleans(),
+        where=st.sampled_from(["meta", "store"]),
+        verb_index=st.integers(0, 5),
+        kind=st.sampled_from(KINDS),
+        after=st.integers(0, 3),
+    )
+    def hand_over_or_die_then_claim(
+        self, name: str, die: bool, where: str, verb_index: int, kind: str, after: int
+    ) -> None:
+        """Volume name leaves its owner (handed over, or the owner dies and comes back
+        without it) and the other owner claims it at runtime, with a fault injected in
+        the claim: a failed claim leaves the lease free, and the next one serves it."""
+        old = self.holder[name]
+        new = next(owner for owner in NAMES if owner != old)
+        if die:
+            _die(self.pools[old])
+            lost = self._held(old)
+            self.holder[name] = new  # reopened without it
+            self._open(old)
+            for volume in lost:
+                if volume != name:
+                    self._after_death(self.pools[old], volume)
+        else:
+            self._disarm(old)
+            try:
+                self.pools[old].give_up(name, lambda _vol: 0)
+            except (OSError, ThinblockError):
+                assert self._fired(old)
+                return
+            self._committed(old)
+            self.holder[name] = new
+        meta, store = self.faults[new]
+        if where == "meta":
+            verbs = ("volumes", "roots", "pages", "page_refcounts")
+            meta.arm(Fault((verbs[verb_index % len(verbs)],), after, kind))
+        else:
+            store.arm(Fault((("zero", "flush")[verb_index % 2],), after, kind))
+        try:
+            self.pools[new].claim_volume(name)
+        except (OSError, ThinblockError):
+            assert self._fired(new)
+            self._disarm(new)
+            self.pools[new].claim_volume(name)  # the failed claim released the lease
+        self._disarm(new)
+        if die:
+            self._after_death(self.pools[new], name)
 
     @precondition(lambda self: len(self.snaps) < 3)
     @rule()
     def snapshot_a(self) -> None:
-        self._disarm("a")
+        owner = self.holder["a"]
+        self._disarm(owner)
         snap = f"s{self.snapshots_taken}"
         self.snapshots_taken += 1
         try:
-            run_verb(self.pools["a"], "snapshot_create", {"volume": "a", "name": snap})
+            run_verb(self.pools[owner], "snapshot_create", {"volume": "a", "name": snap})
         except OpError as exc:
             assert exc.errno == 28, exc  # its commit needs no new block; a reservation could
             return
         self.snaps[snap] = bytes(self.model["a"])
-        self._committed("a")
+        self._committed(owner)
 
     @precondition(lambda self: bool(self.snaps))
     @rule(data=st.data())
     def remove_snapshot(self, data: st.DataObject) -> None:
-        self._disarm("a")
+        owner = self.holder["a"]
+        self._disarm(owner)
         snap = data.draw(st.sampled_from(sorted(self.snaps)))
-        run_verb(self.pools["a"], "volume_remove", {"name": snap, "kind": "snapshot"})
+        run_verb(self.pools[owner], "volume_remove", {"name": snap, "kind": "snapshot"})
         del self.snaps[snap]
-        self._committed("a")
+        self._committed(owner)
 
     @invariant()
     def reads_match(self) -> None:
         for name in NAMES:
-            pool = self.pools[name]
-            self._disarm(name)  # reads are checked, not failed
+            pool = self.pools[self.holder[name]]
+            self._disarm(self.holder[name])  # reads are checked, not failed
             assert pool.volume(name).read(0, VOL) == bytes(self.model[name]), name
         for snap, contents in self.snaps.items():
-            assert self.pools["a"].volume(snap).read(0, VOL) == contents, snap
+            assert self.pools[self.holder["a"]].volume(snap).read(0, VOL) == contents, snap
 
     def teardown(self) -> None:
         try:
             for name in NAMES:
                 self._disarm(name)
                 self.pools[name].close()
-                self.durable[name] = bytes(self.model[name])
+                self.durable[name] = bytes(self.model[name])  # both owners closed: all of it
             with Pool.open(self.path) as whole:
                 problems = check_metadata(whole.meta)
                 assert problems == [], problems

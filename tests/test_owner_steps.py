@@ -257,3 +257,93 @@ def test_an_owner_that_bypasses_the_core_check_is_refused_by_the_store(
         assert whole.volume("a").read(0, 2 * BS) == b"a" * BS + b"A" * BS
         assert whole.volume("a@s").read(0, 2 * BS) == b"a" * BS + bytes(BS)
     _check(path)
+
+
+def _hand_over(pool: Pool, name: str) -> None:
+    pool.give_up(name, lambda _vol: 0)
+
+
+def test_a_runtime_claim_never_serves_a_page_written_in_place_since_it_was_cached(tmp_path: Path) -> None:
+    """A serves a, caches its page, hands a over; B writes the page in place (a alone
+    holds it) and hands it back: A's claim must not serve the page it cached."""
+    path = _pool(tmp_path, 256)
+    with Pool.open(path) as p:
+        p.create_volume("a", 64 * BS).write(0, b"o" * BS)
+        p.create_volume("b", 64 * BS)
+    first = Pool.open(path, volumes=["b"], autocommit=False, purpose="A")
+    first.claim_volume("a")
+    assert first.volume("a").read(0, 2 * BS) == b"o" * BS + bytes(BS)  # the page is cached here
+    _hand_over(first, "a")
+    second = Pool.open(path, volumes=["a"], autocommit=False, purpose="B")
+    page_id = second.volume("a").root[0]
+    second.volume("a").write(BS, b"N" * BS)  # in place: a alone holds its page
+    assert second.volume("a").root[0] == page_id
+    _hand_over(second, "a")
+    vol = first.claim_volume("a")
+    assert vol.read(0, 2 * BS) == b"o" * BS + b"N" * BS
+    vol.write(2 * BS, b"M" * BS)
+    first.close()
+    second.close()
+    _check(path)
+    with Pool.open(path) as whole:
+        assert whole.volume("a").read(0, 3 * BS) == b"o" * BS + b"N" * BS + b"M" * BS
+
+
+def test_a_runtime_claim_of_a_clone_after_the_sharing_ended(tmp_path: Path) -> None:
+    """A owns a, snapshots it and clones the snapshot (c: nobody's), reads through the
+    shared page, then removes the snapshot and copies a's page away: c alone holds the
+    page A cached. B claims c, writes the page in place and gives it up; A claims c."""
+    path = _pool(tmp_path, 256)
+    with Pool.open(path) as p:
+        p.create_volume("a", 64 * BS).write(0, b"o" * BS)
+    owner = Pool.open(path, volumes=["a"], autocommit=False, purpose="A")
+    run_verb(owner, "snapshot_create", {"volume": "a", "name": "s"})
+    run_verb(owner, "volume_clone", {"snapshot": "s", "name": "c"})
+    assert owner.volume("s").read(0, BS) == b"o" * BS
+    owner.volume("a").write(BS, b"x" * BS)  # a's copy of the page
+    run_verb(owner, "volume_remove", {"name": "s", "kind": "snapshot"})
+    other = Pool.open(path, volumes=[], autocommit=False, purpose="B")
+    clone_vol = other.claim_volume("c")
+    clone_vol.write(2 * BS, b"C" * BS)  # in place: c alone holds the page now
+    other.commit()
+    with pytest.raises(ThinblockError, match="served by B"):
+        owner.claim_volume("c")
+    _hand_over(other, "c")
+    vol = owner.claim_volume("c")
+    assert vol.read(0, 3 * BS) == b"o" * BS + bytes(BS) + b"C" * BS
+    assert owner.volume("a").read(0, 3 * BS) == b"o" * BS + b"x" * BS + bytes(BS)
+    owner.close()
+    other.close()
+    _check(path)
+
+
+def test_a_runtime_claim_takes_a_volume_made_since_and_a_failed_one_releases_its_lease(tmp_path: Path) -> None:
+    path = _pool(tmp_path, 256)
+    with Pool.open(path) as p:
+        p.create_volume("a", 64 * BS)
+    owner = Pool.open(path, volumes=["a"], autocommit=False, purpose="A")
+    with Pool.open(path, volumes=[], purpose="command") as command:  # a volume create elsewhere
+        command.create_volume("n", 32 * BS)
+        run_verb(command, "snapshot_create", {"volume": "n", "name": "n@1"})
+    assert owner.visible_volume("n") is None
+    real = owner.store.zero
+
+    def failing(offset: int, length: int) -> None:
+        raise OSError(errno.EIO, "data store: I/O error")
+
+    owner.store.zero = failing  # type: ignore[method-assign]
+    with Pool.open(path, volumes=[], purpose="maker") as maker:  # a ZEROED block to zero again
+        maker.claim_volume("n").provision(0, BS)
+        maker.commit()
+    with pytest.raises(OSError):
+        owner.claim_volume("n")
+    assert not owner.serves(owner.volume("n"))
+    owner.store.zero = real  # type: ignore[method-assign]
+    vol = owner.claim_volume("n")  # the failed claim released the lease
+    assert owner.serves(vol) and owner.serves(owner.volume("n@1"))
+    vol.write(0, b"n" * BS)
+    assert owner.volume("n@1").read(0, BS) == bytes(BS)
+    with pytest.raises(ThinblockError, match="snapshot"):
+        owner.claim_volume("n@1")
+    owner.close()
+    _check(path)

@@ -103,6 +103,11 @@ class VolumeOwner:
     def adopt(self, leases: dict[int, Lease]) -> None:
         self._leases = dict(leases)
 
+    def take(self, vid: int, lease: Lease) -> None:
+        """A volume claimed at runtime (core/claim.py), ready: served from now on."""
+        self._leases[vid] = lease
+        self._leaving.discard(vid)
+
     def claim_staging(self, vid: int) -> None:
         """Hold the lease of a staging volume this owner makes (a job's, before its row is
         committed): while it is held the volume is this job's, and one whose lease nobody

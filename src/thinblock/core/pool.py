@@ -659,6 +659,14 @@ class Pool:
         log.info("pool %s: volume %s handed over (%d client(s) closed)", self.path, name, clients)
         return clients
 
+    def claim_volume(self, name: str) -> Volume:
+        """An owner per volume takes the lease of a volume nobody holds and serves it from
+        now on, as if it had been claimed at open (core/claim.py); VolumeBusyError naming
+        the holder otherwise. A claim that fails releases the lease."""
+        from thinblock.core.claim import claim_volume  # it builds on this module
+
+        return claim_volume(self, name)
+
     def serves(self, vol: Volume) -> bool:
         """Whether this process serves vol: every volume when it owns the whole pool; an
         owner per volume serves its own volumes and the snapshots taken of them."""

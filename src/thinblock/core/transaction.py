@@ -121,6 +121,18 @@ class OpenTransaction:
         self.page_refs.pop(page_id, None)
         self.page_bases.pop(page_id, None)
 
+    def drop_cached(self, page_ids: Iterable[int]) -> None:
+        """These pages may have changed in the store behind this cache (core/claim.py):
+        their entries leave it, to be read again when next used; their counts stay
+        (this owner's view, with its base). A page changed here and not committed is
+        this owner's alone, so current: it stays."""
+        for page_id in page_ids:
+            page = self.pages.get(page_id)
+            if page is None or page_id in self._dirty_pages:
+                continue
+            del self.pages[page_id]
+            self.page_refs[page_id] = page.refcount
+
     def load_refcounts(self, page_ids: Iterable[int]) -> None:
         """Know the refcount of every page of page_ids, in one batch read of the store for
         those not known yet; a page that does not exist raises, with nothing changed."""

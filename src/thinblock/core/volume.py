@@ -151,6 +151,16 @@ class Volume:
         return root
 
     @property
+    def loaded_root(self) -> dict[int, int] | None:
+        """The root table if it is loaded (None: the committed one, not read yet)."""
+        return self._root
+
+    def reset_root(self, root: dict[int, int]) -> None:
+        """The root table as just read from the store (a runtime claim, core/claim.py:
+        the one loaded before may be older). Call under the pool lock."""
+        self._root = root
+
+    @property
     def name(self) -> str:
         return self.row.name
 

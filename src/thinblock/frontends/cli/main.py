@@ -591,7 +591,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             from thinblock.frontends.nbd.workers import GroupCatalog, Handoffs, WorkerGroup
 
             group = WorkerGroup(spec.group)
-            server.catalog = GroupCatalog(pool, read_only=args.read_only, group=group)
+            server.catalog = GroupCatalog(pool, read_only=args.read_only, group=group, claims=spec.claims)
             handoffs = Handoffs(server, group)
         if (tcp or activated_tcp) and tls is None:
             logging.getLogger("thinblock.nbd").warning(
@@ -735,6 +735,7 @@ def _serve_with_workers(
 
     def run_worker(spec: workers.WorkerSpec, names: list[str]) -> None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  what a client reads comes from the supervisor
+        spec.claims = not args.volumes  # the group serves every volume no other server holds
         args.worker_spec, args.volumes, args.takeover = spec, names, False
         cmd_serve(args)
 

@@ -54,6 +54,7 @@ class WorkerSpec:
     index: int  # which worker: its log lines say so
     listeners: list[tuple[socket.socket, str]]
     ready_fd: int  # "ready" or "error: ..." is written here once, then it is closed
+    claims: bool = False  # no --volume: a volume nobody holds is claimed when a client asks
 
     def report(self, text: str) -> None:
         if self.ready_fd < 0:

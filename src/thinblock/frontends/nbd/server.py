@@ -225,17 +225,19 @@ class PoolCatalog:
                 return volumes[0] if len(volumes) == 1 else None
             vol = self.pool.visible_volume(name)
         if vol is None:
-            self.unknown(name)
-        elif not self.pool.serves(vol):
-            self.elsewhere(vol)
+            return self.unknown(name)
+        if not self.pool.serves(vol):
+            return self.elsewhere(vol)
         return vol
 
-    def elsewhere(self, vol: Volume) -> None:
-        """vol exists and this process does not serve it: say who does (ExportElsewhere)."""
+    def elsewhere(self, vol: Volume) -> Volume:
+        """vol exists and this process does not serve it: say who does (ExportElsewhere),
+        or serve it after all (workers.py's catalog claims a volume nobody holds)."""
         raise ExportElsewhere(self.pool.served_elsewhere(vol))
 
-    def unknown(self, name: str) -> None:
+    def unknown(self, name: str) -> Volume | None:
         """No such export here (workers.py's catalog looks further)."""
+        return None
 
 
 def describe(pool: Pool, vol: Volume) -> str:

@@ -38,10 +38,10 @@ from thinblock.core.pool import Pool
 from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
-from thinblock.frontends.nbd.protocol import ExportRouted
+from thinblock.frontends.nbd.protocol import ExportElsewhere, ExportRouted
 from thinblock.frontends.nbd.server import Handed, NBDServer, PoolCatalog
 from thinblock.listen import accept_loop
-from thinblock.meta.base import VolumeRow
+from thinblock.meta.base import VolumeBusyError, VolumeRow
 
 log = logging.getLogger("thinblock.nbd")
 
@@ -83,9 +83,14 @@ class GroupCatalog(PoolCatalog):
     worker's registry does not know yet (a snapshot a sibling took since) are looked
     up in the store, whose leases say who owns what."""
 
-    def __init__(self, pool: Pool, *, read_only: bool, group: WorkerGroup) -> None:
+    def __init__(self, pool: Pool, *, read_only: bool, group: WorkerGroup, claims: bool = False) -> None:
+        """claims: the group serves every volume no other server holds (`serve POOL
+        --workers N` without --volume), so a volume nobody holds (made since the workers
+        started, or left by a server that stopped) is claimed by the worker a client
+        asks, and served there."""
         super().__init__(pool, read_only=read_only)
         self.group = group
+        self.claims = claims
 
     def _sibling(self, base_id: int | None) -> str | None:
         """The pid (as text) of the sibling holding volume base_id, if one does."""
@@ -98,19 +103,51 @@ class GroupCatalog(PoolCatalog):
         pid = owner_pid(holder) if holder else None
         return str(pid) if pid is not None and self.group.member(pid) else None
 
-    def elsewhere(self, vol: Volume) -> None:
-        target = self._sibling(self.pool.base_volume_id(vol))
-        if target is not None:
-            raise ExportRouted(target, vol.name)
-        super().elsewhere(vol)
+    def elsewhere(self, vol: Volume) -> Volume:
+        claimed = self._route_or_claim(vol.name)
+        if claimed is not None:
+            return claimed
+        return super().elsewhere(vol)
 
-    def unknown(self, name: str) -> None:
+    def unknown(self, name: str) -> Volume | None:
+        return self._route_or_claim(name)
+
+    def _route_or_claim(self, name: str) -> Volume | None:
+        """For an export this worker does not serve: ExportRouted to the sibling holding
+        its volume; else, claiming, that volume taken here, and the export (None if it
+        does not exist, or another server holds it)."""
         rows = self._stored_rows()
         row = next((r for r in rows.values() if r.name == name), None)
-        if row is not None and not name.startswith(STAGING_PREFIX):
-            target = self._sibling(_base_id(row, rows))
+        if row is None or name.startswith(STAGING_PREFIX):
+            return None
+        base = _base_id(row, rows)
+        target = self._sibling(base)
+        if target is not None:
+            raise ExportRouted(target, name)
+        holder = None if base is None else self._holder(base)
+        if holder is not None:  # another server's: say whose, as for a volume known here
+            raise ExportElsewhere(f"{row.kind} {name} is not served here: it is served by {holder}")
+        if not self.claims or base is None:
+            return None
+        try:
+            self.pool.claim_volume(rows[base].name)
+        except VolumeBusyError:  # a sibling was quicker: it serves it now
+            target = self._sibling(base)
             if target is not None:
-                raise ExportRouted(target, name)
+                raise ExportRouted(target, name) from None
+            return None
+        except (OSError, ThinblockError) as exc:
+            log.warning("claiming volume %s for a client failed: %s", rows[base].name, exc)
+            return None
+        with self.pool.lock:
+            vol = self.pool.visible_volume(name)
+        return vol if vol is not None and self.pool.serves(vol) else None
+
+    def _holder(self, base_id: int) -> str | None:
+        try:
+            return self.pool.meta.volume_holder(base_id)
+        except (OSError, ThinblockError):
+            return None
 
     def list_names(self) -> list[tuple[str, str]]:
         """This worker's exports and its siblings', sorted by name."""
