@@ -137,7 +137,6 @@ EXAMPLES: dict[str, list[str]] = {
         "thinblock serve /srv/pool",
         "thinblock serve /srv/pool --listen 0.0.0.0:10809 --tls-cert server.pem --tls-key server.key",
         "thinblock serve /srv/pool --metrics 9750   # Prometheus text on http://127.0.0.1:9750/metrics",
-        "thinblock serve /srv/pool --workers auto   # one process per core, one socket",
     ],
     "attach": [
         "thinblock attach /srv/pool vm1",
