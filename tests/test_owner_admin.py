@@ -19,7 +19,7 @@ from tests import test_attach
 from tests.cli import fuse_daemon_pids, thinblock
 from tests.nbd_server import Server
 from tests.test_attach import sh
-from tests.test_owners import _handle, _pool, _serve, _stop
+from tests.test_owners import _handle, _pool, _serve, _stop, owners
 
 MiB = 1 << 20
 
@@ -59,8 +59,7 @@ def _fill(server: Server, name: str, length: int) -> tuple[threading.Thread, lis
 def test_pool_grow_wakes_a_writer_held_by_the_wait_policy_in_another_owner(tmp_path: Path) -> None:
     pool = _pool(tmp_path, "16M", {"a": "64M", "b": "64M"})
     thinblock("pool", "set", pool, "--when-full", "wait:90")
-    sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
-    try:
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
         # a needs 24M of a 16M pool: once every block is committed used, it is held.
         writer, errors = _fill(sa, "a", 24 * MiB)
         _wait_until("the pool full", lambda: _status(pool)["used_bytes"] == 16 * MiB)
@@ -77,17 +76,12 @@ def test_pool_grow_wakes_a_writer_held_by_the_wait_policy_in_another_owner(tmp_p
         assert status["size_bytes"] == 64 * MiB and status["when_full"] == "wait:90"
         ha.shutdown()
         hb.shutdown()
-    finally:
-        _stop(sa)
-        _stop(sb)
-    thinblock("pool", "check", pool)
 
 
 def test_pool_set_is_followed_by_every_owner(tmp_path: Path) -> None:
     pool = _pool(tmp_path, "16M", {"a": "64M", "b": "64M"})
     thinblock("pool", "set", pool, "--when-full", "wait:45")
-    sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
-    try:
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
         ha, hb = _handle(sa, "a"), _handle(sb, "b")
         ha.pwrite(b"a" * (8 * MiB), 0)
         hb.pwrite(b"b" * (4 * MiB), 0)
@@ -110,16 +104,11 @@ def test_pool_set_is_followed_by_every_owner(tmp_path: Path) -> None:
         assert hb.pread(4 * MiB, 0) == b"b" * (4 * MiB)
         ha.shutdown()
         hb.shutdown()
-    finally:
-        _stop(sa)
-        _stop(sb)
-    thinblock("pool", "check", pool)
 
 
 def test_autogrow_across_owners_grows_once_per_shortage_up_to_max(tmp_path: Path) -> None:
     pool = _pool(tmp_path, "16M", {"a": "64M", "b": "64M"})
-    sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
-    try:
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
         thinblock("pool", "set", pool, "--autogrow", "16M:40M")
         wa, ea = _fill(sa, "a", 12 * MiB)
         wb, eb = _fill(sb, "b", 12 * MiB)
@@ -136,10 +125,6 @@ def test_autogrow_across_owners_grows_once_per_shortage_up_to_max(tmp_path: Path
                 h.pwrite(b"a" * MiB, off)
         assert full.value.errno == "ENOSPC"
         assert _status(pool)["size_bytes"] == 40 * MiB
-    finally:
-        _stop(sa)
-        _stop(sb)
-    thinblock("pool", "check", pool)
 
 
 env = test_attach.env  # a private runtime dir; every mount, loop device and daemon of the test gone after

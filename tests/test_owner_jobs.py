@@ -17,7 +17,7 @@ from pathlib import Path
 from tests.cli import thinblock
 from tests.nbd_server import Server
 from tests.test_job_deaths import _die, _feed, _start, _stream
-from tests.test_owners import _handle, _pool, _serve, _stop
+from tests.test_owners import _handle, _pool, _serve, _stop, owners
 from thinblock.backends import locate
 
 MiB = 1 << 20
@@ -57,8 +57,7 @@ def _ran_at(server: Server, verb: str) -> int:
 
 def test_jobs_go_to_the_owner_or_run_in_the_command(tmp_path: Path) -> None:
     pool = _pool(tmp_path, "256M", {"a": "16M", "b": "16M", "c": "16M"})
-    sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
-    try:
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
         data_a = _pattern(b"a", 16 * MiB)
         ha = _handle(sa, "a")
         ha.pwrite(data_a, 0)
@@ -110,10 +109,6 @@ def test_jobs_go_to_the_owner_or_run_in_the_command(tmp_path: Path) -> None:
             _stop(sn)
         ha.shutdown()
         hb.shutdown()
-    finally:
-        _stop(sa)
-        _stop(sb)
-    thinblock("pool", "check", pool)
     assert json.loads(thinblock("pool", "status", pool, "--json").stdout)["granted_bytes"] == 0
 
 

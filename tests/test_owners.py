@@ -16,6 +16,8 @@ import random
 import signal
 import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbd
@@ -39,6 +41,21 @@ def _serve(pool: str, tmp: Path, *names: str) -> Server:
 def _stop(server: Server) -> None:
     server.stop()
     assert "Traceback" not in server.log.read_text(), server.log.read_text()
+
+
+@contextmanager
+def owners(pool: str, tmp: Path, *names: str) -> Iterator[list[Server]]:
+    """One `serve --volume NAME` per name, stopped (no traceback) when the block ends;
+    then the pool must pass `pool check`."""
+    servers: list[Server] = []
+    try:
+        for name in names:
+            servers.append(_serve(pool, tmp, name))
+        yield servers
+    finally:
+        for server in servers:
+            _stop(server)
+    thinblock("pool", "check", pool)
 
 
 def _handle(server: Server, name: str) -> nbd.NBD:
@@ -245,8 +262,7 @@ def test_sigkill_of_one_owner_leaves_the_others_serving_and_its_flushed_bytes_in
 
 def test_a_nearly_full_pool_gives_space_trimmed_by_one_owner_to_another(tmp_path: Path) -> None:
     pool = _pool(tmp_path, "32M", {"a": "32M", "b": "32M"})
-    sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
-    try:
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
         ha, hb = _handle(sa, "a"), _handle(sb, "b")
         ha.pwrite(b"a" * (24 * MiB), 0)
         ha.flush()
@@ -265,10 +281,6 @@ def test_a_nearly_full_pool_gives_space_trimmed_by_one_owner_to_another(tmp_path
         assert ha.pread(4 * MiB, 20 * MiB) == b"a" * (4 * MiB)
         ha.shutdown()
         hb.shutdown()
-    finally:
-        _stop(sa)
-        _stop(sb)
-    thinblock("pool", "check", pool)
 
 
 def _write_until_it_fits(h: nbd.NBD, length: int) -> int:
@@ -344,8 +356,7 @@ def test_serve_without_volume_beside_owners_serves_the_volumes_nobody_holds(tmp_
 
 def test_a_reservation_on_one_owners_volume_holds_while_another_owner_fills_the_pool(tmp_path: Path) -> None:
     pool = _pool(tmp_path, "32M", {"a": "8M", "b": "32M"})
-    sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
-    try:
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
         # Sent to a's server (it owns a), weighed and committed in its pool-level step.
         thinblock("volume", "set", pool, "a", "--reserve", "full")
         status = json.loads(thinblock("pool", "status", pool, "--json").stdout)
@@ -368,7 +379,3 @@ def test_a_reservation_on_one_owners_volume_holds_while_another_owner_fills_the_
         assert hb.pread(written, 0) == b"b" * written
         ha.shutdown()
         hb.shutdown()
-    finally:
-        _stop(sa)
-        _stop(sb)
-    thinblock("pool", "check", pool)
