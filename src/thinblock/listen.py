@@ -40,6 +40,8 @@ def accept_loop(
     while not stopping.is_set():
         try:
             sock, _addr = listener.accept()
+        except TimeoutError:  # a listener with a timeout (shared by workers): look at stopping
+            continue
         except OSError as exc:
             if stopping.is_set() or exc.errno not in ACCEPT_RETRY:
                 return  # the listener was closed: shutting down

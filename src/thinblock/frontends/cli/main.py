@@ -590,7 +590,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if spec is not None:  # a worker: exports of its siblings are handed to them
             from thinblock.frontends.nbd.workers import GroupCatalog, Handoffs, WorkerGroup
 
-            group = WorkerGroup(spec.group)
+            group = WorkerGroup(spec.group, spec.handoff_dir)
             server.catalog = GroupCatalog(pool, read_only=args.read_only, group=group, claims=spec.claims)
             handoffs = Handoffs(server, group)
         if (tcp or activated_tcp) and tls is None:
@@ -606,7 +606,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 for sock, name in activated:
                     if spec is None:
                         log.info("serving %s passed by socket activation (%s)", systemd.describe(sock), name)
-                    server.listen_socket(sock)
+                    server.listen_socket(sock, shared=spec is not None)
                     name_or_address = sock.getsockname()
                     if isinstance(name_or_address, str):  # a unix socket (an abstract one has bytes)
                         unix_path = unix_path or name_or_address or None

@@ -23,9 +23,11 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from thinblock.listen import bind_unix
 log = logging.getLogger("thinblock.serve")
 
 RESTARTS = 3
+RESTART_PAUSE_S = 0.25
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_WINDOW_S = 60.0
 LISTEN_BACKLOG = 4096
@@ -52,6 +55,7 @@ class WorkerSpec:
 
     group: int  # the supervisor's pid: the group's name (frontends/nbd/workers.py)
     index: int  # which worker: its log lines say so
+    handoff_dir: str  # the group's private directory of hand-over sockets
     listeners: list[tuple[socket.socket, str]]
     ready_fd: int  # "ready" or "error: ..." is written here once, then it is closed
     claims: bool = False  # no --volume: a volume nobody holds is claimed when a client asks
@@ -127,6 +131,9 @@ class Supervisor:
         self.listeners = listeners
         self.run_worker = run_worker
         self.workers: list[_Worker] = []
+        # Where the workers take hand-overs from each other: a fresh directory only this
+        # user may enter, so no other user can listen in a worker's place.
+        self.handoff_dir = tempfile.mkdtemp(prefix="thinblock-workers.")
 
     def deal(self, names: list[str], count: int) -> None:
         """Deal the volumes out to count workers (fewer when there are fewer volumes)."""
@@ -161,7 +168,9 @@ class Supervisor:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
                 os.environ.pop("NOTIFY_SOCKET", None)  # readiness is the supervisor's to tell
                 end_with_parent(supervisor)
-                spec = WorkerSpec(supervisor, worker.index, [(s, "worker") for s in self.listeners], write_fd)
+                spec = WorkerSpec(
+                    supervisor, worker.index, self.handoff_dir, [(s, "worker") for s in self.listeners], write_fd
+                )
                 try:
                     self.run_worker(spec, worker.volumes)
                     code = 0
@@ -253,6 +262,8 @@ class Supervisor:
             log.warning("worker %d: %s now served elsewhere; not taking them back", worker.index, ", ".join(taken))
         worker.volumes = [name for name in worker.volumes if name in free]
         log.warning("worker %d ended (%s): restarting it for %s", worker.index, how, ", ".join(worker.volumes))
+        if len(worker.deaths) > 1:  # dying again soon: wait a little, growing, before the next try
+            time.sleep(min(2.0, RESTART_PAUSE_S * 2 ** (len(worker.deaths) - 2)))
         error = self._start(worker)
         if error is not None:
             log.error("worker %d could not be restarted: %s", worker.index, error)
@@ -273,6 +284,7 @@ class Supervisor:
                 except InterruptedError:
                     continue
                 worker.pid = 0
+        shutil.rmtree(self.handoff_dir, ignore_errors=True)
 
 
 def supervise(
@@ -291,6 +303,7 @@ def supervise(
     names = list(dict.fromkeys(volumes)) if volumes else unheld_volumes(location)
     supervisor = Supervisor(location, listeners, run_worker)
     supervisor.deal(names, args.workers)
+    log.info("the workers hand connections to each other through sockets in %s", supervisor.handoff_dir)
     supervisor.start_all()
     why = "an error"
     try:

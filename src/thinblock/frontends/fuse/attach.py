@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thinblock.backends import locate
-from thinblock.core.registry import STAGING_PREFIX
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import VolumeRow
 from thinblock.paths import child_path
@@ -249,7 +248,8 @@ def attach(pool: str, volume: str, *, log_args: list[str] | None = None) -> str:
     location = locate(pool)
     meta = location.open_meta(readonly=True)  # clear errors for a missing pool
     try:
-        rows = {row.name: row for row in meta.volumes() if not row.name.startswith(STAGING_PREFIX)}
+        # Staging names too: child_path below refuses them (and hostile ones) in one sentence.
+        rows = {row.name: row for row in meta.volumes()}
     finally:
         meta.close()
     if volume not in rows:

@@ -548,6 +548,7 @@ class NBDServer:
         # Block status walks, every client's, one at a time, paced, in turn (status.py).
         self.status_queue = StatusQueue()
         self.listeners: list[socket.socket] = []
+        self.shared_listeners: list[socket.socket] = []  # accepted on by sibling workers too
         self.unix_paths: list[tuple[str, int]] = []
         self.threads: list[threading.Thread] = []
         self.sessions: set[Session] = set()
@@ -571,9 +572,14 @@ class NBDServer:
         self.unix_paths.append((path, os.stat(path).st_ino))
         self._listen(sock)
 
-    def listen_socket(self, sock: socket.socket) -> None:
+    def listen_socket(self, sock: socket.socket, *, shared: bool = False) -> None:
         """Serve a socket already listening (socket activation); it is closed at the
-        end but, being the service manager's, its path is never removed."""
+        end but, being the service manager's, its path is never removed. shared: other
+        processes accept on it too (serve --workers), so it is never shut down, which
+        would stop them all: its accepts wake every ACCEPT_POLL_S to see the stop."""
+        if shared:
+            sock.settimeout(ACCEPT_POLL_S)
+            self.shared_listeners.append(sock)
         self._listen(sock)
 
     def listen_tcp(self, host: str, port: int) -> int:
@@ -737,8 +743,9 @@ class NBDServer:
         self.stopping.set()
         self.pool.cancel_waits()  # writes held by the wait policy fail now
         for listener in self.listeners:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
+            if not any(listener is shared for shared in self.shared_listeners):
+                with contextlib.suppress(OSError):
+                    listener.shutdown(socket.SHUT_RDWR)
             listener.close()
         for thread in self.threads:
             thread.join()
@@ -1315,6 +1322,7 @@ def peer_name(sock: socket.socket) -> str:
 
 RELAY_CHUNK_BYTES = 256 << 10
 MAX_HOPS = 16  # hand-overs of one connection (nbdinfo --list asks each export in turn)
+ACCEPT_POLL_S = 0.5  # how soon a worker's accept on a shared listener sees the stop
 
 
 def relay(client: socket.socket, sibling: socket.socket) -> None:

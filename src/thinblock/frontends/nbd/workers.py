@@ -14,12 +14,16 @@ so a TLS connection stays with the worker that accepted it: it hands the
 sibling one end of a socket pair, with the client's certificate for
 --tls-authz, and relays the bytes (server.relay).
 
-Each worker listens for hand-overs on an abstract unix socket named after the
-group (the supervising process's pid) and its own pid; a volume's owner is
+Each worker listens for hand-overs on a unix socket named after its pid in a
+directory the supervisor made private (0700) for the group; a volume's owner is
 found from its lease (the holder names its pid), so a worker restarted under a
-new pid, or a volume moved by a handover, is followed without any table. A
-hand-over is accepted only from a process of the same user whose parent is the
-group's supervisor: it carries the client's identity, which must not be forged.
+new pid, or a volume moved by a handover, is followed without any table. Both
+ends check who is at the other (SO_PEERCRED): a hand-over goes only to the pid
+that owns the volume and is taken only from a process of the same user whose
+parent is the group's supervisor, since it carries the client's identity. Once
+the socket has been sent it belongs to the receiver alone: the sender never
+writes to the client again, and a receiver that cannot serve it answers the
+pending option itself.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from thinblock.core.pool import Pool
 from thinblock.core.registry import STAGING_PREFIX
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
-from thinblock.frontends.nbd.protocol import ExportElsewhere, ExportRouted
+from thinblock.frontends.nbd.protocol import ExportElsewhere, ExportRouted, RemoteProtocolError, ServerConnection
 from thinblock.frontends.nbd.server import Handed, NBDServer, PoolCatalog
 from thinblock.listen import accept_loop
 from thinblock.meta.base import VolumeBusyError, VolumeRow
@@ -50,9 +54,10 @@ HANDOFF_TIMEOUT_S = 5.0
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
-def handoff_address(group: int, pid: int) -> str:
-    """The abstract unix socket where worker pid of group takes hand-overs."""
-    return f"\0thinblock-nbd-worker.{group}.{pid}"
+def handoff_address(directory: str, pid: int) -> str:
+    """The unix socket where worker pid of the group whose private directory this is
+    takes hand-overs."""
+    return os.path.join(directory, f"{pid}.sock")
 
 
 def parent_pid(pid: int) -> int | None:
@@ -68,10 +73,12 @@ def parent_pid(pid: int) -> int | None:
 
 
 class WorkerGroup:
-    """This worker's view of its siblings: which pids belong to the group."""
+    """This worker's view of its siblings: which pids belong to the group (children of
+    its supervisor), and the private directory of their hand-over sockets."""
 
-    def __init__(self, group: int) -> None:
+    def __init__(self, group: int, directory: str) -> None:
         self.group = group
+        self.directory = directory
 
     def member(self, pid: int) -> bool:
         return pid != os.getpid() and parent_pid(pid) == self.group
@@ -91,6 +98,9 @@ class GroupCatalog(PoolCatalog):
         super().__init__(pool, read_only=read_only)
         self.group = group
         self.claims = claims
+        # One claim at a time here: a client asking for a volume this worker is claiming
+        # waits for that claim instead of being told the worker itself holds it.
+        self._claiming = threading.Lock()
 
     def _sibling(self, base_id: int | None) -> str | None:
         """The pid (as text) of the sibling holding volume base_id, if one does."""
@@ -112,6 +122,15 @@ class GroupCatalog(PoolCatalog):
     def unknown(self, name: str) -> Volume | None:
         return self._route_or_claim(name)
 
+    def volume(self, name: str) -> Volume | None:
+        """As for one process serving the pool whole, "" is the default export only when
+        the pool has one volume, whichever worker holds it (not this worker's only one)."""
+        if name != "":
+            return super().volume(name)
+        rows = self._stored_rows()
+        volumes = [r for r in rows.values() if r.kind == "volume" and not r.name.startswith(STAGING_PREFIX)]
+        return super().volume(volumes[0].name) if len(volumes) == 1 else None
+
     def _route_or_claim(self, name: str) -> Volume | None:
         """For an export this worker does not serve: ExportRouted to the sibling holding
         its volume; else, claiming, that volume taken here, and the export (None if it
@@ -125,19 +144,34 @@ class GroupCatalog(PoolCatalog):
         if target is not None:
             raise ExportRouted(target, name)
         holder = None if base is None else self._holder(base)
+        mine = self.pool.owner.name if self.pool.owner is not None else None
+        if holder is not None and holder == mine:  # being claimed here by another client's lookup
+            with self._claiming:
+                return self._served_here(name)
         if holder is not None:  # another server's: say whose, as for a volume known here
             raise ExportElsewhere(f"{row.kind} {name} is not served here: it is served by {holder}")
         if not self.claims or base is None:
             return None
+        with self._claiming:
+            if (vol := self._served_here(name)) is not None:  # claimed while this lookup waited
+                return vol
+            return self._claim(rows[base].name, base, name)
+
+    def _served_here(self, name: str) -> Volume | None:
+        with self.pool.lock:
+            vol = self.pool.visible_volume(name)
+        return vol if vol is not None and self.pool.serves(vol) else None
+
+    def _claim(self, volume_name: str, base: int, name: str) -> Volume | None:
         try:
-            self.pool.claim_volume(rows[base].name)
+            self.pool.claim_volume(volume_name)
         except VolumeBusyError:  # a sibling was quicker: it serves it now
             target = self._sibling(base)
             if target is not None:
                 raise ExportRouted(target, name) from None
             return None
         except (OSError, ThinblockError) as exc:
-            log.warning("claiming volume %s for a client failed: %s", rows[base].name, exc)
+            log.warning("claiming volume %s for a client failed: %s", volume_name, exc)
             return None
         with self.pool.lock:
             vol = self.pool.visible_volume(name)
@@ -201,8 +235,11 @@ class Handoffs:
         self.server = server
         self.group = group
         self.stopping = threading.Event()
+        self.path = handoff_address(group.directory, os.getpid())
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self.listener.bind(handoff_address(group.group, os.getpid()))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a dead worker's of the same pid: the directory is the group's alone
+        self.listener.bind(self.path)
         self.listener.listen(64)
         self.thread = threading.Thread(target=self._accept, name="thinblock-nbd-handoff", daemon=True)
         self.thread.start()
@@ -211,6 +248,8 @@ class Handoffs:
     # ----- sending ------------------------------------------------------------------
 
     def send(self, target: str, sock: socket.socket, handed: Handed) -> None:
+        """Hand sock over to worker target. Raises (and sock stays this worker's) only
+        when nothing was sent; once it has been, the connection is the target's alone."""
         pid = int(target)
         if not self.group.member(pid):
             raise ThinblockError(f"worker pid {pid} is not running")
@@ -230,11 +269,11 @@ class Handoffs:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as ctl:
             ctl.settimeout(HANDOFF_TIMEOUT_S)
             ctl.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
-            ctl.connect(handoff_address(self.group.group, pid))
-            socket.send_fds(ctl, [message], [sock.fileno()])
-            answer = ctl.recv(4096)
-        if answer != b"ok":
-            raise ThinblockError(answer.decode(errors="replace").removeprefix("no: ") or "it closed")
+            ctl.connect(handoff_address(self.group.directory, pid))
+            peer_pid, uid, _gid = _UCRED.unpack(ctl.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            if peer_pid != pid or uid != os.geteuid():
+                raise ThinblockError(f"the hand-over socket of worker {pid} is held by pid {peer_pid} (uid {uid})")
+            socket.send_fds(ctl, [message], [sock.fileno()])  # atomic: all of it was queued, or nothing
 
     # ----- taking -------------------------------------------------------------------
 
@@ -244,24 +283,20 @@ class Handoffs:
     def _take_safely(self, ctl: socket.socket) -> None:
         try:
             with ctl:
-                ctl.settimeout(HANDOFF_TIMEOUT_S)
-                answer = self._take(ctl)
-                with contextlib.suppress(OSError):
-                    ctl.sendall(b"ok" if answer is None else b"no: " + answer.encode()[:4000])
+                self._take(ctl)
         except Exception:
             log.exception("dropped a connection handed over by a sibling: internal error")
 
-    def _take(self, ctl: socket.socket) -> str | None:
+    def _take(self, ctl: socket.socket) -> None:
         pid, uid, _gid = _UCRED.unpack(ctl.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        trusted = uid == os.geteuid() and self.group.member(pid)
+        if uid != os.geteuid() or not self.group.member(pid):  # before reading anything from it
+            log.warning("refused a hand-over from pid %d (uid %d): not a worker of this server", pid, uid)
+            return
+        ctl.settimeout(HANDOFF_TIMEOUT_S)  # a sibling sends at once after connecting
         message, fds, _flags, _addr = socket.recv_fds(ctl, MAX_MESSAGE_BYTES, 1)
         if not fds:
-            return "no connection came with the hand-over"
+            return
         sock = socket.socket(fileno=fds[0])
-        if not trusted:
-            sock.close()
-            log.warning("refused a hand-over from pid %d (uid %d): not a worker of this server", pid, uid)
-            return "not a worker of this server"
         try:
             fields: dict[str, Any] = json.loads(message)
             peercert = fields["peercert"]
@@ -275,12 +310,13 @@ class Handoffs:
                 hops=int(fields["hops"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
+            log.error("a hand-over from pid %d was malformed (%s): its client is disconnected", pid, exc)
             sock.close()
-            return f"malformed hand-over: {exc}"
+            return
         refused = self.server.adopt(sock, handed)
         if refused is not None:
-            sock.close()
-        return refused
+            log.warning("a connection handed over by pid %d was refused here: %s", pid, refused)
+            _answer_and_close(sock, handed, refused)
 
     def close(self) -> None:
         self.stopping.set()
@@ -288,6 +324,33 @@ class Handoffs:
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         self.thread.join()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def _answer_and_close(sock: socket.socket, handed: Handed, why: str) -> None:
+    """A connection this worker was handed and cannot serve: its pending option is
+    answered with why (the client learns it, as from the worker that accepted it),
+    then it is closed."""
+    try:
+        conn = ServerConnection.resume(_Nothing(), handed.state, tls_required=False, tls_available=False)
+        conn.refuse_routed(why)
+        sock.settimeout(1.0)
+        sock.sendall(conn.data_to_send())
+    except (OSError, RemoteProtocolError, struct.error):
+        pass
+    finally:
+        sock.close()
+
+
+class _Nothing:
+    """The catalog of a connection that is only told why it is refused."""
+
+    def list_names(self) -> list[tuple[str, str]]:
+        return []
+
+    def lookup(self, name: str) -> None:
+        return None
 
 
 def _tuples(value: Any) -> Any:
