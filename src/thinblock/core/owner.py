@@ -300,22 +300,25 @@ class VolumeOwner:
                 grant.volume_id,
             )
 
-    def idle_limit(self) -> int:
+    def idle_limit(self, *, margin: bool = True) -> int:
         """How many allocatable blocks this owner keeps in its grants at most; the
-        rest goes back to the pool (others may need it: a trimmed volume's space)."""
+        rest goes back to the pool (others may need it: a trimmed volume's space).
+        Without margin, only what its own volumes' reservations set aside."""
         # Two grants' worth: less would give back the grant just taken, and take it
         # again at the next write. Beyond that, what its volumes' reservations set
         # aside: its allocation gate keeps that unused, and would take it again at once.
-        return max(1, 2 * self._grant_size()) + self.pool.accounts.reserved_blocks()
+        return (max(1, 2 * self._grant_size()) if margin else 0) + self.pool.accounts.reserved_blocks()
 
     def _grant_size(self) -> int:
         """The blocks a grant holds now: by the write rate, and an eighth of a small pool
         at most (it is shared in smaller grants)."""
         return min(self._grant_bytes // self.pool.block_size, self.pool.accounts.space.n_blocks // 8)
 
-    def give_back_idle(self) -> None:
+    def give_back_idle(self, *, margin: bool = True) -> None:
         """Return whole grants while more than idle_limit blocks lie allocatable in
-        them (after a commit, between commits: call with no lock held). A grant goes
+        them (after a commit, between commits: call with no lock held). Without margin
+        (after a handover): every whole grant its own set-asides do not need, since
+        the blocks it kept for the volume handed over are the new holder's to have. A grant goes
         back only when nothing uncommitted touches it: no fresh block in flight, no
         free waiting for its punch, no refcount change not yet committed, since the
         next commit would count a block outside every grant, or a late punch would
@@ -326,7 +329,7 @@ class VolumeOwner:
             if self._wanting:  # a request is gathering grants: what lies idle is for it
                 return
         with pool.lock:
-            if space.allocatable_blocks <= self.idle_limit():
+            if space.allocatable_blocks <= self.idle_limit(margin=margin):
                 return
 
         def give(meta: object) -> None:
@@ -334,7 +337,7 @@ class VolumeOwner:
                 order = sorted(self.grants, key=lambda g: -space.busy.count(0, g.start, g.start + g.count))
             for grant in order:
                 with pool.lock:
-                    if space.allocatable_blocks <= self.idle_limit():
+                    if space.allocatable_blocks <= self.idle_limit(margin=margin):
                         return
                     if self._unsettled(grant):
                         continue

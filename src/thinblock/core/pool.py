@@ -656,6 +656,9 @@ class Pool:
         except BaseException:
             owner.stay(vol.row.id)
             raise
+        # What this owner's grants kept for the volume's reservation is the next holder's:
+        # the free space must hold it again, so whole idle grants go back now, margin none.
+        owner.give_back_idle(margin=False)
         log.info("pool %s: volume %s handed over (%d client(s) closed)", self.path, name, clients)
         return clients
 
