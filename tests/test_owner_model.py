@@ -17,6 +17,7 @@ pages), and the whole pool's owner reads exactly the model.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import random
 import shutil
@@ -77,6 +78,11 @@ class OwnersMachine(RuleBasedStateMachine):
 
     def _open(self, name: str) -> None:
         pool = Pool.open(self.path, volumes=self._held(name), autocommit=False, purpose=f"owner {name}")
+        # Grants are sized by how fast they are asked for: a clock of steps, not of the
+        # machine, or a loaded run would size them otherwise (and explore another case).
+        assert pool.owner is not None
+        ticks = itertools.count()
+        pool.owner.clock = lambda: 2.0 * next(ticks)
         meta, store = FaultyMeta(pool.meta), FaultyStore(pool.store)
         install(pool, meta=meta, store=store)
         self.pools[name], self.faults[name] = pool, (meta, store)

@@ -25,6 +25,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from thinblock.core.mapping import BlockState, entry_dblock, entry_state
@@ -75,6 +76,7 @@ class VolumeOwner:
         self._leaving: set[int] = set()  # volumes being handed over: served no more
         self._grant_bytes = FIRST_GRANT_BYTES
         self._last_grant = 0.0
+        self.clock: Callable[[], float] = time.monotonic  # grant sizing; a test's own, to be deterministic
 
     @property
     def meta(self) -> MetadataStore:
@@ -249,7 +251,7 @@ class VolumeOwner:
                     short = wanted - space.allocatable_blocks
                     if self._granting or short <= 0:
                         continue
-                now = time.monotonic()
+                now = self.clock()
                 if now - self._last_grant < FAST_GRANTS_S:
                     self._grant_bytes = min(MAX_GRANT_BYTES, self._grant_bytes * 2)
                 elif now - self._last_grant > 10 * FAST_GRANTS_S:
