@@ -306,7 +306,11 @@ def test_a_handover_from_outside_the_group_is_refused(served: Server) -> None:
         with contextlib.suppress(OSError):  # closed unread: the send may or may not get in first
             socket.send_fds(ctl, [json.dumps({**forged, "via": "me", "hops": 1}).encode()], [victim_end.fileno()])
         ctl.settimeout(5)
-        assert ctl.recv(4096) == b""  # nothing is answered to a stranger
+        try:
+            answer = ctl.recv(4096)
+        except ConnectionResetError:  # closed with what was sent unread
+            answer = b""
+        assert answer == b""  # nothing is answered to a stranger
     victim_end.close()
     kept.settimeout(5)
     assert kept.recv(1) == b""  # what it sent was closed unread
