@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from thinblock.core.mapping import BlockState, Page, entry_dblock, entry_state
 from thinblock.core.owner import VolumeOwner
-from thinblock.core.registry import STAGING_PREFIX
+from thinblock.core.registry import STAGING_PREFIX, base_row_id
 from thinblock.core.spacemap import to_runs
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
@@ -50,18 +50,6 @@ if TYPE_CHECKING:
     from thinblock.core.pool import Pool
 
 log = logging.getLogger("thinblock.pool")
-
-
-def _base_row_id(row: VolumeRow, rows: dict[int, VolumeRow]) -> int | None:
-    """The volume a snapshot row was taken of (through snapshots of snapshots)."""
-    seen: set[int] = set()
-    while row.kind == "snapshot":
-        origin = rows.get(row.origin_id) if row.origin_id is not None else None
-        if origin is None or origin.id in seen:
-            return None
-        seen.add(origin.id)
-        row = origin
-    return row.id
 
 
 def claim_volume(pool: Pool, name: str) -> Volume:
@@ -87,7 +75,7 @@ def claim_volume(pool: Pool, name: str) -> Volume:
         lease = VolumeOwner.claim(pool.meta, {name: row.id}, owner.name)[row.id]
         try:
             family = [
-                r for r in rows.values() if not r.name.startswith(STAGING_PREFIX) and _base_row_id(r, rows) == row.id
+                r for r in rows.values() if not r.name.startswith(STAGING_PREFIX) and base_row_id(r, rows) == row.id
             ]
             roots = {r.id: pool.meta.roots(r.id) for r in family}
             zeroed = _zeroed_blocks(pool.meta, roots)

@@ -10,13 +10,29 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from thinblock.core.totals import Totals
 from thinblock.core.volume import Volume
+from thinblock.meta.base import VolumeRow
 
 # Staging volumes (snapshot.stage) are named with this; user names cannot start with it.
 STAGING_PREFIX = "."
+
+
+def base_row_id(row: VolumeRow, rows: Mapping[int, VolumeRow]) -> int | None:
+    """The id of the volume a snapshot row was taken of, through snapshots of snapshots
+    (that volume's owner serves them), as stored rows say (rows: by id); a volume row's
+    own id; None when the chain ends at a removed row, or loops. Pool.base_volume_id is
+    the same rule over the registry."""
+    seen: set[int] = set()
+    while row.kind == "snapshot":
+        origin = rows.get(row.origin_id) if row.origin_id is not None else None
+        if origin is None or origin.id in seen:
+            return None
+        seen.add(origin.id)
+        row = origin
+    return row.id
 
 
 def _by_name(vol: Volume) -> str:

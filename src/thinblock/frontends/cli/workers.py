@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from thinblock import systemd
 from thinblock.admin.handover import take_over, unheld_volumes
 from thinblock.backends import Location
-from thinblock.core.registry import STAGING_PREFIX
+from thinblock.core.registry import STAGING_PREFIX, base_row_id
 from thinblock.errors import ThinblockError
 from thinblock.listen import bind_unix
 
@@ -208,11 +208,8 @@ class Supervisor:
         owned = {name for w in self.workers if not w.given_up for name in w.volumes}
         served = []
         for row in rows.values():
-            base = row
-            hops = 0
-            while base.kind == "snapshot" and base.origin_id in rows and hops <= len(rows):
-                base, hops = rows[base.origin_id], hops + 1
-            if base.name in owned and not row.name.startswith(STAGING_PREFIX):
+            base = base_row_id(row, rows)
+            if base is not None and rows[base].name in owned and not row.name.startswith(STAGING_PREFIX):
                 served.append(row.name)
         return sorted(served)
 

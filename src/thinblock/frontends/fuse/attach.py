@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thinblock.backends import locate
+from thinblock.core.registry import base_row_id
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import VolumeRow
 from thinblock.paths import child_path
@@ -65,13 +66,11 @@ def volume_dir_for(key: str, name: str) -> Path:
 
 
 def _base_name(rows: dict[str, VolumeRow], name: str) -> str:
-    """The volume a snapshot was taken of (through snapshots of snapshots): its owner serves it."""
+    """The volume a snapshot was taken of (through snapshots of snapshots): its owner
+    serves it. A snapshot whose chain ends at a removed volume stands for itself."""
     by_id = {row.id: row for row in rows.values()}
-    row, seen = rows[name], set()
-    while row.kind == "snapshot" and row.origin_id in by_id and row.id not in seen:
-        seen.add(row.id)
-        row = by_id[row.origin_id]
-    return row.name
+    base = base_row_id(rows[name], by_id)
+    return by_id[base].name if base is not None else name
 
 
 def _mounts() -> list[tuple[str, str]]:

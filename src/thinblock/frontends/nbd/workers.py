@@ -39,7 +39,7 @@ from typing import Any
 
 from thinblock.core.owner import owner_pid
 from thinblock.core.pool import Pool
-from thinblock.core.registry import STAGING_PREFIX
+from thinblock.core.registry import STAGING_PREFIX, base_row_id
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.frontends.nbd.protocol import ExportElsewhere, ExportRouted, RemoteProtocolError, ServerConnection
@@ -139,7 +139,7 @@ class GroupCatalog(PoolCatalog):
         row = next((r for r in rows.values() if r.name == name), None)
         if row is None or name.startswith(STAGING_PREFIX):
             return None
-        base = _base_id(row, rows)
+        base = base_row_id(row, rows)
         target = self._sibling(base)
         if target is not None:
             raise ExportRouted(target, name)
@@ -192,7 +192,7 @@ class GroupCatalog(PoolCatalog):
         for row in rows.values():
             if row.name in names or row.name.startswith(STAGING_PREFIX):
                 continue
-            base = _base_id(row, rows)
+            base = base_row_id(row, rows)
             if base is None:
                 continue
             if base not in theirs:
@@ -207,17 +207,6 @@ class GroupCatalog(PoolCatalog):
             return {row.id: row for row in self.pool.meta.volumes()}
         except (OSError, ThinblockError):
             return {}
-
-
-def _base_id(row: VolumeRow, rows: dict[int, VolumeRow]) -> int | None:
-    """The volume a snapshot was taken of, through snapshots of snapshots (its owner's)."""
-    seen = 0
-    while row.kind == "snapshot":
-        origin = rows.get(row.origin_id) if row.origin_id is not None else None
-        if origin is None or seen > len(rows):
-            return None
-        row, seen = origin, seen + 1
-    return row.id
 
 
 def _describe_row(row: VolumeRow, rows: dict[int, VolumeRow]) -> str:
