@@ -42,7 +42,7 @@ from thinblock.errors import OpError, ThinblockError
 from thinblock.frontends.export import Export, errno_of
 from thinblock.frontends.nbd import constants as c
 from thinblock.frontends.nbd.authz import Authz, GrantedCatalog
-from thinblock.frontends.nbd.limits import Admission, AdmissionLimits, Slot, certificate_identity
+from thinblock.frontends.nbd.limits import Admission, AdmissionLimits, Refusal, Slot, certificate_identity
 from thinblock.frontends.nbd.protocol import (
     BASE_ALLOCATION,
     Closed,
@@ -472,7 +472,8 @@ class Handed:
 
 class Router(Protocol):
     """Where a Route event's connection goes (workers.py): send raises OSError or
-    ThinblockError, with why, when the target did not take it."""
+    ThinblockError, with why, only when nothing was sent (the connection is still the
+    caller's); once sent, the connection is the target's alone."""
 
     def send(self, target: str, sock: socket.socket, handed: Handed) -> None: ...
 
@@ -611,48 +612,46 @@ class NBDServer:
 
     def _take(self, sock: socket.socket) -> None:
         """A new connection: a session, or past a limit (limits.py) a refusal."""
-        with self.lock:
-            self._next_id += 1
-            sid = self._next_id
         try:
             address = sock.getpeername()[0] if sock.family != socket.AF_UNIX else None
-            session = Session(self, sock, sid)
+            session = Session(self, sock, self._next_sid())
         except OSError:  # gone before it was looked at
             sock.close()
             return
-        admitted = self.admission.admit(address, session)
-        if isinstance(admitted, str):
-            self.stats.refuse(admitted.limit)
-            if time.monotonic() - self._refused_logged > 5:
-                self._refused_logged = time.monotonic()
-                log.warning("refused a connection from %s: %s", address or "the unix socket", admitted)
-            self._refuse(sock, admitted)
-            return
-        session.slot = admitted
-        self.stats.accept()
-        with self.lock:
-            self.sessions.add(session)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        session.start()
+        refused = self._admit(session, address)
+        if refused is not None:
+            if time.monotonic() - self._refused_logged > 5:
+                self._refused_logged = time.monotonic()
+                log.warning("refused a connection from %s: %s", address or "the unix socket", refused)
+            self._refuse(sock, refused)
 
     def adopt(self, sock: socket.socket, handed: Handed) -> str | None:
         """A connection handed over by a sibling process (serve --workers): admitted
         under this server's limits and served from the option it was handed at. None
-        when taken, else why not (the sibling then answers that option with it)."""
+        when taken, else why not (the caller answers that option with it: workers.py)."""
         if self.stopping.is_set():
             return "the server is stopping"
-        with self.lock:
-            self._next_id += 1
-            sid = self._next_id
         try:
-            session = Session(self, sock, sid, handed)
+            session = Session(self, sock, self._next_sid(), handed)
         except RemoteProtocolError as exc:
             return str(exc)
-        admitted = self.admission.admit(handed.address, session)
+        refused = self._admit(session, handed.address)
+        return None if refused is None else str(refused)
+
+    def _next_sid(self) -> int:
+        with self.lock:
+            self._next_id += 1
+            return self._next_id
+
+    def _admit(self, session: Session, address: str | None) -> Refusal | None:
+        """A session under the admission rules (limits.py): registered and started, or
+        the refusal (counted), with nothing started."""
+        admitted = self.admission.admit(address, session)
         if isinstance(admitted, str):
             self.stats.refuse(admitted.limit)
-            return str(admitted)
+            return admitted
         session.slot = admitted
         self.stats.accept()
         with self.lock:
@@ -743,7 +742,7 @@ class NBDServer:
         self.stopping.set()
         self.pool.cancel_waits()  # writes held by the wait policy fail now
         for listener in self.listeners:
-            if not any(listener is shared for shared in self.shared_listeners):
+            if listener not in self.shared_listeners:
                 with contextlib.suppress(OSError):
                     listener.shutdown(socket.SHUT_RDWR)
             listener.close()
@@ -986,8 +985,8 @@ class Session:
                 self.inline_sends = False
                 assert isinstance(self.sock, ssl.SSLSocket)
                 log.info("%s: TLS started (%s, %s)", self.name, self.sock.version(), (self.sock.cipher() or ("?",))[0])
-                self._authorise(self.sock.getpeercert())
-                self._claim_identity(self.sock.getpeercert())
+                self._authorise(self._peercert())
+                self._claim_identity(self._peercert())
             elif isinstance(event, Transmission):
                 self.sock.settimeout(None)  # requests may be far apart; replies must not time out
                 if self.slot is not None:
@@ -1029,30 +1028,28 @@ class Session:
         (serve --workers): the socket itself, or over TLS, whose session cannot move
         between processes, one end of a socket pair whose bytes this session then
         relays until either side closes. The reason the session ends here, or None
-        when the sibling refused and the option was answered with why."""
+        when nothing could be sent and the option was answered here with why."""
         router = self.server.router
         # A connection that came here already relayed keeps its client's TLS identity:
         # it goes on as the socket pair it is, still relayed by the worker holding TLS.
-        tls = isinstance(self.sock, ssl.SSLSocket)
         earlier = self.handed
-        peercert = self.sock.getpeercert() if isinstance(self.sock, ssl.SSLSocket) else None
+        relayed_here = isinstance(self.sock, ssl.SSLSocket)
         handed = Handed(
             state=self.conn.handoff_state(),
             peer=self.peer,
             address=self.slot.address if self.slot is not None else None,
-            tls=tls or (earlier is not None and earlier.tls),
-            peercert=earlier.peercert if earlier is not None and earlier.tls else peercert,
+            tls=relayed_here or (earlier is not None and earlier.tls),
+            peercert=earlier.peercert if earlier is not None and earlier.tls else self._peercert(),
             via=f"worker pid {os.getpid()}",
             hops=earlier.hops + 1 if earlier is not None else 1,
         )
-        hops = handed.hops
         near: socket.socket | None = None
         try:
             if router is None:
                 raise ThinblockError("this server hands no connections over")
-            if hops > MAX_HOPS:
-                raise ThinblockError(f"it was handed over {hops - 1} times already")
-            if tls:
+            if handed.hops > MAX_HOPS:
+                raise ThinblockError(f"it was handed over {handed.hops - 1} times already")
+            if relayed_here:
                 near, far = socket.socketpair()
                 try:
                     router.send(event.target, far, handed)
@@ -1076,6 +1073,9 @@ class Session:
         log.info("%s: export '%s' is served by worker %s: relaying its TLS", self.name, event.export_name, event.target)
         relay(self.sock, near)
         return f"relayed to worker {event.target} until it ended (export '{shown(event.export_name)}')"
+
+    def _peercert(self) -> dict[str, Any] | None:
+        return self.sock.getpeercert() if isinstance(self.sock, ssl.SSLSocket) else None
 
     def _recv_into(self, buf: memoryview) -> int:
         """recv_into, except that in a write's payload the wait for its bytes looks every
