@@ -62,6 +62,7 @@ from thinblock.frontends.nbd.status import StatusQueue, bounded_status
 from thinblock.iovec import IOV_MAX, write_all
 from thinblock.listen import accept_loop, bind_unix
 from thinblock.logtext import shown
+from thinblock.meta.base import VolumeRow
 from thinblock.privacy import PRIVATE_FILE
 from thinblock.runtime import release_runtime_dir
 from thinblock.stats import ServerStats
@@ -243,12 +244,17 @@ class PoolCatalog:
 def describe(pool: Pool, vol: Volume) -> str:
     """An export's description: a snapshot says of which volume and when it was taken
     (its origin found by id, O(1)); no description names any other export."""
-    if vol.row.kind != "snapshot":
-        return f"thinblock volume {vol.name}"
-    origin = pool.volume_by_id(vol.row.origin_id)
-    taken = vol.row.created
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(taken)) if taken else "at an unknown time"
-    return f"thinblock snapshot {vol.name} of {origin.name if origin else 'a removed volume'}, taken {when}"
+    origin = pool.volume_by_id(vol.row.origin_id) if vol.row.kind == "snapshot" else None
+    return describe_row(vol.row, origin.name if origin else None)
+
+
+def describe_row(row: VolumeRow, origin: str | None) -> str:
+    """describe() of a row (origin: the name of the volume a snapshot was taken of, None
+    when removed), for exports known from the store only (workers.py)."""
+    if row.kind != "snapshot":
+        return f"thinblock volume {row.name}"
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(row.created)) if row.created else "at an unknown time"
+    return f"thinblock snapshot {row.name} of {origin or 'a removed volume'}, taken {when}"
 
 
 def execute(conn: ServerConnection, vol: Export, req: Request) -> list[bytes]:

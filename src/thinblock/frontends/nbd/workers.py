@@ -43,7 +43,7 @@ from thinblock.core.registry import STAGING_PREFIX, base_row_id
 from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.frontends.nbd.protocol import ExportElsewhere, ExportRouted, RemoteProtocolError, ServerConnection
-from thinblock.frontends.nbd.server import Handed, NBDServer, PoolCatalog
+from thinblock.frontends.nbd.server import Handed, NBDServer, PoolCatalog, describe_row
 from thinblock.listen import accept_loop
 from thinblock.meta.base import VolumeBusyError, VolumeRow
 
@@ -104,23 +104,34 @@ class GroupCatalog(PoolCatalog):
 
     def _sibling(self, base_id: int | None) -> str | None:
         """The pid (as text) of the sibling holding volume base_id, if one does."""
-        if base_id is None:
-            return None
-        try:
-            holder = self.pool.meta.volume_holder(base_id)
-        except (OSError, ThinblockError):
-            return None
+        return self._sibling_of(self._holder(base_id))
+
+    def _sibling_of(self, holder: str | None) -> str | None:
         pid = owner_pid(holder) if holder else None
         return str(pid) if pid is not None and self.group.member(pid) else None
 
+    def _holder(self, base_id: int | None) -> str | None:
+        if base_id is None:
+            return None
+        try:
+            return self.pool.meta.volume_holder(base_id)
+        except (OSError, ThinblockError):
+            return None
+
     def elsewhere(self, vol: Volume) -> Volume:
-        claimed = self._route_or_claim(vol.name)
+        # Known here: its volume is found in the registry, with no read of every row.
+        claimed = self._route_or_claim(vol.name, vol.row.kind, self.pool.base_volume_id(vol))
         if claimed is not None:
             return claimed
         return super().elsewhere(vol)
 
     def unknown(self, name: str) -> Volume | None:
-        return self._route_or_claim(name)
+        """A name this worker's registry does not know (made since it opened): the store's rows say."""
+        rows = self._stored_rows()
+        row = next((r for r in rows.values() if r.name == name), None)
+        if row is None or name.startswith(STAGING_PREFIX):
+            return None
+        return self._route_or_claim(name, row.kind, base_row_id(row, rows))
 
     def volume(self, name: str) -> Volume | None:
         """As for one process serving the pool whole, "" is the default export only when
@@ -131,57 +142,49 @@ class GroupCatalog(PoolCatalog):
         volumes = [r for r in rows.values() if r.kind == "volume" and not r.name.startswith(STAGING_PREFIX)]
         return super().volume(volumes[0].name) if len(volumes) == 1 else None
 
-    def _route_or_claim(self, name: str) -> Volume | None:
-        """For an export this worker does not serve: ExportRouted to the sibling holding
-        its volume; else, claiming, that volume taken here, and the export (None if it
-        does not exist, or another server holds it)."""
-        rows = self._stored_rows()
-        row = next((r for r in rows.values() if r.name == name), None)
-        if row is None or name.startswith(STAGING_PREFIX):
+    def _route_or_claim(self, name: str, kind: str, base: int | None) -> Volume | None:
+        """For an export this worker does not serve, of the volume base: ExportRouted to
+        the sibling holding that volume; else, claiming, that volume taken here, and the
+        export (None if it does not exist, or another server holds it)."""
+        if base is None:
             return None
-        base = base_row_id(row, rows)
-        target = self._sibling(base)
+        holder = self._holder(base)  # read once: who holds it decides all that follows
+        target = self._sibling_of(holder)
         if target is not None:
             raise ExportRouted(target, name)
-        holder = None if base is None else self._holder(base)
         mine = self.pool.owner.name if self.pool.owner is not None else None
         if holder is not None and holder == mine:  # being claimed here by another client's lookup
             with self._claiming:
                 return self._served_here(name)
         if holder is not None:  # another server's: say whose, as for a volume known here
-            raise ExportElsewhere(f"{row.kind} {name} is not served here: it is served by {holder}")
-        if not self.claims or base is None:
+            raise ExportElsewhere(f"{kind} {name} is not served here: it is served by {holder}")
+        if not self.claims:
             return None
         with self._claiming:
             if (vol := self._served_here(name)) is not None:  # claimed while this lookup waited
                 return vol
-            return self._claim(rows[base].name, base, name)
+            return self._claim(base, name)
 
     def _served_here(self, name: str) -> Volume | None:
         with self.pool.lock:
             vol = self.pool.visible_volume(name)
         return vol if vol is not None and self.pool.serves(vol) else None
 
-    def _claim(self, volume_name: str, base: int, name: str) -> Volume | None:
+    def _claim(self, base: int, name: str) -> Volume | None:
+        stored = self._stored_rows().get(base)  # its name now (a rename elsewhere is followed)
+        if stored is None:
+            return None
         try:
-            self.pool.claim_volume(volume_name)
+            self.pool.claim_volume(stored.name)
         except VolumeBusyError:  # a sibling was quicker: it serves it now
             target = self._sibling(base)
             if target is not None:
                 raise ExportRouted(target, name) from None
             return None
         except (OSError, ThinblockError) as exc:
-            log.warning("claiming volume %s for a client failed: %s", volume_name, exc)
+            log.warning("claiming volume %s for a client failed: %s", stored.name, exc)
             return None
-        with self.pool.lock:
-            vol = self.pool.visible_volume(name)
-        return vol if vol is not None and self.pool.serves(vol) else None
-
-    def _holder(self, base_id: int) -> str | None:
-        try:
-            return self.pool.meta.volume_holder(base_id)
-        except (OSError, ThinblockError):
-            return None
+        return self._served_here(name)
 
     def list_names(self) -> list[tuple[str, str]]:
         """This worker's exports and its siblings', sorted by name."""
@@ -198,7 +201,8 @@ class GroupCatalog(PoolCatalog):
             if base not in theirs:
                 theirs[base] = self._sibling(base) is not None
             if theirs[base]:
-                mine.append((row.name, _describe_row(row, rows)))
+                origin = rows.get(row.origin_id) if row.origin_id is not None else None
+                mine.append((row.name, describe_row(row, origin.name if origin else None)))
         mine.sort()
         return mine
 
@@ -207,13 +211,6 @@ class GroupCatalog(PoolCatalog):
             return {row.id: row for row in self.pool.meta.volumes()}
         except (OSError, ThinblockError):
             return {}
-
-
-def _describe_row(row: VolumeRow, rows: dict[int, VolumeRow]) -> str:
-    if row.kind != "snapshot":
-        return f"thinblock volume {row.name}"
-    origin = rows.get(row.origin_id) if row.origin_id is not None else None
-    return f"thinblock snapshot {row.name} of {origin.name if origin else 'a removed volume'}"
 
 
 class Handoffs:
