@@ -21,6 +21,8 @@ from collections.abc import Callable
 from thinblock.privacy import PRIVATE_FILE
 from thinblock.runtime import socket_path_problem
 
+LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+
 # accept() errors that pass (out of descriptors or memory, a client gone before it
 # was accepted): the listener is fine; pause and go on accepting.
 ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
@@ -89,6 +91,40 @@ def bind_unix(path: str, *, mode: int = PRIVATE_FILE, gid: int | None = None, li
             os.unlink(tmp)
         os.rmdir(workdir)
     return sock
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A TCP socket bound at host:port (IPv6 for a host with a colon), not listening yet."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def listening_addresses(socks: list[socket.socket]) -> tuple[str | None, tuple[str, int] | None]:
+    """The first unix socket path and the first TCP (host, port) among listening
+    sockets (those of socket activation), for the export URIs."""
+    unix_path: str | None = None
+    tcp: tuple[str, int] | None = None
+    for sock in socks:
+        name = sock.getsockname()
+        if isinstance(name, str):  # a unix socket (an abstract one has bytes)
+            unix_path = unix_path or name or None
+        elif isinstance(name, tuple):
+            tcp = tcp or (str(name[0]), int(name[1]))
+    return unix_path, tcp
+
+
+def remove_socket(path: str, inode: int | None) -> None:
+    """Remove the unix socket at path if it is still the one bound there (its inode):
+    never a newer server's."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
 
 
 def check_socket_path(path: str, *, live_ok: bool = False) -> None:

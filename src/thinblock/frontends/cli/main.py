@@ -26,6 +26,7 @@ from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
 from thinblock.frontends.cli.examples import epilog
 from thinblock.frontends.cli.progress import progress_bar, wanted
+from thinblock.listen import listening_addresses
 from thinblock.logsetup import add_log_options, configure_from, log_arguments
 from thinblock.runtime import NBD_SOCKET, require_socket_room, socket_path_problem
 from thinblock.sizes import format_size, parse_size
@@ -602,16 +603,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         unix_path: str | None = socket_path
         try:
             if activated:
-                unix_path = None
                 for sock, name in activated:
                     if spec is None:
                         log.info("serving %s passed by socket activation (%s)", systemd.describe(sock), name)
                     server.listen_socket(sock, shared=spec is not None)
-                    name_or_address = sock.getsockname()
-                    if isinstance(name_or_address, str):  # a unix socket (an abstract one has bytes)
-                        unix_path = unix_path or name_or_address or None
-                    elif isinstance(name_or_address, tuple):
-                        bound = bound or (str(name_or_address[0]), int(name_or_address[1]))
+                unix_path, bound = listening_addresses([sock for sock, _name in activated])
             else:
                 server.listen_unix(socket_path, mode=socket_mode, gid=socket_gid)
                 if tcp:
@@ -708,25 +704,17 @@ def _serve_with_workers(
     from thinblock.frontends.nbd.server import export_uris
 
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
-    unix_path: str | None = None
-    bound: tuple[str, int] | None = None
     inode = None
     if activated:
         listeners = [sock for sock, _name in activated]
-        for sock in listeners:
-            name = sock.getsockname()
-            if isinstance(name, str):
-                unix_path = unix_path or name or None
-            elif isinstance(name, tuple):
-                bound = bound or (str(name[0]), int(name[1]))
+        unix_path, bound = listening_addresses(listeners)
     else:
         try:
             listeners = workers.listen(socket_path, *socket_access, tcp)
         except OSError as exc:
             raise ThinblockError(f"cannot listen on {socket_path}: {exc.strerror or exc}") from None
         unix_path, inode = socket_path, os.stat(socket_path).st_ino
-        if tcp is not None:
-            bound = (tcp[0], int(listeners[-1].getsockname()[1]))
+        bound = (tcp[0], int(listeners[-1].getsockname()[1])) if tcp is not None else None
 
     def announce(names: list[str]) -> str:
         for uri in export_uris(names, socket_path=unix_path, tcp=bound, tls=tls):

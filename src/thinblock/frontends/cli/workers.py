@@ -37,7 +37,7 @@ from thinblock.admin.handover import take_over, unheld_volumes
 from thinblock.backends import Location
 from thinblock.core.registry import STAGING_PREFIX, base_row_id
 from thinblock.errors import ThinblockError
-from thinblock.listen import bind_unix
+from thinblock.listen import LISTEN_BACKLOG, bind_tcp, bind_unix, remove_socket
 
 log = logging.getLogger("thinblock.serve")
 
@@ -45,7 +45,6 @@ RESTARTS = 3
 RESTART_PAUSE_S = 0.25
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_WINDOW_S = 60.0
-LISTEN_BACKLOG = 4096
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
 
 
@@ -105,10 +104,7 @@ def listen(socket_path: str | None, mode: int, gid: int | None, tcp: tuple[str, 
         if socket_path is not None:
             made.append(bind_unix(socket_path, mode=mode, gid=gid))
         if tcp is not None:
-            sock = socket.socket(socket.AF_INET6 if ":" in tcp[0] else socket.AF_INET, socket.SOCK_STREAM)
-            made.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(tcp)
+            made.append(bind_tcp(*tcp))
         for sock in made:
             sock.listen(LISTEN_BACKLOG)
     except BaseException:
@@ -338,6 +334,4 @@ def close_listeners(listeners: list[socket.socket], unix_path: str | None, inode
         with contextlib.suppress(OSError):
             sock.close()
     if unix_path is not None:
-        with contextlib.suppress(OSError):
-            if os.stat(unix_path).st_ino == inode:
-                os.unlink(unix_path)
+        remove_socket(unix_path, inode)

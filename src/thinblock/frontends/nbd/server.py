@@ -60,7 +60,7 @@ from thinblock.frontends.nbd.protocol import (
 )
 from thinblock.frontends.nbd.status import StatusQueue, bounded_status
 from thinblock.iovec import IOV_MAX, write_all
-from thinblock.listen import accept_loop, bind_unix
+from thinblock.listen import LISTEN_BACKLOG, accept_loop, bind_tcp, bind_unix, remove_socket
 from thinblock.logtext import shown
 from thinblock.meta.base import VolumeRow
 from thinblock.privacy import PRIVATE_FILE
@@ -75,7 +75,6 @@ WORKERS = 4
 QUICK_REQUEST_BYTES = 128 << 10
 BATCH_REPLIES = 32  # inline replies sent in one sendmsg at most
 BATCH_BYTES = 1 << 20
-LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 # Bytes in flight (write payloads being received or run, read replies being built or
 # sent), bounded three ways. A connection holds at most CONNECTION_BUDGET_BYTES (one
 # request of the largest size always fits); all connections together hold at most
@@ -590,10 +589,7 @@ class NBDServer:
         self._listen(sock)
 
     def listen_tcp(self, host: str, port: int) -> int:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock = bind_tcp(host, port)
         self._listen(sock)
         return int(sock.getsockname()[1])
 
@@ -755,9 +751,7 @@ class NBDServer:
         for thread in self.threads:
             thread.join()
         for path, inode in self.unix_paths:
-            with contextlib.suppress(OSError):
-                if os.stat(path).st_ino == inode:  # never remove a newer server's socket
-                    os.unlink(path)
+            remove_socket(path, inode)
             release_runtime_dir(os.path.dirname(path))  # a rados: pool's, when nothing else is in it
         with self.lock:
             sessions = list(self.sessions)
