@@ -79,9 +79,10 @@ class SharedAdmin:
         self.pool = pool
         self.timeout_s = timeout_s
 
-    def _owner_socket(self, verb: str, args: dict[str, Any]) -> str | None:
-        key = self.ROUTED.get(verb)
-        vol = self.pool.visible_volume(str(args.get(key))) if key else None
+    def _owner_socket(self, name: str | None) -> str | None:
+        """The control socket of the server owning name's volume (for a snapshot, the
+        volume it was taken of); None when nobody holds it, or there is no such name."""
+        vol = self.pool.visible_volume(name) if name is not None else None
         if vol is None:
             return None
         vid = self.pool.base_volume_id(vol)
@@ -93,21 +94,29 @@ class SharedAdmin:
             raise PoolBusyError(f"{vol.row.kind} {vol.name} is served by {holder}, which this host cannot reach")
         return sock
 
+    @contextlib.contextmanager
+    def _owner(self, sock: str, name: str | None) -> Iterator[ControlClient]:
+        """A client of the control socket of the server owning name."""
+        try:
+            client = ControlClient(sock, self.timeout_s)
+        except ThinblockError as exc:
+            raise PoolBusyError(f"the server owning {name} does not answer: {exc}") from None
+        try:
+            yield client
+        finally:
+            client.close()
+
     def call(self, verb: str, **args: Any) -> Any:
-        target = self._owner_socket(verb, args)
+        key = self.ROUTED.get(verb)
+        name = str(args.get(key)) if key else None
+        target = self._owner_socket(name)
         if target is None:
             result = run_verb(self.pool, verb, args)
             if verb in ("pool_grow", "pool_set"):  # a pool-level step here: the owners follow now
                 tell_owners(self.pool)
             return result
-        try:
-            client = ControlClient(target, self.timeout_s)
-        except ThinblockError as exc:
-            raise PoolBusyError(f"the server owning {args.get(self.ROUTED[verb])} does not answer: {exc}") from None
-        try:
+        with self._owner(target, name) as client:
             return client.call(verb, **args)
-        finally:
-            client.close()
 
     def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
         with self.for_job(verb, args) as admin:
@@ -121,23 +130,13 @@ class SharedAdmin:
         just that volume (or of none: the staging volume an import builds is this
         process's from the start, core/owner.py), which gives its leases up at the end."""
         name = str(args.get("name"))
-        vol = self.pool.visible_volume(name)
-        vid = self.pool.base_volume_id(vol) if vol is not None else None
-        base = self.pool.volume_by_id(vid)
-        holder = self.pool.meta.volume_holder(vid) if vid is not None else None
-        if holder is not None:
-            sock = owner_socket(self.pool.location, holder)
-            if sock is None:
-                raise PoolBusyError(f"{name} is served by {holder}, which this host cannot reach")
-            try:
-                client = ControlClient(sock, self.timeout_s)
-            except ThinblockError as exc:
-                raise PoolBusyError(f"the server owning {name} does not answer: {exc}") from None
-            try:
+        target = self._owner_socket(name)
+        if target is not None:
+            with self._owner(target, name) as client:
                 yield client
-            finally:
-                client.close()
             return
+        vol = self.pool.visible_volume(name)
+        base = self.pool.volume_by_id(self.pool.base_volume_id(vol)) if vol is not None else None
         owned = [base.name] if base is not None else []
         purpose = f"thinblock {verb.replace('volume_', '').replace('_', '-')}"
         with Pool.open(self.pool.location, autocommit=False, purpose=purpose, volumes=owned) as pool:

@@ -210,12 +210,14 @@ def check_owned(pool: Pool, name: str) -> None:
     """An owner per volume runs a job only on what it serves: one of its volumes, or a
     snapshot of one (the command line sends a job to the owner of its volume, and runs
     one on a volume nobody holds, or a new one, itself: admin/access.py)."""
+    owner = pool.owner
+    assert owner is not None  # run_job asks only an owner per volume
     vol = pool.visible_volume(name)
     if vol is None:
-        if pool.owner is not None and pool.owner.owned_ids() and any(r.name == name for r in pool.meta.volumes()):
-            raise PoolBusyError(f"volume {name} is not served here ({pool.owner.name}): it is newer than this server")
+        if owner.owned_ids() and any(r.name == name for r in pool.meta.volumes()):
+            raise PoolBusyError(f"volume {name} is not served here ({owner.name}): it is newer than this server")
         return  # a new volume (import), or none: the job says which
-    if not pool.serves(vol) and not (pool.owner is not None and not pool.owner.owned_ids()):
+    if owner.owned_ids() and not pool.serves(vol):  # owning none: the command's own pool-level opening
         raise PoolBusyError(pool.served_elsewhere(vol))
 
 
