@@ -36,6 +36,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from thinblock.core.pool_steps import grant_blocks
+from thinblock.core.space_policy import autogrow_target
 from thinblock.errors import ThinblockError
 from thinblock.meta.base import Grant, Lease, Transaction
 from thinblock.sizes import format_size
@@ -176,8 +177,8 @@ def autogrow_shared(pool: Pool, short_blocks: int, *, below_percent: float | Non
             free = stored - int(sb.get("used_blocks") or 0) * bs
             if 100.0 * free / stored >= below_percent:
                 return False
-        step, maximum = autogrow
-        new_size = min(maximum - maximum % bs, stored + -(-short_blocks * bs // step) * step)
+        maximum = autogrow[1]
+        new_size = autogrow_target(autogrow, stored, short_blocks, bs)
         if new_size <= stored:
             return False
         try:

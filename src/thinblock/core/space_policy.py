@@ -24,7 +24,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from thinblock.core.pool_settings import autogrow_soon
 from thinblock.errors import ThinblockError
 from thinblock.sizes import format_size, parse_size
 
@@ -229,11 +228,12 @@ class SpacePolicy:
             # An owner per volume grows in a pool-level step, which may not start under
             # the pool lock held here (core/pool_settings.py); a shortage is answered
             # by the grant step itself, so only a low-water crossing comes here.
+            from thinblock.core.pool_settings import autogrow_soon  # it builds on this module
+
             autogrow_soon(pool, self.low_water if self.low_water is not None else 100.0)
             return False
-        step, maximum = self.autogrow
-        short_bytes = short_blocks * pool.block_size
-        new_size = min(maximum - maximum % pool.block_size, pool.size_bytes + -(-short_bytes // step) * step)
+        maximum = self.autogrow[1]
+        new_size = autogrow_target(self.autogrow, pool.size_bytes, short_blocks, pool.block_size)
         if new_size <= pool.size_bytes:
             return False
         try:
@@ -243,6 +243,14 @@ class SpacePolicy:
             return False
         log.warning("pool %s autogrown to %s (max %s)", pool.path, format_size(new_size), format_size(maximum))
         return True
+
+
+def autogrow_target(autogrow: tuple[int, int], size_bytes: int, short_blocks: int, block_size: int) -> int:
+    """The size autogrow (STEP, MAX) grows a pool of size_bytes to when short_blocks are
+    missing: enough STEPs for them, MAX (in whole blocks) at most. The one rule, for the
+    whole pool's owner and for owners per volume (core/pool_settings.py)."""
+    step, maximum = autogrow
+    return min(maximum - maximum % block_size, size_bytes + -(-short_blocks * block_size // step) * step)
 
 
 def _run_hook(command: str, env: dict[str, str]) -> None:
