@@ -7,7 +7,7 @@ interpreter (one core, whatever the number of connections).
 Owners per volume (issue 22) let each volume have its own process. The
 cases, side by side in one run:
 
-  A  one process: `thinblock serve POOL` serving two 4 GiB volumes v1 and v2;
+  A  one process: `thinblock serve POOL --workers 1` serving two 4 GiB volumes v1 and v2;
   B  two processes: two `thinblock serve`, each on its own pool holding one
      4 GiB volume (the best that per-volume owners of one pool could reach);
   O  (--owners) two `thinblock serve POOL --volume v1` / `--volume v2` on
@@ -107,7 +107,7 @@ def one_process(scratch: Path) -> Iterator[list[str]]:
     pool = scratch / "a-pool"
     tb, env = make_pool(pool, VOLUMES)
     sock = str(scratch / "a.sock")
-    with server([*tb, "serve", str(pool), "--socket", sock], sock, scratch / "a.log", env):
+    with server([*tb, "serve", str(pool), "--workers", "1", "--socket", sock], sock, scratch / "a.log", env):
         yield [unix_uri(v, sock) for v in VOLUMES]
 
 

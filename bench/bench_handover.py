@@ -58,7 +58,7 @@ def one_run(work: Path, tb: list[str], env: dict[str, str]) -> dict[str, Any]:
     old_sock, new_sock = str(work / "old.sock"), str(work / "new.sock")
     old_log, new_log = open(work / "old.log", "wb"), open(work / "new.log", "wb")  # noqa: SIM115
     old = subprocess.Popen(
-        [*tb, "serve", str(pool), "--volume", "v", "--volume", "w", "--socket", old_sock],
+        [*tb, "serve", str(pool), "--volume", "v", "--volume", "w", "--workers", "1", "--socket", old_sock],
         env=env,
         stdout=old_log,
         stderr=subprocess.STDOUT,

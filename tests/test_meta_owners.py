@@ -110,6 +110,27 @@ def test_a_lease_is_held_by_one_owner_and_names_it(owners: Callable[[], Metadata
     assert b.claim_volume(1, "server-b") == Lease(1, "server-b", 2)  # the epoch goes on
 
 
+def test_leases_claimed_together_are_all_taken_or_none(owners: Callable[[], MetadataStore]) -> None:
+    """claim_volumes (a server's start, one step on SQLite) is claim_volume for each,
+    all or none; release_volumes gives each up, and the epochs go on."""
+    a, b = owners(), owners()
+    held = b.claim_volume(2, "server-b")
+    with pytest.raises(VolumeBusyError, match="volume 2 is owned by server-b"):
+        a.claim_volumes([1, 2], "server-a")
+    assert b.volume_holder(1) is None  # the free one was not kept
+    b.release_volume(held)
+    leases = a.claim_volumes([1, 2], "server-a")
+    assert sorted(leases) == [1, 2] and {lease.owner for lease in leases.values()} == {"server-a"}
+    assert leases[2].epoch == 2  # (a store may have used an epoch of 1 for the refused claim)
+    assert b.volume_holder(1) == b.volume_holder(2) == "server-a"
+    with pytest.raises(VolumeBusyError):
+        b.claim_volumes([2], "server-b")
+    a.release_volumes(list(leases.values()))
+    assert b.volume_holder(1) is None and b.volume_holder(2) is None
+    again = b.claim_volumes([1, 2], "server-b")
+    assert again == {1: Lease(1, "server-b", leases[1].epoch + 1), 2: Lease(2, "server-b", 3)}
+
+
 def test_an_owner_that_ends_frees_its_leases(owners: Callable[[], MetadataStore]) -> None:
     a, b = owners(), owners()
     a.claim_volume(1, "server-a")

@@ -272,6 +272,11 @@ def test_a_nearly_full_pool_gives_space_trimmed_by_one_owner_to_another(tmp_path
                 hb.pwrite(b"b" * MiB, off)
         assert full.value.errno == "ENOSPC"
         assert ha.pread(24 * MiB, 0) == b"a" * (24 * MiB)
+        # ENOSPC only once the pool is full: what a's owner kept granted but unused went
+        # back to the pool when b's owner found none left outside the grants.
+        hb.flush()
+        status = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+        assert status["size_bytes"] - status["used_bytes"] < MiB, status
         # a trims most of it: once committed its owner gives the space back, and b gets it.
         ha.trim(20 * MiB, 0)
         ha.flush()
@@ -279,6 +284,33 @@ def test_a_nearly_full_pool_gives_space_trimmed_by_one_owner_to_another(tmp_path
         hb.flush()
         assert hb.pread(written, 0) == b"b" * written
         assert ha.pread(4 * MiB, 20 * MiB) == b"a" * (4 * MiB)
+        ha.shutdown()
+        hb.shutdown()
+
+
+def test_enospc_comes_only_once_the_pool_is_full_whoever_holds_the_grants(tmp_path: Path) -> None:
+    """The pool-wide ENOSPC rule across owners: a's owner keeps idle granted space
+    after a small write; b's owner, finding nothing left outside the grants, has the
+    others give their idle grants back before it answers ENOSPC, so b fills the pool."""
+    pool = _pool(tmp_path, "32M", {"a": "32M", "b": "32M"})
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
+        ha, hb = _handle(sa, "a"), _handle(sb, "b")
+        ha.pwrite(b"a" * MiB, 0)
+        ha.flush()
+        before = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+        assert before["granted_unused_bytes"] > 0, before  # a's owner keeps some for its next writes
+        written = 0
+        with pytest.raises(nbd.Error) as full:
+            while written < 32 * MiB:
+                hb.pwrite(b"b" * (64 << 10), written)
+                written += 64 << 10
+        assert full.value.errno == "ENOSPC"
+        hb.flush()
+        after = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+        assert after["used_bytes"] == after["size_bytes"], after
+        assert written == after["size_bytes"] - MiB
+        assert ha.pread(MiB, 0) == b"a" * MiB and hb.pread(written, 0) == b"b" * written
+        ha.pwrite(b"c" * MiB, 0)  # a's allocated blocks still take writes
         ha.shutdown()
         hb.shutdown()
 

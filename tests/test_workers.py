@@ -416,6 +416,8 @@ def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path) -> None:
     while time.monotonic() < deadline and any(_running(pid) for pid in workers):
         time.sleep(0.1)
     assert not any(_running(pid) for pid in workers), "a worker outlived its supervisor"
+    # ... killed with it, as one process's threads would be, not stopping in order
+    assert "stopping on SIGTERM" not in server.log.read_text()
     assert "[worker 0]" in server.log.read_text() and "[worker 1]" in server.log.read_text()
     shutil.rmtree(_handoff_dir(server))  # a killed supervisor leaves its empty directory behind
     thinblock("pool", "check", pool)
@@ -428,6 +430,80 @@ def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path) -> None:
     finally:
         again.stop()
     thinblock("pool", "check", pool)
+
+
+def _serve_refused(pool: str, sock: Path) -> subprocess.CompletedProcess[str]:
+    """A second `serve POOL`, which must be refused (a bounded wait if it is not)."""
+    return subprocess.run(
+        [sys.executable, "-m", "thinblock", "serve", pool, "--socket", str(sock)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")},
+        timeout=60,
+    )
+
+
+def test_nbdinfo_lists_many_exports_whose_owners_alternate(tmp_path: Path) -> None:
+    """nbdinfo --list asks about each export in turn on one connection; with the volumes
+    dealt out to two workers in name order, each of them is a hand-over. A bound on a
+    connection's hand-overs (there was one of 16) would cut the listing short; the bound
+    is on hand-overs of one option nobody answers."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    names = [f"v{i:02d}" for i in range(40)]
+    for name in names:
+        thinblock("volume", "create", pool, name, "--size", "1M")
+    server = Server(pool, "--workers", "2")
+    try:
+        listing = subprocess.run(
+            ["nbdinfo", "--list", "--json", server.unix_uri("")], capture_output=True, text=True, timeout=120
+        )
+        assert listing.returncode == 0, listing.stderr
+        exports = json.loads(listing.stdout)["exports"]
+        assert [e["export-name"] for e in exports] == names
+        assert all(e["export-size"] == 1 << 20 for e in exports)
+        assert server.log.read_text().count("handed over to worker") >= 20
+    finally:
+        server.stop()
+
+
+def test_workers_auto_takes_one_per_core_and_a_second_serve_is_refused_naming_it(tmp_path: Path) -> None:
+    """--workers auto: one worker per core (at most one per volume); a second `serve
+    POOL` is refused naming the pid that was started, as with one process, rather
+    than serving nothing (every volume is held)."""
+    pool = _pool(tmp_path)
+    cores = len(os.sched_getaffinity(0))
+    server = Server(pool, "--workers", "auto")
+    try:
+        owners = holders(pool)
+        pids = set(owners.values())
+        assert None not in pids, owners
+        assert len(pids) == min(cores, len(VOLUMES)), (cores, owners)
+        if len(pids) > 1:
+            assert all(parent_pid(pid) == server.proc.pid for pid in pids if pid is not None)
+        second = _serve_refused(pool, tmp_path / "second.sock")
+        assert second.returncode != 0, second.stdout
+        assert f"pid {server.proc.pid}" in second.stderr, second.stderr
+        h = routed(server.unix_uri(""), "b", "a")  # and the one socket serves them
+        h.pwrite(b"\x05" * 512, 0)
+        h.flush()
+        h.shutdown()
+    finally:
+        server.stop()
+    assert export_bytes(pool, "a")[:512] == b"\x05" * 512
+
+
+def test_serve_is_one_process_owning_the_whole_pool_by_default(tmp_path: Path) -> None:
+    """Without --workers, one process owns the whole pool, as qemu-nbd serves: a flush
+    covers every volume, a kill ends everything at once, one pid holds it."""
+    pool = _pool(tmp_path)
+    server = Server(pool)
+    try:
+        location = locate(pool)
+        assert location.is_owned() and not location.served_per_volume()
+        assert "[worker" not in server.log.read_text()
+    finally:
+        server.stop()
 
 
 def test_workers_are_refused_with_metrics(tmp_path: Path) -> None:

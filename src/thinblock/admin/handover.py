@@ -65,6 +65,33 @@ def take_over(location: Location, names: list[str]) -> None:
         meta.close()
 
 
+def volumes_to_serve(location: Location) -> list[str]:
+    """What `serve POOL` serves beside servers per volume: the volumes none holds. When
+    every one is held it is refused, naming the holders, as a second server of a pool
+    owned whole is (a server of nothing would only look like one)."""
+    meta = location.open_meta(readonly=False)
+    try:
+        free: list[str] = []
+        held: list[str] = []
+        for row in meta.volumes():
+            if row.kind != "volume" or row.name.startswith(STAGING_PREFIX):
+                continue
+            holder = meta.volume_holder(row.id)
+            if holder is None:
+                free.append(row.name)
+            else:
+                held.append(f"{row.name} by {holder}")
+    finally:
+        meta.close()
+    if held and not free:
+        more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+        raise PoolBusyError(
+            f"pool {location.name}: every volume is served already ({'; '.join(held[:3])}{more});"
+            " serve POOL --volume NAME --takeover moves one here"
+        )
+    return free
+
+
 def unheld_volumes(location: Location) -> list[str]:
     """The volumes no server per volume holds now (`serve POOL` beside them serves these)."""
     meta = location.open_meta(readonly=False)

@@ -224,6 +224,7 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
     "fuse_mount": {"mountpoint": (text, True)},
     "volume_release": {"name": (name_text, True)},
     "pool_follow": {},
+    "grants_idle_back": {},
     # jobs (admin/jobs.py): they also take open files and report progress
     "import": {
         "name": (name_text, True),

@@ -77,6 +77,10 @@ class VolumeOwner:
         self._grant_bytes = FIRST_GRANT_BYTES
         self._last_grant = 0.0
         self.clock: Callable[[], float] = time.monotonic  # grant sizing; a test's own, to be deterministic
+        # Has the other owners give back the grants they keep idle (a server's: it
+        # reaches them through their control sockets, admin/idle_grants.py); True if
+        # one answered. None: ENOSPC as soon as nothing is left outside the grants.
+        self.ask_others: Callable[[], bool] | None = None
 
     @property
     def meta(self) -> MetadataStore:
@@ -88,19 +92,14 @@ class VolumeOwner:
     def claim(pool_meta: MetadataStore, ids: dict[str, int], name: str) -> dict[int, Lease]:
         """The leases of the volumes named (name -> id), all or none: VolumeBusyError
         naming the holder of the first one held elsewhere."""
-        taken: dict[int, Lease] = {}
         try:
-            for vol_name, vid in ids.items():
-                try:
-                    taken[vid] = pool_meta.claim_volume(vid, name)
-                except VolumeBusyError:
-                    holder = pool_meta.volume_holder(vid) or "another process"
+            return pool_meta.claim_volumes(list(ids.values()), name)
+        except VolumeBusyError as exc:
+            for vol_name, vid in ids.items():  # none was taken: name the first held
+                holder = pool_meta.volume_holder(vid)
+                if holder is not None:
                     raise VolumeBusyError(f"volume {vol_name} is served by {holder}") from None
-        except BaseException:
-            for lease in taken.values():
-                pool_meta.release_volume(lease)
-            raise
-        return taken
+            raise VolumeBusyError(f"{exc}") from None
 
     def adopt(self, leases: dict[int, Lease]) -> None:
         self._leases = dict(leases)
@@ -149,6 +148,10 @@ class VolumeOwner:
 
     def owned_ids(self) -> set[int]:
         return set(self._leases) - self._leaving
+
+    def owns_id(self, vid: int) -> bool:
+        """owns, by volume id (no set is built: it is asked once per export listed)."""
+        return vid in self._leases and vid not in self._leaving
 
     def lease_of(self, vol: Volume | None) -> Lease:  # take_space has checked there is one
         """The lease a grant for vol is taken under (any of ours for a volume not ours)."""
@@ -239,6 +242,7 @@ class VolumeOwner:
         pool = self.pool
         space = pool.accounts.space
         bs = pool.block_size
+        asked_others = False
         while True:
             with self._granted:
                 while self._granting:
@@ -259,12 +263,22 @@ class VolumeOwner:
                 self._last_grant = now
                 blocks = max(short, self._grant_size(), 1)
                 lease = self.lease_of(vol)
+                full: OSError | None = None
                 try:  # the pool's size and policy followed first; autogrow when none is free
                     grant = take_grant_growing(pool, lease, blocks, short)
                 except OSError as exc:
-                    raise NoSpaceError(f"pool {pool.path} is out of space: {exc.strerror}") from None
-                with self._granted:
-                    self._granting += 1
+                    full = exc
+                else:
+                    with self._granted:
+                        self._granting += 1
+            if full is not None:
+                # Outside the pool-level lock, which the others take to give grants back:
+                # space they keep idle is the pool's too, so ENOSPC waits until they have
+                # given it back, once per request.
+                if not asked_others and self.ask_others is not None and self.ask_others():
+                    asked_others = True
+                    continue
+                raise NoSpaceError(f"pool {pool.path} is out of space: {full.strerror}") from None
             in_flight = True
 
             def done() -> None:
@@ -437,10 +451,9 @@ class VolumeOwner:
                 problems.append(f"grant {grant.start}+{grant.count} not given back: {exc}")
         self.grants = []
         self._staging = set()
-        for lease in self._leases.values():
-            try:
-                self.meta.release_volume(lease)
-            except (OSError, ThinblockError) as exc:
-                problems.append(f"lease of volume {lease.volume_id} not released: {exc}")
+        try:
+            self.meta.release_volumes(list(self._leases.values()))
+        except (OSError, ThinblockError) as exc:
+            problems.append(f"the leases of {len(self._leases)} volume(s) not released: {exc}")
         self._leases = {}
         return problems

@@ -678,7 +678,10 @@ class Pool:
             return True
         if owner.owns(vol):
             return True
-        return vol.row.kind == "snapshot" and self.base_volume_id(vol) in owner.owned_ids()
+        if vol.row.kind != "snapshot":
+            return False
+        base = self.base_volume_id(vol)
+        return base is not None and owner.owns_id(base)
 
     def served_elsewhere(self, vol: Volume) -> str:
         """Why this process does not serve vol, naming who does when the store knows."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,12 +241,44 @@ class MetadataStore(ABC):
         """Give the lease up (its grants should be returned first); a lost one is a no-op."""
         raise self._one_owner()
 
+    def claim_volumes(self, volume_ids: Sequence[int], owner: str) -> dict[int, Lease]:
+        """claim_volume for each (a server's start), all or none: VolumeBusyError if
+        one is held, and then none is taken. A store may do it in one step."""
+        taken: dict[int, Lease] = {}
+        try:
+            for vid in volume_ids:
+                taken[vid] = self.claim_volume(vid, owner)
+        except BaseException:
+            for lease in taken.values():
+                with contextlib.suppress(OSError, ThinblockError):
+                    self.release_volume(lease)
+            raise
+        return taken
+
+    def release_volumes(self, leases: Sequence[Lease]) -> None:
+        """release_volume for each (a server's stop), every one tried; the first failure
+        is raised after. A store may do it in one step."""
+        failed: BaseException | None = None
+        for lease in leases:
+            try:
+                self.release_volume(lease)
+            except (OSError, ThinblockError) as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
     def volume_holder(self, volume_id: int) -> str | None:
         """The owner holding the volume's lease, or None when nobody live holds it."""
         raise self._one_owner()
 
     def lease_live(self, volume_id: int, epoch: int) -> bool:
         """Whether the lease of that epoch is still held by a live owner."""
+        raise self._one_owner()
+
+    def recorded_holders(self) -> dict[int, str]:
+        """volume id -> the owner recorded for each lease taken and not given back, in
+        one read: a hint for listings of thousands (a holder that died since is still
+        named; volume_holder says who lives)."""
         raise self._one_owner()
 
     def pool_lock(self) -> contextlib.AbstractContextManager[None]:

@@ -225,6 +225,10 @@ class MemoryMetadata(MetadataStore):
             held = self.state.leases.get(volume_id)
             return None if held is None else held[0]
 
+    def recorded_holders(self) -> dict[int, str]:
+        with self._lock:
+            return {vid: held[0] for vid, held in self.state.leases.items()}
+
     def lease_live(self, volume_id: int, epoch: int) -> bool:
         with self._lock:
             held = self.state.leases.get(volume_id)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from thinblock import __version__
 from thinblock.admin.access import open_admin
+from thinblock.admin.idle_grants import ask_back_idle_grants, give_back_idle_grants
 from thinblock.backends import locate
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.core.pool_settings import follow_pool
@@ -547,12 +548,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         )
     if (runtime := location.runtime_path()) is not None:
         require_socket_room(runtime, location.shorter_runtime_path)
-    if args.workers > 1 and spec is None:
+    if spec is None and args.workers > 1:
         if args.metrics:
             raise UsageError("--metrics is not available with --workers yet: each worker keeps its own figures")
         _serve_with_workers(args, location, socket_path, (socket_mode, socket_gid), tcp, activated, tls is not None)
         return
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # A refused second server is told the pid that was started, the group's, for a worker.
+    purpose = "thinblock serve" if spec is None else f"thinblock serve worker {spec.index} of pid {spec.group}"
     systemd.notify(f"STATUS=opening pool {args.pool}")
     try:
         if volumes and args.takeover:
@@ -563,7 +566,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             try:
                 pool = Pool.open(
                     args.pool,
-                    purpose="thinblock serve",
+                    purpose=purpose,
                     takeover=args.takeover and not volumes,
                     progress=bar,
                     volumes=volumes,
@@ -572,9 +575,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 if volumes is not None or not location.served_per_volume():
                     raise
                 # Servers per volume share the pool: this one serves every volume none holds.
-                from thinblock.admin.handover import unheld_volumes
+                from thinblock.admin.handover import volumes_to_serve
 
-                pool = Pool.open(args.pool, purpose="thinblock serve", volumes=unheld_volumes(location))
+                pool = Pool.open(args.pool, purpose=purpose, volumes=volumes_to_serve(location))
     except PoolBusyError as exc:
         if "fuse-daemon" in str(exc):
             raise PoolBusyError(
@@ -623,9 +626,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     host.refuse_release(name)
                     return {"name": name, "clients_closed": pool.give_up(name, server.hang_up_volume)}
 
+                pool.owner.ask_others = lambda: ask_back_idle_grants(pool)
                 control = ControlServer(
                     pool,
-                    {"volume_release": release, "fuse_mount": host.mount, "pool_follow": lambda: follow_pool(pool)},
+                    {
+                        "volume_release": release,
+                        "fuse_mount": host.mount,
+                        "pool_follow": lambda: follow_pool(pool),
+                        "grants_idle_back": lambda: give_back_idle_grants(pool),
+                    },
                 )
         except OSError as exc:
             server.close()
@@ -820,7 +829,13 @@ def cmd_fuse_daemon(args: argparse.Namespace) -> None:
                     f" {args.show or name}'), then serve it"
                 )
 
-            verbs = {"pool_follow": lambda: follow_pool(pool), "volume_release": release}
+            assert pool.owner is not None  # opened per volume
+            pool.owner.ask_others = lambda: ask_back_idle_grants(pool)
+            verbs = {
+                "pool_follow": lambda: follow_pool(pool),
+                "volume_release": release,
+                "grants_idle_back": lambda: give_back_idle_grants(pool),
+            }
         control = ControlServer(pool, verbs)
         try:
             mount(pool, args.mountpoint, only=args.show or args.volume)
@@ -1148,7 +1163,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N|auto",
         help="serve with N worker processes behind one socket, the volumes dealt out among them (directory"
-        " pools; auto: one per core; default 1: one process owning the whole pool)",
+        " pools; auto: one per core; default 1: one process owning the whole pool, as qemu-nbd serves)",
     )
     p.add_argument(
         "--metrics",

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from thinblock import systemd
-from thinblock.admin.handover import take_over, unheld_volumes
+from thinblock.admin.handover import take_over, unheld_volumes, volumes_to_serve
 from thinblock.backends import Location
 from thinblock.core.registry import STAGING_PREFIX, base_row_id
 from thinblock.errors import ThinblockError
@@ -78,12 +78,14 @@ class _Worker:
 
 
 def end_with_parent(supervisor: int) -> None:
-    """SIGTERM when the supervisor dies, however it dies (prctl PR_SET_PDEATHSIG), so a
-    killed supervisor leaves no worker serving on behind it; it stops as on any
-    SIGTERM, finishing requests and committing. Exits at once if it died already."""
+    """SIGKILL when the supervisor dies, however it dies (prctl PR_SET_PDEATHSIG): a
+    killed server goes whole, as one process would, leaving no worker serving on
+    and its leases free at once (what was flushed is durable, as after any kill;
+    an orderly stop is the supervisor's SIGTERM, forwarded). Exits at once if it
+    died already."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != supervisor:
         os._exit(1)
 
@@ -293,7 +295,7 @@ def supervise(
     volumes: list[str] | None = args.volumes
     if volumes and args.takeover:
         take_over(location, volumes)
-    names = list(dict.fromkeys(volumes)) if volumes else unheld_volumes(location)
+    names = list(dict.fromkeys(volumes)) if volumes else volumes_to_serve(location)
     supervisor = Supervisor(location, listeners, run_worker)
     supervisor.deal(names, args.workers)
     log.info("the workers hand connections to each other through sockets in %s", supervisor.handoff_dir)

@@ -472,7 +472,9 @@ class Handed:
     tls: bool
     peercert: dict[str, Any] | None
     via: str  # the process that handed it over
-    hops: int = 1  # hand-overs so far: bounded, so two workers never pass it back and forth forever
+    hops: int = (
+        1  # hand-overs of its pending option so far: bounded, so two workers never pass it back and forth forever
+    )
 
 
 class Router(Protocol):
@@ -1034,21 +1036,26 @@ class Session:
         # it goes on as the socket pair it is, still relayed by the worker holding TLS.
         earlier = self.handed
         relayed_here = isinstance(self.sock, ssl.SSLSocket)
+        state = self.conn.handoff_state()
+        # Hops count hand-overs of one option no worker answered (nothing of what came
+        # handed here was handled since): the bound stops two workers passing it back and
+        # forth, not a client that asks about many exports (nbdinfo --list asks each).
+        stuck = earlier is not None and str(state["input"]).startswith(str(earlier.state["input"]))
         handed = Handed(
-            state=self.conn.handoff_state(),
+            state=state,
             peer=self.peer,
             address=self.slot.address if self.slot is not None else None,
             tls=relayed_here or (earlier is not None and earlier.tls),
             peercert=earlier.peercert if earlier is not None and earlier.tls else self._peercert(),
             via=f"worker pid {os.getpid()}",
-            hops=earlier.hops + 1 if earlier is not None else 1,
+            hops=earlier.hops + 1 if stuck and earlier is not None else 1,
         )
         near: socket.socket | None = None
         try:
             if router is None:
                 raise ThinblockError("this server hands no connections over")
             if handed.hops > MAX_HOPS:
-                raise ThinblockError(f"it was handed over {handed.hops - 1} times already")
+                raise ThinblockError(f"this option was handed over {handed.hops - 1} times already, unanswered")
             if relayed_here:
                 near, far = socket.socketpair()
                 try:
@@ -1321,7 +1328,7 @@ def peer_name(sock: socket.socket) -> str:
 
 
 RELAY_CHUNK_BYTES = 256 << 10
-MAX_HOPS = 16  # hand-overs of one connection (nbdinfo --list asks each export in turn)
+MAX_HOPS = 16  # hand-overs of one option that no worker answers (a loop between workers)
 ACCEPT_POLL_S = 0.5  # how soon a worker's accept on a shared listener sees the stop
 
 

@@ -191,16 +191,24 @@ class GroupCatalog(PoolCatalog):
         mine = super().list_names()
         names = {name for name, _ in mine}
         rows = self._stored_rows()
-        theirs: dict[int, bool] = {}  # base volume id -> held by a sibling
+        # Who holds what, from the records in one read (no lock probe per volume: a
+        # pool of thousands is listed in one pass); a record left by a dead sibling
+        # names no live member. A client's lookup of one export checks its lease.
+        try:
+            recorded = self.pool.meta.recorded_holders()
+        except (OSError, ThinblockError):
+            recorded = {}
+        members: dict[str | None, bool] = {}  # holder -> a live sibling
         for row in rows.values():
             if row.name in names or row.name.startswith(STAGING_PREFIX):
                 continue
             base = base_row_id(row, rows)
             if base is None:
                 continue
-            if base not in theirs:
-                theirs[base] = self._sibling(base) is not None
-            if theirs[base]:
+            holder = recorded.get(base)
+            if holder not in members:
+                members[holder] = self._sibling_of(holder) is not None
+            if members[holder]:
                 origin = rows.get(row.origin_id) if row.origin_id is not None else None
                 mine.append((row.name, describe_row(row, origin.name if origin else None)))
         mine.sort()

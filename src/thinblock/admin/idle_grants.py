@@ -1,0 +1,64 @@
+"""Space other owners keep idle in their grants, asked back before ENOSPC.
+
+An owner per volume keeps up to two grants' worth of allocatable blocks for its
+next writes (core/owner.py's idle_limit). On a nearly full pool that space is
+the pool's too: an owner that finds no free block outside the grants asks every
+other live owner holding one, through its control socket, to give back what its
+volumes' reservations do not need (`grants_idle_back`), then tries once more.
+Only then is the answer ENOSPC, as with one process owning the whole pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from thinblock.admin.control import ControlClient, owner_socket
+from thinblock.errors import ThinblockError
+
+if TYPE_CHECKING:
+    from thinblock.core.pool import Pool
+
+log = logging.getLogger("thinblock.pool")
+
+ASK_TIMEOUT_S = 5.0  # an owner that does not answer this soon keeps its grants
+
+
+def ask_back_idle_grants(pool: Pool) -> bool:
+    """Have every other live owner holding grants give back its idle ones; True if one
+    answered (the caller then tries its grant again)."""
+    owner = pool.owner
+    if owner is None:
+        return False
+    try:
+        holders = {pool.meta.volume_holder(grant.volume_id) for grant in pool.meta.grants()}
+    except (OSError, ThinblockError) as exc:
+        log.warning("pool %s: cannot read the grants to ask their idle space back: %s", pool.path, exc)
+        return False
+    answered = False
+    for holder in sorted(h for h in holders if h is not None and h != owner.name):
+        sock = owner_socket(pool.location, holder)
+        if sock is None or not os.path.exists(sock):
+            continue  # on another host, or a command's opening: its grants go back when it ends
+        try:
+            client = ControlClient(sock, ASK_TIMEOUT_S)
+            try:
+                client.call("grants_idle_back")
+            finally:
+                client.close()
+        except (OSError, ThinblockError) as exc:
+            log.info("pool %s: %s did not give its idle grants back: %s", pool.path, holder, exc)
+            continue
+        answered = True
+    return answered
+
+
+def give_back_idle_grants(pool: Pool) -> dict[str, int]:
+    """The control verb: give back every whole grant this owner's reservations do not
+    need (another owner found the pool full); what it still holds unused, in bytes."""
+    if pool.owner is not None:
+        pool.owner.give_back_idle(margin=False)
+    with pool.lock:
+        unused = pool.accounts.space.allocatable_blocks if pool.owner is not None else 0
+    return {"granted_unused_bytes": unused * pool.block_size}
