@@ -20,12 +20,14 @@ connection is then handed over at least once, whoever accepted it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -39,8 +41,12 @@ import pytest
 from tests.cli import export_bytes, thinblock
 from tests.nbd_server import Server
 from tests.nbd_tls_client import PKI
+from tests.test_nbd_protocol import Catalog, opt, replies
 from thinblock.backends import locate
 from thinblock.core.owner import owner_pid
+from thinblock.frontends.nbd import constants as c
+from thinblock.frontends.nbd.protocol import NEED_DATA, ExportInfo, ExportRouted, Route, ServerConnection
+from thinblock.frontends.nbd.server import MAX_HOPS, Handed, next_hops
 from thinblock.frontends.nbd.workers import handoff_address, parent_pid
 
 MiB = 1 << 20
@@ -575,3 +581,49 @@ def test_volumes_nobody_holds_are_claimed_by_the_workers(served: Server, tmp_pat
     h.shutdown()
     holder = _holder_pid(pool, "f")
     assert holder is not None and parent_pid(holder) == served.proc.pid
+
+
+class _RoutesB(Catalog):
+    """A worker's view where export "b" is a sibling's (its lookups are routed)."""
+
+    def lookup(self, name: str) -> ExportInfo | None:
+        if name == "b":
+            raise ExportRouted("4242", name)
+        return super().lookup(name)
+
+
+def _info(name: bytes) -> bytes:
+    return opt(c.OPT_INFO, struct.pack(">I", len(name)) + name + struct.pack(">H", 0))
+
+
+def test_hops_count_an_option_passed_on_unanswered_not_a_client_that_lists() -> None:
+    """next_hops: an option a worker passes on again unanswered is one hop more (MAX_HOPS
+    ends a loop between two workers that disagree on an owner); once a worker has
+    answered an option, the next hand-over starts at 1 (a listing asks about many)."""
+    conn = ServerConnection(_RoutesB())
+    conn.data_to_send()
+    conn.receive_data(struct.pack(">I", c.FLAG_C_FIXED_NEWSTYLE) + _info(b"b"))
+    assert isinstance(conn.next_event(), Route)
+    first = Handed(state=conn.handoff_state(), peer="unix", address=None, tls=False, peercert=None, via="w1")
+    assert next_hops(None, first.state) == 1
+
+    # The receiver also routes b (it disagrees): passed on unanswered, even with more
+    # bytes from the client behind it, it is one hop more each time, up to the bound.
+    there = ServerConnection.resume(_RoutesB(), first.state, tls_required=False, tls_available=False)
+    there.receive_data(_info(b"a"))
+    assert isinstance(there.next_event(), Route)
+    assert next_hops(first, there.handoff_state()) == 2
+    looping = dataclasses.replace(first, hops=MAX_HOPS)
+    assert next_hops(looping, there.handoff_state()) == MAX_HOPS + 1  # refused by _route
+
+    # A receiver that answers b, then meets the client's next option naming a
+    # sibling's export, hands it on as a fresh start.
+    owner = Catalog()
+    owner.exports["b"] = ExportInfo("b", 4096, False)
+    answered = ServerConnection.resume(owner, first.state, tls_required=False, tls_available=False)
+    assert answered.next_event() is NEED_DATA  # INFO b answered here
+    assert [r[1] for r in replies(answered.data_to_send())][-1] == c.REP_ACK
+    answered.catalog = _RoutesB()
+    answered.receive_data(_info(b"b"))
+    assert isinstance(answered.next_event(), Route)
+    assert next_hops(dataclasses.replace(first, hops=MAX_HOPS), answered.handoff_state()) == 1

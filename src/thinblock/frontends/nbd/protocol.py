@@ -206,6 +206,9 @@ class ServerConnection:
         self._eof = False
         self._fixed = False
         self._next_context_id = 1
+        # Options this connection had answered, wherever it was (carried in a hand-over):
+        # one routed again with this unchanged went unanswered in between.
+        self.options_handled = 0
         self._payload_announced = False
         self._outbuf += struct.pack(">QQH", c.NBDMAGIC, c.IHAVEOPT, c.FLAG_FIXED_NEWSTYLE | c.FLAG_NO_ZEROES)
 
@@ -341,7 +344,9 @@ class ServerConnection:
         del self._inbuf[: _OPTION_HEADER.size]
         data = self._take(length) or b""
         try:
-            return self._handle_option(option, data)
+            event = self._handle_option(option, data)
+            self.options_handled += 1
+            return event
         except ExportRouted as routed:
             # Nothing was answered for this option (lookups come before any reply):
             # it goes back to the head of the input, for the process that serves it.
@@ -365,6 +370,7 @@ class ServerConnection:
             "next_context_id": self._next_context_id,
             "tls_active": self.tls_active,
             "input": self._inbuf.hex(),
+            "options_handled": self.options_handled,
         }
 
     @classmethod
@@ -390,6 +396,9 @@ class ServerConnection:
             conn._next_context_id = next_id
             conn.tls_active = bool(state["tls_active"])
             conn._inbuf = bytearray.fromhex(str(state["input"]))
+            handled = state.get("options_handled", 0)
+            assert isinstance(handled, int) and handled >= 0
+            conn.options_handled = handled
         except (KeyError, AssertionError, ValueError, TypeError) as exc:
             raise RemoteProtocolError(f"malformed hand-over state: {exc!r}") from None
         conn.phase = Phase.OPTIONS

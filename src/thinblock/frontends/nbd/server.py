@@ -477,6 +477,17 @@ class Handed:
     )
 
 
+def next_hops(earlier: Handed | None, state: dict[str, Any]) -> int:
+    """The hops of a connection handed on (state: its handoff_state now): the hand-overs
+    of one option no worker answered, so the bound (MAX_HOPS) stops two workers passing
+    it back and forth, not a client asking about many exports (nbdinfo --list asks each
+    in turn). Stuck: no option was answered since it came handed here."""
+    if earlier is None:
+        return 1
+    stuck = state.get("options_handled") == earlier.state.get("options_handled")
+    return earlier.hops + 1 if stuck else 1
+
+
 class Router(Protocol):
     """Where a Route event's connection goes (workers.py): send raises OSError or
     ThinblockError, with why, only when nothing was sent (the connection is still the
@@ -1037,10 +1048,6 @@ class Session:
         earlier = self.handed
         relayed_here = isinstance(self.sock, ssl.SSLSocket)
         state = self.conn.handoff_state()
-        # Hops count hand-overs of one option no worker answered (nothing of what came
-        # handed here was handled since): the bound stops two workers passing it back and
-        # forth, not a client that asks about many exports (nbdinfo --list asks each).
-        stuck = earlier is not None and str(state["input"]).startswith(str(earlier.state["input"]))
         handed = Handed(
             state=state,
             peer=self.peer,
@@ -1048,7 +1055,7 @@ class Session:
             tls=relayed_here or (earlier is not None and earlier.tls),
             peercert=earlier.peercert if earlier is not None and earlier.tls else self._peercert(),
             via=f"worker pid {os.getpid()}",
-            hops=earlier.hops + 1 if stuck and earlier is not None else 1,
+            hops=next_hops(earlier, state),
         )
         near: socket.socket | None = None
         try:
