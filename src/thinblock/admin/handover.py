@@ -69,20 +69,9 @@ def volumes_to_serve(location: Location) -> list[str]:
     """What `serve POOL` serves beside servers per volume: the volumes none holds. When
     every one is held it is refused, naming the holders, as a second server of a pool
     owned whole is (a server of nothing would only look like one)."""
-    meta = location.open_meta(readonly=False)
-    try:
-        free: list[str] = []
-        held: list[str] = []
-        for row in meta.volumes():
-            if row.kind != "volume" or row.name.startswith(STAGING_PREFIX):
-                continue
-            holder = meta.volume_holder(row.id)
-            if holder is None:
-                free.append(row.name)
-            else:
-                held.append(f"{row.name} by {holder}")
-    finally:
-        meta.close()
+    holders = _holders(location)
+    free = [name for name, holder in holders if holder is None]
+    held = [f"{name} by {holder}" for name, holder in holders if holder is not None]
     if held and not free:
         more = f" and {len(held) - 3} more" if len(held) > 3 else ""
         raise PoolBusyError(
@@ -94,12 +83,17 @@ def volumes_to_serve(location: Location) -> list[str]:
 
 def unheld_volumes(location: Location) -> list[str]:
     """The volumes no server per volume holds now (`serve POOL` beside them serves these)."""
+    return [name for name, holder in _holders(location) if holder is None]
+
+
+def _holders(location: Location) -> list[tuple[str, str | None]]:
+    """(name, holder or None) of every volume a server may hold (not snapshots, not staging)."""
     meta = location.open_meta(readonly=False)
     try:
         return [
-            row.name
+            (row.name, meta.volume_holder(row.id))
             for row in meta.volumes()
-            if row.kind == "volume" and not row.name.startswith(STAGING_PREFIX) and meta.volume_holder(row.id) is None
+            if row.kind == "volume" and not row.name.startswith(STAGING_PREFIX)
         ]
     finally:
         meta.close()

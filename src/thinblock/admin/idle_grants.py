@@ -57,8 +57,8 @@ def ask_back_idle_grants(pool: Pool) -> bool:
 def give_back_idle_grants(pool: Pool) -> dict[str, int]:
     """The control verb: give back every whole grant this owner's reservations do not
     need (another owner found the pool full); what it still holds unused, in bytes."""
-    if pool.owner is not None:
-        pool.owner.give_back_idle(margin=False)
+    if pool.owner is None:  # owning the whole pool, it holds no grants
+        return {"granted_unused_bytes": 0}
+    pool.owner.give_back_idle(margin=False)
     with pool.lock:
-        unused = pool.accounts.space.allocatable_blocks if pool.owner is not None else 0
-    return {"granted_unused_bytes": unused * pool.block_size}
+        return {"granted_unused_bytes": pool.accounts.space.allocatable_blocks * pool.block_size}

@@ -132,7 +132,7 @@ class VolumeOwner:
         return list(self._leases.values())
 
     def owns(self, vol: Volume) -> bool:
-        return vol.row.id in self._leases and vol.row.id not in self._leaving
+        return self.owns_id(vol.row.id)
 
     def leave(self, vid: int) -> None:
         """vid is being handed over: no new client may open it here from now on."""
@@ -150,7 +150,7 @@ class VolumeOwner:
         return set(self._leases) - self._leaving
 
     def owns_id(self, vid: int) -> bool:
-        """owns, by volume id (no set is built: it is asked once per export listed)."""
+        """owns, by volume id (a snapshot's base: asked once per export listed)."""
         return vid in self._leases and vid not in self._leaving
 
     def lease_of(self, vol: Volume | None) -> Lease:  # take_space has checked there is one

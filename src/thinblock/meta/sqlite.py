@@ -442,13 +442,6 @@ class SqliteMetadata(MetadataStore):
             self._leases_fd = create_private_file(self._leases_path, exclusive=False)
         return self._leases_fd
 
-    def _write(self, statement: str, args: tuple[object, ...]) -> None:
-        with self.conn_lock:
-            self._write_locked(statement, args)
-
-    def _write_locked(self, statement: str, args: tuple[object, ...]) -> None:
-        self._write_many_locked(statement, [args])
-
     def _write_many_locked(self, statement: str, rows: list[tuple[object, ...]]) -> None:
         """One short write transaction applying statement to each row (conn_lock held)."""
         if not rows:
@@ -488,23 +481,7 @@ class SqliteMetadata(MetadataStore):
         return None
 
     def claim_volume(self, volume_id: int, owner: str) -> Lease:
-        if not owner:
-            raise ValueError("an owner needs a name")
-        with self._owner_lock:
-            fd = self._fd()
-            if volume_id in self._held or not lock_range(fd, 1 + volume_id, 1):
-                row = self._owner_row(volume_id)
-                holder = row[0] if row and row[0] else "another process (unknown)"
-                raise VolumeBusyError(f"volume {volume_id} is owned by {holder}")
-            try:
-                row = self._owner_row(volume_id)
-                epoch = (row[1] if row else 0) + 1
-                self._write("INSERT OR REPLACE INTO volume_owners VALUES (?, ?, ?)", (volume_id, owner, epoch))
-            except BaseException:
-                unlock_range(fd, 1 + volume_id, 1)
-                raise
-            lease = self._held[volume_id] = Lease(volume_id, owner, epoch)
-            return lease
+        return self.claim_volumes([volume_id], owner)[volume_id]
 
     def claim_volumes(self, volume_ids: Sequence[int], owner: str) -> dict[int, Lease]:
         """Every lock first, then the records in one write transaction: a server of
@@ -546,7 +523,8 @@ class SqliteMetadata(MetadataStore):
                         [(lease.volume_id, lease.epoch) for lease in mine],
                     )
             finally:
-                # As release_volume: the locks go whatever happens.
+                # The locks go whatever happens: a row left naming us is stale, and the
+                # next claim overwrites it.
                 fd = self._fd()
                 for lease in mine:
                     del self._held[lease.volume_id]
@@ -554,25 +532,18 @@ class SqliteMetadata(MetadataStore):
 
     @_conn_reads
     def _epochs(self, volume_ids: list[int]) -> dict[int, int]:
-        """The last epoch recorded for each of these volumes."""
-        wanted = set(volume_ids)
-        rows = self.conn.execute("SELECT volume_id, epoch FROM volume_owners").fetchall()
-        return {int(vid): int(epoch) for vid, epoch in rows if int(vid) in wanted}
+        """The last epoch recorded for each of these volumes (read in batches of at most
+        500: SQLite bounds the parameters of one statement)."""
+        epochs: dict[int, int] = {}
+        for at in range(0, len(volume_ids), 500):
+            batch = volume_ids[at : at + 500]
+            marks = ",".join("?" * len(batch))
+            query = f"SELECT volume_id, epoch FROM volume_owners WHERE volume_id IN ({marks})"
+            epochs.update((int(vid), int(epoch)) for vid, epoch in self.conn.execute(query, batch))
+        return epochs
 
     def release_volume(self, lease: Lease) -> None:
-        with self._owner_lock:
-            if self._held.get(lease.volume_id) != lease:
-                return
-            try:
-                self._write(
-                    "UPDATE volume_owners SET owner = '' WHERE volume_id = ? AND epoch = ?",
-                    (lease.volume_id, lease.epoch),
-                )
-            finally:
-                # The lock goes whatever happens: a row left naming us is stale, and the
-                # next claim overwrites it.
-                del self._held[lease.volume_id]
-                unlock_range(self._fd(), 1 + lease.volume_id, 1)
+        self.release_volumes([lease])
 
     def volume_holder(self, volume_id: int) -> str | None:
         with self._owner_lock:

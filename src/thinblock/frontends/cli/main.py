@@ -626,16 +626,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     host.refuse_release(name)
                     return {"name": name, "clients_closed": pool.give_up(name, server.hang_up_volume)}
 
-                pool.owner.ask_others = lambda: ask_back_idle_grants(pool)
-                control = ControlServer(
-                    pool,
-                    {
-                        "volume_release": release,
-                        "fuse_mount": host.mount,
-                        "pool_follow": lambda: follow_pool(pool),
-                        "grants_idle_back": lambda: give_back_idle_grants(pool),
-                    },
-                )
+                control = ControlServer(pool, {**_owner_verbs(pool, release), "fuse_mount": host.mount})
         except OSError as exc:
             server.close()
             raise ThinblockError(f"cannot listen on {where}: {exc.strerror or exc}") from None
@@ -694,6 +685,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 pool.close()
                 step.mark("final commit done, pool closed")
     print("stopped", flush=True)
+
+
+def _owner_verbs(pool: Pool, release: Callable[[str], Any]) -> dict[str, Callable[..., Any]]:
+    """What every process owning volumes of a pool served per volume answers on its
+    control socket (serve, an attach's FUSE daemon), release being how it gives one up;
+    and it asks the others for their idle grants before ENOSPC (admin/idle_grants.py)."""
+    assert pool.owner is not None  # opened per volume
+    pool.owner.ask_others = lambda: ask_back_idle_grants(pool)
+    return {
+        "volume_release": release,
+        "pool_follow": lambda: follow_pool(pool),
+        "grants_idle_back": lambda: give_back_idle_grants(pool),
+    }
 
 
 def _serve_with_workers(
@@ -829,13 +833,7 @@ def cmd_fuse_daemon(args: argparse.Namespace) -> None:
                     f" {args.show or name}'), then serve it"
                 )
 
-            assert pool.owner is not None  # opened per volume
-            pool.owner.ask_others = lambda: ask_back_idle_grants(pool)
-            verbs = {
-                "pool_follow": lambda: follow_pool(pool),
-                "volume_release": release,
-                "grants_idle_back": lambda: give_back_idle_grants(pool),
-            }
+            verbs = _owner_verbs(pool, release)
         control = ControlServer(pool, verbs)
         try:
             mount(pool, args.mountpoint, only=args.show or args.volume)

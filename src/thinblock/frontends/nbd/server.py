@@ -472,9 +472,7 @@ class Handed:
     tls: bool
     peercert: dict[str, Any] | None
     via: str  # the process that handed it over
-    hops: int = (
-        1  # hand-overs of its pending option so far: bounded, so two workers never pass it back and forth forever
-    )
+    hops: int = 1  # hand-overs of its pending option, unanswered (next_hops, MAX_HOPS)
 
 
 def next_hops(earlier: Handed | None, state: dict[str, Any]) -> int:
