@@ -411,3 +411,69 @@ def test_a_reservation_on_one_owners_volume_holds_while_another_owner_fills_the_
         assert hb.pread(written, 0) == b"b" * written
         ha.shutdown()
         hb.shutdown()
+
+
+def _listed(pool: str) -> dict[str, dict[str, object]]:
+    rows = json.loads(thinblock("volume", "list", pool, "--json").stdout)
+    return {r["name"]: r for r in rows}
+
+
+def test_open_clients_are_counted_by_the_owner_whoever_lists(tmp_path: Path) -> None:
+    """volume list and volume info run in the command's own process beside owners per
+    volume; the open clients are the owners' to tell (a listing read from the store
+    said 0 for a volume with clients). A stopped owner's figure is unknown, not a hang."""
+    pool = _pool(tmp_path, "64M", {"a": "16M", "b": "16M", "c": "8M"})
+    thinblock("snapshot", "create", pool, "a", "a-snap")
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
+        ha, ha2, hb = _handle(sa, "a"), _handle(sa, "a"), _handle(sb, "b")
+        try:
+            listed = _listed(pool)
+            assert {n: r["open_clients"] for n, r in listed.items()} == {"a": 2, "a-snap": 0, "b": 1, "c": 0}
+            info = json.loads(thinblock("volume", "info", pool, "a", "--json").stdout)
+            assert info["open_clients"] == 2 and info["snapshots"] == ["a-snap"]
+            hb.shutdown()
+            hb = None
+            assert _listed(pool)["b"]["open_clients"] == 0
+            os.kill(sb.proc.pid, signal.SIGSTOP)
+            try:
+                listed = _listed(pool)
+                assert listed["a"]["open_clients"] == 2 and listed["b"]["open_clients"] is None
+            finally:
+                os.kill(sb.proc.pid, signal.SIGCONT)
+        finally:
+            for h in (ha, ha2, hb):
+                if h is not None:
+                    h.shutdown()
+
+
+def test_an_owner_listing_the_pool_writes_nothing_of_other_owners_volumes(tmp_path: Path) -> None:
+    """volume list or info sent to one owner's control socket covers volumes other
+    owners write meanwhile: its view of their rows is old, and a stale exclusive
+    count it recounted into one would be committed over the owner's row (pool check:
+    "volume a: 256 data blocks recorded, 350 mapped")."""
+    from thinblock.admin.control import ControlClient, owner_socket_name
+    from thinblock.backends import locate
+
+    pool = _pool(tmp_path, "256M", {"a": "48M"})
+    with owners(pool, tmp_path, "a") as (sa,):
+        wa = Writer(sa, "a", 48 * MiB, 11)
+        wa.run(60)
+        thinblock("snapshot", "create", pool, "a", "s1")
+        thinblock("volume", "clone", pool, "s1", "c")
+        sc = _serve(pool, tmp_path, "c")  # its view of a's row: as of now
+        try:
+            wc = Writer(sc, "c", 48 * MiB, 12)
+            wc.model[:] = wa.model
+            wc.run(60)  # c copies blocks it shares with s1: s1's exclusive count grows
+            wa.run(80)  # a's owner maps more blocks and commits its row
+            for server in (sa, sc):
+                client = ControlClient(os.path.join(locate(pool).runtime_dir(), owner_socket_name(server.proc.pid)), 30)
+                try:
+                    assert {r["name"] for r in client.call("volume_list")} >= {"a", "s1"}
+                    client.call("volume_info", name="s1")
+                finally:
+                    client.close()
+            wc.check()
+        finally:
+            _stop(sc)
+        wa.check()

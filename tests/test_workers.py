@@ -163,9 +163,17 @@ def test_one_socket_serves_the_volumes_of_every_worker(served: Server) -> None:
     assert export_bytes(pool, "b") == bytes(models["b"])
     assert export_bytes(pool, "a@s1") == bytes(models["a"])
 
-    # Pool-level commands work while the workers own every volume.
-    status = json.loads(thinblock("volume", "list", pool, "--json").stdout)
-    assert {v["name"] for v in status} >= {*VOLUMES, "a@s1"}
+    # Pool-level commands work while the workers own every volume; the open clients
+    # listed are the workers' own counts, whichever worker a connection went to.
+    held = [routed(uri, "b", "a"), routed(uri, "a", "b"), routed(uri, "a", "b")]
+    try:
+        status = json.loads(thinblock("volume", "list", pool, "--json").stdout)
+        assert {v["name"] for v in status} >= {*VOLUMES, "a@s1"}
+        clients = {v["name"]: v["open_clients"] for v in status}
+        assert clients == {"a": 1, "b": 2, "c": 0, "d": 0, "a@s1": 0}, clients
+    finally:
+        for h in held:
+            h.shutdown()
 
 
 @pytest.fixture(scope="module")

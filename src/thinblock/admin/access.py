@@ -112,11 +112,47 @@ class SharedAdmin:
         target = self._owner_socket(name)
         if target is None:
             result = run_verb(self.pool, verb, args)
+            if verb in ("volume_list", "volume_info"):
+                self._owners_clients(result if verb == "volume_list" else [result])
             if verb in ("pool_grow", "pool_set"):  # a pool-level step here: the owners follow now
                 tell_owners(self.pool)
             return result
         with self._owner(target, name) as client:
             return client.call(verb, **args)
+
+    def _owners_clients(self, rows: list[dict[str, Any]]) -> None:
+        """Fill each listed row's open_clients from the server holding it (read here
+        they would all be 0): one open_clients call per holder, however many it holds.
+        A holder that is gone has none; one that does not answer soon, unknown (None):
+        a stalled owner must not stall the listing, this figure is a hint."""
+        recorded = self.pool.meta.recorded_holders()
+        holder_of: dict[str, str] = {}
+        with self.pool.lock:
+            for name, vol in self.pool.visible().items():
+                base = self.pool.base_volume_id(vol)
+                if base is not None and base in recorded:
+                    holder_of[name] = recorded[base]
+        answers: dict[str, dict[str, Any]] = {}
+        for holder in sorted(set(holder_of.values())):
+            sock = owner_socket(self.pool.location, holder)
+            if sock is None or not os.path.exists(sock):
+                continue  # on another host (unknown) or gone (none)
+            try:
+                client = ControlClient(sock, min(self.timeout_s, LIST_CLIENTS_TIMEOUT_S))
+                try:
+                    answers[holder] = dict(client.call("open_clients"))
+                finally:
+                    client.close()
+            except (ThinblockError, OSError):
+                answers[holder] = {}
+        for row in rows:
+            named = holder_of.get(row["name"])
+            if named is None:
+                continue
+            if named not in answers:
+                row["open_clients"] = 0 if owner_socket(self.pool.location, named) else None
+            else:
+                row["open_clients"] = answers[named].get(row["name"])
 
     def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
         with self.for_job(verb, args) as admin:
@@ -144,6 +180,7 @@ class SharedAdmin:
 
 
 DEFAULT_WAIT_S = 60.0
+LIST_CLIENTS_TIMEOUT_S = 2.0  # how long volume list waits for an owner's open clients
 
 
 def wait_s() -> float:

@@ -225,6 +225,7 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
     "volume_release": {"name": (name_text, True)},
     "pool_follow": {},
     "grants_idle_back": {},
+    "open_clients": {},
     # jobs (admin/jobs.py): they also take open files and report progress
     "import": {
         "name": (name_text, True),

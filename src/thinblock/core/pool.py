@@ -771,6 +771,12 @@ class Pool:
             finally:
                 self.accounts.pool_room = None  # the room catch_up found holds only in this step
 
+    def counts_current(self) -> bool:
+        """Whether this process's view of the shared counts is the store's: always for
+        the whole pool's owner; for an owner per volume, only inside a pool-level step
+        after catch_up (others' commits move them meanwhile)."""
+        return self.owner is None or self.accounts.pool_room is not None
+
     def catch_up(self) -> None:
         """An owner per volume, at a pool-level step: its views of the shared counts (block
         and page refcounts) follow the store's, between commits, so that what the step
@@ -1089,6 +1095,11 @@ class Pool:
                 "reserved_bytes": self.accounts.set_aside(vol) * self.block_size,
                 "open_clients": vol.users,
             }
+
+    def open_clients(self) -> dict[str, int]:
+        """name -> open clients of each volume and snapshot this process serves."""
+        with self.lock:
+            return {name: vol.users for name, vol in self.visible().items() if self.serves(vol)}
 
     def volume_list(self, kind: str | None = None) -> list[dict[str, Any]]:
         """volume_info of every visible volume and snapshot (of one kind), by name:

@@ -816,10 +816,23 @@ class Volume:
         )
 
     def fresh_exclusive(self) -> int:
-        """The exact exclusive count, recounted if stale (call under the pool lock)."""
-        if not self.exclusive_fresh():
-            self.pool.accounts.set_exclusive(self, self.recount_exclusive())
-        return self.row.exclusive_blocks
+        """The exclusive count, recounted if stale (call under the pool lock): exact
+        where this process's view of the shared counts is the store's (Pool.counts_current).
+
+        An owner per volume stores a recount only in a row it may write, one of the
+        volumes it serves, and as exact only inside a caught-up pool-level step:
+        elsewhere its view may be behind what other owners committed (a clone another
+        owner writes unshares its snapshot's blocks), so the count is a lower bound.
+        Another owner's row here is an old view: a recount stored in it would be
+        committed over what its owner wrote, so it is returned, never stored."""
+        if self.exclusive_fresh():
+            return self.row.exclusive_blocks
+        pool = self.pool
+        count = self.recount_exclusive()
+        if pool.owner is not None and not pool.serves(self):
+            return count
+        pool.accounts.set_exclusive(self, count, exact=pool.counts_current())
+        return count
 
     def recount_exclusive(self) -> int:
         """Exclusive blocks counted from the pages (call under the pool lock)."""

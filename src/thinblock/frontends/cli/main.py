@@ -697,6 +697,7 @@ def _owner_verbs(pool: Pool, release: Callable[[str], Any]) -> dict[str, Callabl
         "volume_release": release,
         "pool_follow": lambda: follow_pool(pool),
         "grants_idle_back": lambda: give_back_idle_grants(pool),
+        "open_clients": pool.open_clients,
     }
 
 
