@@ -1,8 +1,9 @@
 """Fault injection: a data store and a metadata store that fail at the Nth call.
 
 `FaultyStore` is a filter over any DataStore (nbdkit's error filter, in
-spirit); `FaultyMeta` wraps the pool's metadata store and fails commits or
-the batch reads of pages and page refcounts. A
+spirit); `FaultyMeta` wraps the pool's metadata store and fails commits, the
+reads of pages, page refcounts, root tables and volume rows, and the claim
+and release of leases. A
 fault is armed for one call index among the chosen verbs and fires once:
 
 - "eio": the call raises EIO and does nothing;
@@ -19,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from thinblock.meta.base import CommitResult, Transaction
+from thinblock.meta.base import CommitResult, Lease, Transaction
 from thinblock.store.base import DataStore, FilterStore
 
 if TYPE_CHECKING:
@@ -170,6 +171,22 @@ class FaultyMeta(_Armed):
         if fault is not None:
             raise _error(fault.kind, "volume table read")
         return self.inner.volumes()
+
+    def claim_volumes(self, volume_ids: Sequence[int], owner: str) -> dict[int, Lease]:
+        """Taking leases (an owner's open, a runtime claim) fails on command too: none taken."""
+        fault = self._hit("claim_volumes")
+        if fault is not None:
+            raise _error(fault.kind, "lease claim")
+        result: dict[int, Lease] = self.inner.claim_volumes(volume_ids, owner)
+        return result
+
+    def release_volume(self, lease: Lease) -> None:
+        """Giving a lease up fails on command too, as the contract allows: the lease is
+        given up all the same, and only its record's update fails (meta/base.py)."""
+        fault = self._hit("release_volume")
+        self.inner.release_volume(lease)
+        if fault is not None:
+            raise _error(fault.kind, "lease release")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

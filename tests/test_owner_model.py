@@ -232,17 +232,27 @@ class OwnersMachine(RuleBasedStateMachine):
                 if volume != name:
                     self._after_death(self.pools[old], volume)
         else:
+            # A fault in the hand-over's commit, the return of its grants or the release
+            # of its lease: it fails and the volume is served here as before, or it is
+            # handed over (a lease given up with an error is given up all the same).
             self._disarm(old)
+            meta_old, _store_old = self.faults[old]
+            meta_old.arm(Fault((("commit", "release_volume")[verb_index % 2],), after % 3, kind))
+            pool_old = self.pools[old]
             try:
-                self.pools[old].give_up(name, lambda _vol: 0)
+                pool_old.give_up(name, lambda _vol: 0)
             except (OSError, ThinblockError):
                 assert self._fired(old)
+                self._disarm(old)
+                assert pool_old.owner is not None and pool_old.owner.owns(pool_old.volume(name))
                 return
+            self._disarm(old)
+            assert pool_old.owner is not None and not pool_old.owner.holds(pool_old.volume(name).row.id)
             self._committed(old)
             self.holder[name] = new
         meta, store = self.faults[new]
         if where == "meta":
-            verbs = ("volumes", "roots", "pages", "page_refcounts")
+            verbs = ("volumes", "roots", "pages", "page_refcounts", "claim_volumes")
             meta.arm(Fault((verbs[verb_index % len(verbs)],), after, kind))
         else:
             store.arm(Fault((("zero", "flush")[verb_index % 2],), after, kind))

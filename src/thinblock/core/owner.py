@@ -413,11 +413,22 @@ class VolumeOwner:
         except BaseException:
             pool.between_commits(put_back)
             raise
-        for grant in mine:
-            return_grant(self.meta, lease, grant)
-        self.meta.release_volume(lease)
-        del self._leases[vid]
-        self._leaving.discard(vid)
+        while mine:
+            try:
+                return_grant(self.meta, lease, mine[0])
+            except BaseException:
+                pool.between_commits(put_back)  # those not given back are ours again
+                raise
+            mine.pop(0)
+        try:
+            self.meta.release_volume(lease)
+        except (OSError, ThinblockError) as exc:
+            # The store gives the lease up even so (meta/base.py): only its record may
+            # still name this owner until the next claim. Served here it must not be.
+            log.warning("pool %s: volume %d's lease given up with an error: %s", pool.path, vid, exc)
+        finally:
+            del self._leases[vid]
+            self._leaving.discard(vid)
 
     def _unsettled(self, grant: Grant) -> bool:
         """Whether something not yet committed touches the grant's blocks: a count that

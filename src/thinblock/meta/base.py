@@ -238,7 +238,10 @@ class MetadataStore(ABC):
         raise self._one_owner()
 
     def release_volume(self, lease: Lease) -> None:
-        """Give the lease up (its grants should be returned first); a lost one is a no-op."""
+        """Give the lease up (its grants should be returned first); a lost one is a no-op.
+        The lease is given up even when this raises: a failure leaves at most its record
+        naming the owner, which the next claim overwrites (so the owner stops serving
+        the volume either way, and two owners never both hold it)."""
         raise self._one_owner()
 
     def claim_volumes(self, volume_ids: Sequence[int], owner: str) -> dict[int, Lease]:
