@@ -315,6 +315,38 @@ def test_enospc_comes_only_once_the_pool_is_full_whoever_holds_the_grants(tmp_pa
         hb.shutdown()
 
 
+def test_an_owner_that_does_not_answer_keeps_its_idle_grants_and_the_asker_says_enospc(tmp_path: Path) -> None:
+    """The ask for idle grants is bounded: with a's owner stopped, b's write that finds
+    the pool full outside the grants waits for a's answer a few seconds at most, then
+    gets ENOSPC; b's server and its other requests go on. Once a runs again, b's next
+    write gets the space a kept."""
+    pool = _pool(tmp_path, "32M", {"a": "32M", "b": "32M"})
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
+        ha, hb = _handle(sa, "a"), _handle(sb, "b")
+        ha.pwrite(b"a" * MiB, 0)
+        ha.flush()
+        kept = json.loads(thinblock("pool", "status", pool, "--json").stdout)["granted_unused_bytes"]
+        assert kept > 0
+        os.kill(sa.proc.pid, signal.SIGSTOP)
+        try:
+            written = 0
+            with pytest.raises(nbd.Error) as full:
+                while written < 32 * MiB:
+                    hb.pwrite(b"b" * (64 << 10), written)
+                    written += 64 << 10
+            assert full.value.errno == "ENOSPC"
+            assert written < 31 * MiB  # what a's owner kept was not b's
+            assert hb.pread(written, 0) == b"b" * written  # b's server is fine
+            assert "did not give its idle grants back" in sb.log.read_text()
+        finally:
+            os.kill(sa.proc.pid, signal.SIGCONT)
+        hb.pwrite(b"b" * (64 << 10), written)  # a answers now: its idle grant comes back
+        hb.flush()
+        assert ha.pread(MiB, 0) == b"a" * MiB
+        ha.shutdown()
+        hb.shutdown()
+
+
 def _write_until_it_fits(h: nbd.NBD, length: int) -> int:
     """Write length bytes of b's, retrying a write refused for space until the trimmed
     space has come back (at most a few commits: never timed, bounded by count)."""
