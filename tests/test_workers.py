@@ -393,6 +393,39 @@ def test_a_worker_that_keeps_dying_is_left_down_and_its_volumes_claimed_by_the_o
     assert holders(pool)["b"] == holders(pool)["a"]
 
 
+def test_a_sigterm_during_a_restart_pause_stops_the_server_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that died again is restarted after a pause; the pause is the main loop's,
+    so a SIGTERM meanwhile stops the server then, without restarting the worker first
+    (the pause is 30 s here: a server that slept it through would miss the bound)."""
+    monkeypatch.setenv("THINBLOCK_RESTART_PAUSE_S", "30")
+    pool = _pool(tmp_path)
+    server = Server(pool, "--workers", "2")
+    try:
+        pid = holders(pool)["b"]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # the first death: restarted at once
+        pid = _new_holder(pool, "b", pid)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # the second: restarted after the pause
+        _wait_for_log(server, "restarting in 30.00 s")
+        h = nbd.NBD()  # the other worker serves on meanwhile
+        h.connect_uri(server.unix_uri("a"))
+        h.pwrite(b"\x03" * 4096, 0)
+        h.flush()
+        h.shutdown()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=20) == 0
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "Traceback" not in log, log
+    assert "stopping on SIGTERM" in log
+    assert log.count("serves b, d") == 2, log  # started, restarted once; not again
+    thinblock("pool", "check", pool)
+
+
 def test_a_volume_taken_over_by_another_server_leaves_the_group(served: Server, tmp_path: Path) -> None:
     pool = served.pool
     worker = holders(pool)["b"]

@@ -742,7 +742,7 @@ def _serve_with_workers(
         cmd_serve(args)
 
     try:
-        workers.supervise(args, location, listeners, announce, run_worker, signals.next)
+        workers.supervise(args, location, listeners, announce, run_worker, signals.within)
     finally:
         if activated:
             for sock in listeners:
@@ -771,8 +771,19 @@ class _SignalQueue:
         self._pending = bytearray()
 
     def next(self) -> int:
+        """The next signal's number, waiting as long as it takes."""
+        signum = self.within(None)
+        assert signum is not None
+        return signum
+
+    def within(self, timeout: float | None) -> int | None:
+        """The next signal's number; None if none came within timeout seconds."""
+        self._read.settimeout(timeout)
         while not self._pending:
-            self._pending += self._read.recv(64)
+            try:
+                self._pending += self._read.recv(64)
+            except TimeoutError:
+                return None
         return self._pending.pop(0)
 
 

@@ -38,11 +38,12 @@ from thinblock.backends import Location
 from thinblock.core.registry import STAGING_PREFIX, base_row_id
 from thinblock.errors import ThinblockError
 from thinblock.listen import LISTEN_BACKLOG, bind_tcp, bind_unix, remove_socket
+from thinblock.sizes import env_seconds
 
 log = logging.getLogger("thinblock.serve")
 
 RESTARTS = 3
-RESTART_PAUSE_S = 0.25
+RESTART_PAUSE_S = 0.25  # the first pause before restarting a worker that died again (doubles, up to 2 s)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_WINDOW_S = 60.0
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
@@ -75,6 +76,7 @@ class _Worker:
     pid: int = 0
     deaths: list[float] = field(default_factory=list)
     given_up: bool = False
+    restart_at: float | None = None  # when it is restarted (monotonic), after a pause
 
 
 def end_with_parent(supervisor: int) -> None:
@@ -128,6 +130,7 @@ class Supervisor:
         self.location = location
         self.listeners = listeners
         self.run_worker = run_worker
+        self.restart_pause_s = restart_pause_s()  # read first: a bad value refuses the start
         self.workers: list[_Worker] = []
         # Where the workers take hand-overs from each other: a fresh directory only this
         # user may enter, so no other user can listen in a worker's place.
@@ -257,15 +260,38 @@ class Supervisor:
             log.warning("worker %d: %s now served elsewhere; not taking them back", worker.index, ", ".join(taken))
         worker.volumes = [name for name in worker.volumes if name in free]
         log.warning("worker %d ended (%s): restarting it for %s", worker.index, how, ", ".join(worker.volumes))
-        if len(worker.deaths) > 1:  # dying again soon: wait a little, growing, before the next try
-            time.sleep(min(2.0, RESTART_PAUSE_S * 2 ** (len(worker.deaths) - 2)))
-        error = self._start(worker)
-        if error is not None:
-            log.error("worker %d could not be restarted: %s", worker.index, error)
-            self._restart(worker, "failed to start")
+        # Dying again soon: wait a little, growing, before the next try. The wait is
+        # the main loop's (restart_due): signals are taken meanwhile, so a SIGTERM
+        # stops the server at once instead of after the pause and the restart.
+        first = self.restart_pause_s
+        pause = 0.0 if len(worker.deaths) == 1 else min(max(2.0, first), first * 2 ** (len(worker.deaths) - 2))
+        worker.restart_at = time.monotonic() + pause
+        if pause:
+            log.info("worker %d: restarting in %.2f s", worker.index, pause)
+        else:
+            self.restart_due()
+
+    def next_restart_s(self) -> float | None:
+        """Seconds until the next restart waiting its pause (0 if due), None if none waits."""
+        waits = [w.restart_at for w in self.workers if w.restart_at is not None]
+        return None if not waits else max(0.0, min(waits) - time.monotonic())
+
+    def restart_due(self) -> None:
+        """Start each worker whose pause has passed; one that fails to start counts as
+        another death."""
+        now = time.monotonic()
+        for worker in self.workers:
+            if worker.restart_at is None or worker.restart_at > now:
+                continue
+            worker.restart_at = None
+            error = self._start(worker)
+            if error is not None:
+                log.error("worker %d could not be restarted: %s", worker.index, error)
+                self._restart(worker, "failed to start")
 
     def alive(self) -> bool:
-        return any(w.pid for w in self.workers)
+        """Whether a worker serves, or one waits to be restarted."""
+        return any(w.pid or w.restart_at is not None for w in self.workers)
 
     def stop(self) -> None:
         """SIGTERM to every worker, then wait for each: they drain and commit."""
@@ -282,13 +308,18 @@ class Supervisor:
         shutil.rmtree(self.handoff_dir, ignore_errors=True)
 
 
+def restart_pause_s() -> float:
+    """RESTART_PAUSE_S, or THINBLOCK_RESTART_PAUSE_S (tests lengthen it)."""
+    return env_seconds("THINBLOCK_RESTART_PAUSE_S", RESTART_PAUSE_S, 0.0)
+
+
 def supervise(
     args: argparse.Namespace,
     location: Location,
     listeners: list[socket.socket],
     announce: Callable[[list[str]], str],
     run_worker: Callable[[WorkerSpec, list[str]], None],
-    next_signal: Callable[[], int],
+    next_signal: Callable[[float | None], int | None],
 ) -> None:
     """Run the workers until SIGINT or SIGTERM. announce prints the exports of the
     names served and returns the status line; run_worker is `serve` in a worker."""
@@ -307,8 +338,12 @@ def supervise(
         print(f"ready: {status}", flush=True)
         systemd.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={status}")
         while True:
-            signum = next_signal()
-            if signum == signal.SIGHUP:
+            signum = next_signal(supervisor.next_restart_s())
+            if signum is None:  # a restart's pause has passed
+                supervisor.restart_due()
+                if not supervisor.alive():
+                    raise ThinblockError("every worker has ended and none can be restarted: stopping")
+            elif signum == signal.SIGHUP:
                 systemd.notify("RELOADING=1", "STATUS=reloading --tls-authz in every worker")
                 supervisor.forward(signal.SIGHUP)
                 systemd.notify("READY=1", f"STATUS={status}")
