@@ -9,11 +9,15 @@ locks on the leases file.
 from __future__ import annotations
 
 import errno
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from thinblock import Pool, ThinblockError
+from thinblock.admin.idle_grants import give_back_idle_grants
 from thinblock.admin.verbs import run_verb
 from thinblock.core.snapshot import clone, create_snapshot
 from thinblock.errors import CommitError, UncleanCloseError
@@ -346,4 +350,49 @@ def test_a_runtime_claim_takes_a_volume_made_since_and_a_failed_one_releases_its
     with pytest.raises(ThinblockError, match="snapshot"):
         owner.claim_volume("n@1")
     owner.close()
+    _check(path)
+
+
+def _blocked_in(thread: threading.Thread, function: str) -> bool:
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(600):  # bounded by count: 30 s at most, never a timing assertion
+        if condition():
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+def test_an_owner_closing_while_it_gives_idle_grants_back_does_not_deadlock(tmp_path: Path) -> None:
+    """Another owner's ask for idle grants (a control request: the pool-level lock, then
+    this pool's lock) while the owner closes (this pool's lock, then the pool-level lock
+    to give its grants back): the close takes them in the step's order, so both end."""
+    path = _pool(tmp_path)
+    with Pool.open(path) as p:
+        p.create_volume("a", 1024 * BS).write(0, b"x" * BS)
+        p.create_volume("b", 1024 * BS).write(0, b"y" * BS)
+    b = Pool.open(path, volumes=["a"], autocommit=False, purpose="B")
+    c = Pool.open(path, volumes=["b"], autocommit=False, purpose="C")
+    try:
+        b.volume("a").write(BS, b"z" * BS)
+        b.commit()  # b keeps idle blocks in its grant
+        with c.meta.pool_lock():  # another owner's pool-level step holds the lock a while
+            asked = threading.Thread(target=give_back_idle_grants, args=(b,), daemon=True)
+            asked.start()
+            _until(lambda: _blocked_in(asked, "pool_lock"), "the ask waits for the pool-level lock")
+            closing = threading.Thread(target=b.close, daemon=True)
+            closing.start()
+            _until(lambda: _blocked_in(closing, "pool_lock"), "the close waits for the pool-level lock")
+        asked.join(30)
+        closing.join(30)
+        assert not asked.is_alive() and not closing.is_alive(), "the ask and the close wait on each other"
+    finally:
+        c.close()
     _check(path)

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from pathlib import Path
 import nbd
 import pytest
 
-from tests.cli import thinblock
+from tests.cli import ROOT, thinblock
 from tests.nbd_server import Server, listed_exports
 
 MiB = 1 << 20
@@ -347,6 +348,48 @@ def test_an_owner_that_does_not_answer_keeps_its_idle_grants_and_the_asker_says_
         hb.shutdown()
 
 
+def test_an_import_running_beside_an_owner_answers_for_its_idle_grants(tmp_path: Path) -> None:
+    """A job (an import from a stream, still reading) owns its staging volume and takes
+    grants like any owner: it answers an owner asking for its idle grants back (which
+    it gives back whole), as a server does, instead of "unknown verb"."""
+    from thinblock.admin.control import ControlClient, owner_socket_name
+    from thinblock.backends import locate
+
+    pool = _pool(tmp_path, "32M", {"a": "32M"})
+    with owners(pool, tmp_path, "a"):
+        job = subprocess.Popen(
+            [sys.executable, "-m", "thinblock", "import", "-", pool, "n", "--size", "8M", "--no-progress"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        )
+        try:
+            assert job.stdin is not None
+            job.stdin.write(b"i" * MiB)
+            job.stdin.flush()
+            for _ in range(600):  # bounded by count: until the job holds its grant
+                if json.loads(thinblock("pool", "status", pool, "--json").stdout)["granted_bytes"] > 0:
+                    break
+                threading.Event().wait(0.05)
+            else:
+                raise AssertionError("the import never took a grant")
+            client = ControlClient(os.path.join(locate(pool).runtime_dir(), owner_socket_name(job.pid)), 30)
+            try:
+                answer = client.call("grants_idle_back")
+            finally:
+                client.close()
+            assert set(answer) == {"granted_unused_bytes"}, answer
+        finally:
+            if job.stdin is not None:
+                job.stdin.close()  # short of its 8M: the import fails and drops what it made
+            job.wait(120)
+        assert job.stderr is not None
+        err = job.stderr.read().decode()
+        assert "Traceback" not in err, err
+    assert "n" not in _listed(pool)
+
+
 def _write_until_it_fits(h: nbd.NBD, length: int) -> int:
     """Write length bytes of b's, retrying a write refused for space until the trimmed
     space has come back (at most a few commits: never timed, bounded by count)."""
@@ -412,6 +455,17 @@ def test_serve_without_volume_beside_owners_serves_the_volumes_nobody_holds(tmp_
         h.shutdown()
         late = thinblock("serve", pool, "--volume", "b", "--socket", str(tmp_path / "b.sock"), check=False)
         assert late.returncode != 0 and "volume b is served by" in late.stderr
+        # A volume made since, or let go by a server that stopped, is listed at once and
+        # claimed by the first client asking for it (the docs' "an export at once").
+        thinblock("volume", "create", pool, "new", "--size", "8M")
+        _stop(sa)
+        assert [n for n, *_ in listed_exports(rest)] == ["a", "b", "c", "new"]
+        for name in ("new", "a"):
+            h = _handle(rest, name)
+            h.pwrite(name.encode() * 4096, 0)
+            h.flush()
+            assert h.pread(4096 * len(name), 0) == name.encode() * 4096
+            h.shutdown()
     finally:
         _stop(rest)
         _stop(sa)
@@ -472,6 +526,10 @@ def test_open_clients_are_counted_by_the_owner_whoever_lists(tmp_path: Path) -> 
                 assert listed["a"]["open_clients"] == 2 and listed["b"]["open_clients"] is None
             finally:
                 os.kill(sb.proc.pid, signal.SIGCONT)
+            # A holder killed: its record and its socket file outlive it; it has none.
+            sb.proc.kill()
+            sb.proc.wait()
+            assert _listed(pool)["b"]["open_clients"] == 0
         finally:
             for h in (ha, ha2, hb):
                 if h is not None:
@@ -509,3 +567,72 @@ def test_an_owner_listing_the_pool_writes_nothing_of_other_owners_volumes(tmp_pa
         finally:
             _stop(sc)
         wa.check()
+
+
+def test_a_command_that_gave_up_on_a_stopped_owner_is_not_carried_out_later(tmp_path: Path) -> None:
+    """A command sent to an owner that does not answer (stopped) times out and says it
+    failed; when the owner runs again it drops the request its client gave up on,
+    so what the user was told stays true (rbd's lock owner: a request whose caller
+    timed out is not applied behind its back)."""
+    pool = _pool(tmp_path, "64M", {"a": "16M", "b": "16M"})
+    with owners(pool, tmp_path, "a", "b") as (sa, _sb):
+        os.kill(sa.proc.pid, signal.SIGSTOP)
+        try:
+            env = {**os.environ, "THINBLOCK_CONTROL_TIMEOUT_S": "1", "PYTHONPATH": str(ROOT / "src")}
+            for args in (["snapshot", "create", pool, "a", "a@late"], ["volume", "resize", pool, "a", "--size", "32M"]):
+                late = subprocess.run(
+                    [sys.executable, "-m", "thinblock", *args], capture_output=True, text=True, env=env, timeout=60
+                )
+                assert late.returncode != 0 and "did not answer" in late.stderr, late.stderr
+        finally:
+            os.kill(sa.proc.pid, signal.SIGCONT)
+        for _ in range(600):  # bounded by count: until both requests were read and dropped
+            if sa.log.read_text().count("dropped unrun") >= 2:
+                break
+            threading.Event().wait(0.05)
+        assert sa.log.read_text().count("dropped unrun") == 2, sa.log.read_text()
+        listed = _listed(pool)
+        assert "a@late" not in listed and listed["a"]["size_bytes"] == 16 * MiB
+        thinblock("snapshot", "create", pool, "a", "a@now")  # a's owner answers again
+
+
+def test_takeover_of_a_stopped_owner_names_it_at_once_and_changes_nothing(tmp_path: Path) -> None:
+    """A directory pool's lease lives as long as its process: a stopped owner cannot be
+    fenced off. `--takeover` says so within seconds (not after the hand-over's two
+    minutes), naming the pid to stop, and when the owner runs again it still serves
+    its volume: the request the taker gave up on is not carried out behind its back."""
+    pool = _pool(tmp_path, "64M", {"a": "16M"})
+    with owners(pool, tmp_path, "a") as (sa,):
+        h = _handle(sa, "a")
+        h.pwrite(b"\x05" * 4096, 0)
+        h.flush()
+        os.kill(sa.proc.pid, signal.SIGSTOP)
+        try:
+            taken = thinblock(
+                "serve", pool, "--volume", "a", "--takeover", "--socket", str(tmp_path / "t.sock"), check=False
+            )
+        finally:
+            os.kill(sa.proc.pid, signal.SIGCONT)
+        assert taken.returncode != 0
+        assert "does not answer" in taken.stderr and f"kill {sa.proc.pid}" in taken.stderr, taken.stderr
+        assert h.pread(4096, 0) == b"\x05" * 4096  # still its owner's, client and all
+        h.pwrite(b"\x06" * 4096, 0)
+        h.flush()
+        h.shutdown()
+        assert _listed(pool)["a"]["open_clients"] == 0
+
+
+def test_removing_a_volume_another_server_owns_leaves_a_pool_that_checks_clean(tmp_path: Path) -> None:
+    """The owner of a removed volume keeps its lease and grants until it stops (its
+    other volumes may use their blocks): `pool check` passes meanwhile, and once it
+    stops every grant is back."""
+    pool = _pool(tmp_path, "64M", {"x": "16M", "y": "16M"})
+    with owners(pool, tmp_path, "x", "y") as (sx, _sy):
+        h = _handle(sx, "x")
+        h.pwrite(b"x" * (4 * MiB), 0)
+        h.flush()
+        h.shutdown()
+        thinblock("volume", "remove", pool, "x")
+        thinblock("pool", "check", pool)
+        assert "x" not in _listed(pool)
+    assert json.loads(thinblock("pool", "status", pool, "--json").stdout)["granted_bytes"] == 0

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import nbd
@@ -76,11 +76,16 @@ def served(tmp_path: Path) -> Iterator[Server]:
 
 def holders(pool: str) -> dict[str, int | None]:
     """The pid owning each volume, from the store's leases."""
+    return holders_of(pool, VOLUMES)
+
+
+def holders_of(pool: str, names: Iterable[str]) -> dict[str, int | None]:
+    """The pid owning each of these volumes, from the store's leases."""
     meta = locate(pool).open_meta(readonly=False)  # the leases are read through a writable opening
     try:
         rows = {row.name: row.id for row in meta.volumes()}
         out: dict[str, int | None] = {}
-        for name in VOLUMES:
+        for name in names:
             holder = meta.volume_holder(rows[name])
             out[name] = owner_pid(holder) if holder else None
         return out
@@ -514,6 +519,53 @@ def test_nbdinfo_lists_many_exports_whose_owners_alternate(tmp_path: Path) -> No
         server.stop()
 
 
+def test_workers_start_while_a_command_holds_every_volume_and_claim_them_after(tmp_path: Path) -> None:
+    """A volume held by a command (an import into it, still reading its stream) is
+    free again when the command ends: `serve POOL --workers 2` beside the server of
+    the other volume is not refused for that, and a client asking for the volume
+    afterwards has a worker claim it."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    thinblock("volume", "create", pool, "a", "--size", "8M")
+    thinblock("volume", "create", pool, "b", "--size", "8M")
+    owner_b = Server(pool, "--volume", "b", "--socket", str(tmp_path / "b.sock"))  # the pool is served per volume
+    job = subprocess.Popen(
+        [sys.executable, "-m", "thinblock", "import", "-", pool, "a", "--no-progress"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")},
+    )
+    server: Server | None = None
+    try:
+        assert job.stdin is not None
+        job.stdin.write(b"\x07" * MiB)  # the import reads its first bytes before it opens the pool
+        job.stdin.flush()
+        for _ in range(600):  # bounded by count: until the import holds a
+            if holders_of(pool, ["a"])["a"] == job.pid:
+                break
+            threading.Event().wait(0.05)
+        else:
+            raise AssertionError("the import never took a's lease")
+        server = Server(pool, "--workers", "2")
+        job.stdin.write(b"\x07" * (7 * MiB))
+        job.stdin.close()
+        assert job.wait(120) == 0, job.stderr.read() if job.stderr else ""
+        h = nbd.NBD()
+        h.connect_uri(server.unix_uri("a"))
+        assert h.pread(4096, 0) == b"\x07" * 4096
+        h.shutdown()
+        assert parent_pid(holders_of(pool, ["a"])["a"] or 0) == server.proc.pid
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        if server is not None:
+            server.stop()
+        owner_b.stop()
+    thinblock("pool", "check", pool)
+
+
 def test_workers_auto_takes_one_per_core_and_a_second_serve_is_refused_naming_it(tmp_path: Path) -> None:
     """--workers auto: one worker per core (at most one per volume); a second `serve
     POOL` is refused naming the pid that was started, as with one process, rather
@@ -586,6 +638,8 @@ def test_volumes_nobody_holds_are_claimed_by_the_workers(served: Server, tmp_pat
     uri = served.unix_uri("")
     thinblock("volume", "create", pool, "e", "--size", "8M")
     assert _holder_pid(pool, "e") is None
+    listing = subprocess.run(["nbdinfo", "--list", "--json", uri], capture_output=True, text=True, check=True)
+    assert "e" in [x["export-name"] for x in json.loads(listing.stdout)["exports"]]  # an export at once
     h = nbd.NBD()
     h.connect_uri(served.unix_uri("e"))
     model = bytearray(8 * MiB)
@@ -596,7 +650,7 @@ def test_volumes_nobody_holds_are_claimed_by_the_workers(served: Server, tmp_pat
     h.flush()
     assert h.pread(8 * MiB, 0) == bytes(model)
     h.shutdown()
-    claimer = _holder_pid(pool, "e")
+    claimer = _holder_pid(pool, "e")  # claimed when nbdinfo asked about it, or the client did
     assert claimer is not None and parent_pid(claimer) == served.proc.pid
     for other in ("a", "b"):  # through each worker: one serves it, the other hands over
         h = routed(uri, other, "e")

@@ -9,13 +9,15 @@ socket (control.py), so nothing touches the metadata behind a live server.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
-from thinblock.admin.control import ControlClient, ControlServer, control_timeout_s, owner_socket
+from thinblock.admin.control import ControlClient, ControlServer, ask_each, control_timeout_s, owner_socket
 from thinblock.admin.follow import tell_owners
+from thinblock.admin.idle_grants import ask_back_idle_grants, give_back_idle_grants
 from thinblock.admin.jobs import Check, run_job
 from thinblock.admin.verbs import run_verb
 from thinblock.backends import locate
@@ -24,6 +26,8 @@ from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.progress import ProgressFn, no_progress
 from thinblock.runtime import CONTROL_SOCKET
 from thinblock.sizes import env_seconds
+
+log = logging.getLogger("thinblock.admin")
 
 
 class Admin(Protocol):
@@ -50,8 +54,13 @@ class LocalAdmin:
         check is called at the job's safe points (cli/signals.py): it raises to stop it."""
         self.pool.start_committer()
         server: ControlServer | None = None
+        extra: dict[str, Callable[..., Any]] = {}
+        pool, owner = self.pool, self.pool.owner
+        if owner is not None:  # a job beside owners per volume: idle grants both ways
+            owner.ask_others = lambda: ask_back_idle_grants(pool)
+            extra["grants_idle_back"] = lambda: give_back_idle_grants(pool)
         try:
-            server = ControlServer(self.pool)
+            server = ControlServer(self.pool, extra)
             return run_job(self.pool, verb, args, list(fds), progress or no_progress, check)
         finally:
             if server is not None:
@@ -122,37 +131,45 @@ class SharedAdmin:
 
     def _owners_clients(self, rows: list[dict[str, Any]]) -> None:
         """Fill each listed row's open_clients from the server holding it (read here
-        they would all be 0): one open_clients call per holder, however many it holds.
-        A holder that is gone has none; one that does not answer soon, unknown (None):
-        a stalled owner must not stall the listing, this figure is a hint."""
-        recorded = self.pool.meta.recorded_holders()
-        holder_of: dict[str, str] = {}
+        they would all be 0): one open_clients call per holder, all at once. A holder
+        that is gone has none; one that does not answer soon, unknown (None): a
+        stalled owner must not stall the listing, this figure is a hint."""
+        try:
+            recorded = self.pool.meta.recorded_holders()
+        except (OSError, ThinblockError) as exc:
+            log.warning("pool %s: open clients unknown: %s", self.pool.path, exc)
+            for row in rows:
+                row["open_clients"] = None
+            return
+        holder_of: dict[str, tuple[str, int]] = {}  # name -> (holder, the volume it holds)
         with self.pool.lock:
             for name, vol in self.pool.visible().items():
                 base = self.pool.base_volume_id(vol)
                 if base is not None and base in recorded:
-                    holder_of[name] = recorded[base]
-        answers: dict[str, dict[str, Any]] = {}
-        for holder in sorted(set(holder_of.values())):
+                    holder_of[name] = (recorded[base], base)
+        sockets: dict[str, str] = {}
+        for holder, _vid in holder_of.values():
             sock = owner_socket(self.pool.location, holder)
-            if sock is None or not os.path.exists(sock):
-                continue  # on another host (unknown) or gone (none)
-            try:
-                client = ControlClient(sock, min(self.timeout_s, LIST_CLIENTS_TIMEOUT_S))
-                try:
-                    answers[holder] = dict(client.call("open_clients"))
-                finally:
-                    client.close()
-            except (ThinblockError, OSError):
-                answers[holder] = {}
+            if sock is not None and os.path.exists(sock):
+                sockets[holder] = sock
+        answers = ask_each(sockets, "open_clients", min(self.timeout_s, LIST_CLIENTS_TIMEOUT_S))
         for row in rows:
-            named = holder_of.get(row["name"])
-            if named is None:
+            if row["name"] not in holder_of:
                 continue
-            if named not in answers:
-                row["open_clients"] = 0 if owner_socket(self.pool.location, named) else None
+            holder, vid = holder_of[row["name"]]
+            answer = answers.get(holder)
+            if isinstance(answer, dict):
+                row["open_clients"] = answer.get(row["name"], 0)
+            elif self._live(vid, holder):
+                row["open_clients"] = None  # on another host, or not answering
             else:
-                row["open_clients"] = answers[named].get(row["name"])
+                row["open_clients"] = 0  # gone: its record outlived it
+
+    def _live(self, vid: int, holder: str) -> bool:
+        try:
+            return self.pool.meta.volume_holder(vid) == holder
+        except (OSError, ThinblockError):
+            return True  # cannot tell: unknown rather than none
 
     def job(self, verb: str, fds: list[int], progress: ProgressFn | None, **args: Any) -> Any:
         with self.for_job(verb, args) as admin:

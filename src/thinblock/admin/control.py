@@ -24,10 +24,12 @@ import contextlib
 import json
 import logging
 import os
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from thinblock.admin.jobs import JOBS, close_fds, run_job
@@ -140,6 +142,12 @@ class ControlServer:
             if got is None:
                 return
             line, fds = got
+            if _gave_up(conn):
+                # Its client timed out while this server was stopped or busy, and told
+                # its user the request failed: running it now would make that a lie.
+                close_fds(fds)
+                log.warning("control: a request dropped unrun: its client gave up waiting for it")
+                return
             sender = _Sender(conn)
             reply = self._handle(line, fds, sender)
             if not sender.send(reply):
@@ -204,6 +212,13 @@ class ControlServer:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         release_runtime_dir(os.path.dirname(self.path))  # a rados: or memory: pool's, when empty now
+
+
+def _gave_up(conn: socket.socket) -> bool:
+    """Whether the client has closed its end already (checked before a request runs)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLRDHUP | select.POLLHUP)
+    return bool(poller.poll(0))
 
 
 class _Requests:
@@ -346,7 +361,8 @@ class ControlClient:
         except TimeoutError:
             raise ThinblockError(
                 f"the server holding the pool did not answer {verb} on its control socket {self.path}"
-                f" within {self.timeout_s:g} s (THINBLOCK_CONTROL_TIMEOUT_S)"
+                f" within {self.timeout_s:g} s (THINBLOCK_CONTROL_TIMEOUT_S); it drops the request unrun"
+                " if it had not started it"
             ) from None
         except OSError as exc:
             raise ThinblockError(f"the control socket {self.path} failed: {exc.strerror or exc}") from None
@@ -366,3 +382,28 @@ class ControlClient:
     def close(self) -> None:
         self.rfile.close()
         self.sock.close()
+
+
+def ask_each(sockets: dict[str, str], verb: str, timeout_s: float) -> dict[str, Any]:
+    """The same call to several servers' control sockets (key -> path), all at once: key
+    -> its answer, or the exception that came instead (ThinblockError for one that did
+    not answer within timeout_s). Stalled servers cost timeout_s once, not each."""
+    if not sockets:
+        return {}
+
+    def one(path: str) -> Any:
+        client = ControlClient(path, timeout_s)
+        try:
+            return client.call(verb)
+        finally:
+            client.close()
+
+    answers: dict[str, Any] = {}
+    with ThreadPoolExecutor(max_workers=min(16, len(sockets)), thread_name_prefix="ask") as asking:
+        futures = {key: asking.submit(one, path) for key, path in sockets.items()}
+        for key, future in futures.items():
+            try:
+                answers[key] = future.result()
+            except Exception as exc:  # the caller says what each failure means
+                answers[key] = exc
+    return answers

@@ -19,7 +19,7 @@ import time
 
 from thinblock.admin.control import ControlClient, control_timeout_s, owner_socket
 from thinblock.backends import Location
-from thinblock.core.owner import owner_pid
+from thinblock.core.owner import ATTACH_PURPOSE, SERVE_PURPOSE, owner_pid
 from thinblock.core.registry import STAGING_PREFIX
 from thinblock.errors import PoolBusyError, ThinblockError
 
@@ -45,6 +45,9 @@ def take_over(location: Location, names: list[str]) -> None:
             started = time.monotonic()
             log.info("takeover of volume %s: asking %s to hand it over", name, holder)
             try:
+                # A stopped or hung owner still accepts connections: a quick question
+                # first, so that it is named at once, not after the hand-over's timeout.
+                _answers(sock)
                 client = ControlClient(sock, control_timeout_s())
             except ThinblockError as exc:
                 raise PoolBusyError(
@@ -65,6 +68,18 @@ def take_over(location: Location, names: list[str]) -> None:
         meta.close()
 
 
+PROBE_TIMEOUT_S = 5.0  # how long an owner may take to answer a question before a takeover
+
+
+def _answers(sock: str) -> None:
+    """ThinblockError unless the server at sock answers a cheap question in PROBE_TIMEOUT_S."""
+    client = ControlClient(sock, min(PROBE_TIMEOUT_S, control_timeout_s()))
+    try:
+        client.call("open_clients")
+    finally:
+        client.close()
+
+
 def volumes_to_serve(location: Location) -> list[str]:
     """What `serve POOL` serves beside servers per volume: the volumes none holds. When
     every one is held it is refused, naming the holders, as a second server of a pool
@@ -72,13 +87,23 @@ def volumes_to_serve(location: Location) -> list[str]:
     holders = _holders(location)
     free = [name for name, holder in holders if holder is None]
     held = [f"{name} by {holder}" for name, holder in holders if holder is not None]
-    if held and not free:
+    # A volume a command holds (an import, a resize) is free again when it ends: the
+    # workers claim it then (a client asking for it), so that alone refuses nothing.
+    if held and not free and all(_lasting(holder) for _name, holder in holders):
         more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+        attached = any(holder and holder.startswith(ATTACH_PURPOSE) for _name, holder in holders)
+        how = "; an attached one is freed by thinblock detach" if attached else ""
         raise PoolBusyError(
             f"pool {location.name}: every volume is served already ({'; '.join(held[:3])}{more});"
-            " serve POOL --volume NAME --takeover moves one here"
+            f" serve POOL --volume NAME --takeover moves one here{how}"
         )
     return free
+
+
+def _lasting(holder: str | None) -> bool:
+    """Whether a lease's holder serves for as long as it runs (a server, an attach's
+    daemon), not for one command."""
+    return holder is not None and holder.startswith((SERVE_PURPOSE, ATTACH_PURPOSE))
 
 
 def unheld_volumes(location: Location) -> list[str]:

@@ -14,7 +14,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from thinblock.admin.control import ControlClient, owner_socket
+from thinblock.admin.control import ask_each, owner_socket
 from thinblock.errors import ThinblockError
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("thinblock.pool")
 
-ASK_TIMEOUT_S = 5.0  # an owner that does not answer this soon keeps its grants
+ASK_TIMEOUT_S = 5.0  # an owner that does not answer this soon keeps its grants (all are asked at once)
 
 
 def ask_back_idle_grants(pool: Pool) -> bool:
@@ -36,21 +36,17 @@ def ask_back_idle_grants(pool: Pool) -> bool:
     except (OSError, ThinblockError) as exc:
         log.warning("pool %s: cannot read the grants to ask their idle space back: %s", pool.path, exc)
         return False
-    answered = False
+    sockets: dict[str, str] = {}
     for holder in sorted(h for h in holders if h is not None and h != owner.name):
         sock = owner_socket(pool.location, holder)
-        if sock is None or not os.path.exists(sock):
-            continue  # on another host, or a command's opening: its grants go back when it ends
-        try:
-            client = ControlClient(sock, ASK_TIMEOUT_S)
-            try:
-                client.call("grants_idle_back")
-            finally:
-                client.close()
-        except (OSError, ThinblockError) as exc:
-            log.info("pool %s: %s did not give its idle grants back: %s", pool.path, holder, exc)
-            continue
-        answered = True
+        if sock is not None and os.path.exists(sock):  # else on another host, or gone
+            sockets[holder] = sock
+    answered = False
+    for holder, answer in ask_each(sockets, "grants_idle_back", ASK_TIMEOUT_S).items():
+        if isinstance(answer, Exception):
+            log.info("pool %s: %s did not give its idle grants back: %s", pool.path, holder, answer)
+        else:
+            answered = True
     return answered
 
 

@@ -48,6 +48,11 @@ FIRST_GRANT_BYTES = 4 << 20
 FAST_GRANTS_S = 1.0  # a grant taken sooner than this after the last one doubles the next
 
 
+# What a lease's holder is, as its name begins: those that serve for as long as they run.
+SERVE_PURPOSE = "thinblock serve"
+ATTACH_PURPOSE = "thinblock fuse-daemon"
+
+
 def owner_name(purpose: str) -> str:
     """Who holds a lease, as other processes are told: host, pid and what it is."""
     return f"{purpose or 'thinblock'} (pid {os.getpid()} on {socket.gethostname()})"
@@ -465,6 +470,8 @@ class VolumeOwner:
         try:
             self.meta.release_volumes(list(self._leases.values()))
         except (OSError, ThinblockError) as exc:
-            problems.append(f"the leases of {len(self._leases)} volume(s) not released: {exc}")
+            # The store gives them up even so (meta/base.py): only their records may
+            # still name this owner, until the next claim overwrites them.
+            problems.append(f"the leases of {len(self._leases)} volume(s) given up with an error: {exc}")
         self._leases = {}
         return problems

@@ -1138,7 +1138,21 @@ class Pool:
         If the last commit fails, the pool is left marked unclean (the next open
         recovers it like after a crash) and UncleanCloseError is raised after cleanup."""
         failure: Exception | None = None
-        with self.lock:
+        if self.committer.closed.is_set():
+            return
+        step = contextlib.ExitStack()
+        if self.owner is not None:
+            # Giving grants back takes the pool-level lock, and a pool-level step (another
+            # owner's ask for idle grants answered here) takes it before this pool's
+            # lock: so does the close, or the two wait on each other for ever. The data
+            # is synced first, outside it, as an administration verb's is (verbs.py).
+            with contextlib.suppress(Exception):  # the commit below says what failed
+                self.commit()
+            try:
+                step.enter_context(self.meta.pool_lock())
+            except (OSError, ThinblockError) as exc:  # what is not given back waits for the next step
+                log.warning("pool %s: closing without the pool-level lock: %s", self.path, exc)
+        with step, self.lock:
             if self.committer.closed.is_set():
                 return
             try:
@@ -1165,6 +1179,7 @@ class Pool:
                 )
             self.committer.closed.set()
             self.accounts.cancel_waits()
+            step.close()  # the pool-level lock goes before the store it is held in
             self.store.close()
             self.meta.close()
             self._ownership.release()

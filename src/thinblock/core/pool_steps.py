@@ -80,7 +80,10 @@ def grant_problems(meta: MetadataStore, n_blocks: int, volume_ids: set[int]) -> 
             problems.append(
                 f"grant {g.start}+{g.count} of volume {g.volume_id} lies outside the pool's {n_blocks} blocks"
             )
-        if g.volume_id not in volume_ids:
+        # An owner that removed a volume keeps its lease, and the grants under it, until
+        # it stops (its other volumes may be using their blocks): only a dead one's
+        # grants for a volume gone are wrong, until the next pool-level step takes them.
+        if g.volume_id not in volume_ids and not _live(meta, g):
             problems.append(f"grant {g.start}+{g.count} is held for volume {g.volume_id}, which does not exist")
     reach = grants[0] if grants else None  # the grant reaching furthest so far
     for after in grants[1:]:
@@ -93,6 +96,13 @@ def grant_problems(meta: MetadataStore, n_blocks: int, volume_ids: set[int]) -> 
         if after.start + after.count > reach.start + reach.count:
             reach = after
     return problems
+
+
+def _live(meta: MetadataStore, grant: Grant) -> bool:
+    try:
+        return meta.lease_live(grant.volume_id, grant.epoch)
+    except (OSError, ThinblockError):
+        return False
 
 
 def reservation_claims(

@@ -451,10 +451,14 @@ class SqliteMetadata(MetadataStore):
             c.execute("BEGIN IMMEDIATE")
             try:
                 c.executemany(statement, rows)
+                c.execute("COMMIT")
             except BaseException:
-                c.execute("ROLLBACK")
+                # A COMMIT that failed (busy past the timeout, a full disk) leaves the
+                # transaction open: every later BEGIN would fail until it is rolled back.
+                if c.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        c.execute("ROLLBACK")
                 raise
-            c.execute("COMMIT")
         except sqlite3.Error as exc:
             raise OSError(errno.EIO, f"metadata lease record failed: {exc}") from exc
 
@@ -564,10 +568,21 @@ class SqliteMetadata(MetadataStore):
             held = self._held.get(volume_id)
             if held is not None:
                 return held.epoch == epoch
-            if not range_locked(self._fd(), 1 + volume_id, 1):
+            fd = self._probe_fd()
+            if fd < 0 or not range_locked(fd, 1 + volume_id, 1):
                 return False
         row = self._owner_row(volume_id)
         return row is not None and row[1] == epoch and bool(row[0])
+
+    def _probe_fd(self) -> int:
+        """The leases file for testing locks (under _owner_lock): a read-only opening
+        (pool check) may test them too, on the file opened for reading; -1 if none."""
+        if not self._readonly:
+            return self._fd()
+        if self._leases_fd < 0 and self._leases_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._leases_fd = os.open(self._leases_path, os.O_RDONLY | os.O_CLOEXEC)
+        return self._leases_fd
 
     @contextlib.contextmanager
     def pool_lock(self) -> Iterator[None]:

@@ -17,6 +17,7 @@ from thinblock import __version__
 from thinblock.admin.access import open_admin
 from thinblock.admin.idle_grants import ask_back_idle_grants, give_back_idle_grants
 from thinblock.backends import locate
+from thinblock.core.owner import ATTACH_PURPOSE, SERVE_PURPOSE
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.core.pool_settings import follow_pool
 from thinblock.core.space_policy import parse_autogrow, parse_low_water, parse_when_full
@@ -555,8 +556,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         return
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     # A refused second server is told the pid that was started, the group's, for a worker.
-    purpose = "thinblock serve" if spec is None else f"thinblock serve worker {spec.index} of pid {spec.group}"
+    purpose = SERVE_PURPOSE if spec is None else f"{SERVE_PURPOSE} worker {spec.index} of pid {spec.group}"
     systemd.notify(f"STATUS=opening pool {args.pool}")
+    claims = False
     try:
         if volumes and args.takeover:
             from thinblock.admin.handover import take_over
@@ -574,10 +576,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
             except PoolBusyError:
                 if volumes is not None or not location.served_per_volume():
                     raise
-                # Servers per volume share the pool: this one serves every volume none holds.
+                # Servers per volume share the pool: this one serves every volume none holds,
+                # also one made or let go later (claimed when a client asks, as workers do).
                 from thinblock.admin.handover import volumes_to_serve
 
                 pool = Pool.open(args.pool, purpose=purpose, volumes=volumes_to_serve(location))
+                claims = True
     except PoolBusyError as exc:
         if "fuse-daemon" in str(exc):
             raise PoolBusyError(
@@ -597,6 +601,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
             group = WorkerGroup(spec.group, spec.handoff_dir)
             server.catalog = GroupCatalog(pool, read_only=args.read_only, group=group, claims=spec.claims)
             handoffs = Handoffs(server, group)
+        elif claims:  # a group of one: no sibling to route to, volumes nobody holds to claim
+            from thinblock.frontends.nbd.workers import GroupCatalog, WorkerGroup
+
+            alone = WorkerGroup(os.getpid(), "")
+            server.catalog = GroupCatalog(pool, read_only=args.read_only, group=alone, claims=True)
         if (tcp or activated_tcp) and tls is None:
             logging.getLogger("thinblock.nbd").warning(
                 "serving TCP without TLS (--insecure): anyone who can reach it can read and write every volume"
@@ -834,7 +843,7 @@ def cmd_fuse_daemon(args: argparse.Namespace) -> None:
     # With --volume (a pool served per volume, fuse/attach.py): the owner of just that
     # volume, holding its lease until unmounted, showing only --show.
     volumes = [args.volume] if args.volume else None
-    with Pool.open(args.pool, purpose="thinblock fuse-daemon (attach)", volumes=volumes) as pool:
+    with Pool.open(args.pool, purpose=f"{ATTACH_PURPOSE} (attach)", volumes=volumes) as pool:
         logging.getLogger("thinblock.fuse").info("serving %s at %s", args.pool, args.mountpoint)
         verbs: dict[str, Callable[..., Any]] = {}
         if volumes is not None:

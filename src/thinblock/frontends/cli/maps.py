@@ -58,7 +58,7 @@ def _human_info(info: dict[str, Any]) -> str:
         ("created", datetime.datetime.fromtimestamp(info["created"]).isoformat(sep=" ", timespec="seconds")),
         ("snapshots", ", ".join(info["snapshots"]) or "-"),
         ("clones", ", ".join(info["clones"]) or "-"),
-        ("open clients", str(info["open_clients"])),
+        ("open clients", "unknown" if info["open_clients"] is None else str(info["open_clients"])),
     ]
     width = max(len(k) for k, _ in rows) + 1
     return "\n".join(f"{(k + ':').ljust(width)} {v}" for k, v in rows)

@@ -259,6 +259,10 @@ class Supervisor:
         if taken:
             log.warning("worker %d: %s now served elsewhere; not taking them back", worker.index, ", ".join(taken))
         worker.volumes = [name for name in worker.volumes if name in free]
+        if not worker.volumes:  # the others claimed them for their clients: nothing to restart for
+            worker.given_up = True
+            log.info("worker %d ended (%s): its volumes are served elsewhere now; not restarting it", worker.index, how)
+            return
         log.warning("worker %d ended (%s): restarting it for %s", worker.index, how, ", ".join(worker.volumes))
         # Dying again soon: wait a little, growing, before the next try. The wait is
         # the main loop's (restart_due): signals are taken meanwhile, so a SIGTERM

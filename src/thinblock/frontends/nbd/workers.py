@@ -187,7 +187,8 @@ class GroupCatalog(PoolCatalog):
         return self._served_here(name)
 
     def list_names(self) -> list[tuple[str, str]]:
-        """This worker's exports and its siblings', sorted by name."""
+        """This worker's exports, its siblings', and, claiming, those nobody serves (a
+        client may ask for them: they are served once asked), sorted by name."""
         mine = super().list_names()
         names = {name for name, _ in mine}
         rows = self._stored_rows()
@@ -198,7 +199,10 @@ class GroupCatalog(PoolCatalog):
             recorded = self.pool.meta.recorded_holders()
         except (OSError, ThinblockError):
             recorded = {}
-        members: dict[str | None, bool] = {}  # holder -> a live sibling
+        # holder -> whether its exports are listed here: a live sibling's; and, claiming,
+        # those of volumes nobody holds (a client asking for one has it claimed here),
+        # whose record names nobody or a holder that died (one lock probe per holder).
+        listed: dict[str | None, bool] = {}
         for row in rows.values():
             if row.name in names or row.name.startswith(STAGING_PREFIX):
                 continue
@@ -206,9 +210,11 @@ class GroupCatalog(PoolCatalog):
             if base is None:
                 continue
             holder = recorded.get(base)
-            if holder not in members:
-                members[holder] = self._sibling_of(holder) is not None
-            if members[holder]:
+            if holder not in listed:
+                listed[holder] = self._sibling_of(holder) is not None or (
+                    self.claims and (holder is None or self._holder(base) is None)
+                )
+            if listed[holder]:
                 origin = rows.get(row.origin_id) if row.origin_id is not None else None
                 mine.append((row.name, describe_row(row, origin.name if origin else None)))
         mine.sort()
