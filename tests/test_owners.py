@@ -636,3 +636,54 @@ def test_removing_a_volume_another_server_owns_leaves_a_pool_that_checks_clean(t
         thinblock("pool", "check", pool)
         assert "x" not in _listed(pool)
     assert json.loads(thinblock("pool", "status", pool, "--json").stdout)["granted_bytes"] == 0
+
+
+def test_takeover_on_the_default_socket_as_the_readme_shows(tmp_path: Path) -> None:
+    """`serve POOL --volume vm1 --takeover` with no --socket listens where vm1's clients
+    connected, POOL/nbd.vm1.sock: the server it takes vm1 from served nothing else, so
+    it stops once it has handed vm1 over, and a client reconnecting to the same path
+    reads what it wrote. Where the owner keeps serving other volumes on that path, the
+    takeover is refused before anything is taken."""
+    pool = _pool(tmp_path, "64M", {"vm1": "8M", "vm2": "8M", "vm3": "8M"})
+    for work in ("one", "two", "taker"):
+        (tmp_path / work).mkdir()
+    sock = os.path.join(pool, "nbd.vm1.sock")  # the default paths, said (the test helper gives one otherwise)
+    first = Server(pool, "--volume", "vm1", "--socket", sock, workdir=tmp_path / "one")
+    both = Server(
+        pool,
+        "--volume",
+        "vm2",
+        "--volume",
+        "vm3",
+        "--socket",
+        os.path.join(pool, "nbd.vm2.sock"),
+        workdir=tmp_path / "two",
+    )
+    taker: Server | None = None
+    try:
+        h = nbd.NBD()
+        h.connect_uri(f"nbd+unix:///vm1?socket={sock}")
+        h.pwrite(b"\x11" * 65536, 0)
+        h.flush()
+        h.shutdown()
+        taker = Server(pool, "--volume", "vm1", "--takeover", "--socket", sock, workdir=tmp_path / "taker")
+        assert first.proc.wait(30) == 0  # it served nothing more: stopped, cleanly
+        assert "every volume it served was handed over: stopping" in first.log.read_text()
+        h = nbd.NBD()
+        h.connect_uri(f"nbd+unix:///vm1?socket={sock}")
+        assert h.pread(65536, 0) == b"\x11" * 65536
+        h.shutdown()
+        refused = thinblock("serve", pool, "--volume", "vm2", "--takeover", check=False)
+        assert refused.returncode != 0
+        assert "keeps serving vm3; nothing was taken over" in refused.stderr, refused.stderr
+        assert _listed(pool)["vm2"]["open_clients"] == 0
+        h = nbd.NBD()  # still both's
+        h.connect_uri(f"nbd+unix:///vm2?socket={os.path.join(pool, 'nbd.vm2.sock')}")
+        h.pwrite(b"\x22" * 4096, 0)
+        h.flush()
+        h.shutdown()
+    finally:
+        for server in (taker, both, first):
+            if server is not None:
+                _stop(server)
+    thinblock("pool", "check", pool)

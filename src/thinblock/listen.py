@@ -14,8 +14,10 @@ import logging
 import os
 import socket
 import stat
+import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 from thinblock.privacy import PRIVATE_FILE
@@ -125,6 +127,34 @@ def remove_socket(path: str, inode: int | None) -> None:
     with contextlib.suppress(OSError):
         if os.stat(path).st_ino == inode:
             os.unlink(path)
+
+
+def listener_pid(path: str) -> int | None:
+    """The pid of the process listening on a unix socket (SO_PEERCRED), None if none."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2)
+    try:
+        probe.connect(path)
+        pid, _uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return int(pid)
+    except OSError:
+        return None
+    finally:
+        probe.close()
+
+
+def wait_for_socket_path(path: str, timeout_s: float) -> None:
+    """Wait (bounded) until no live server listens on path (a server handing its last
+    volume over stops); FileExistsError if one still does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            check_socket_path(path)
+            return
+        except FileExistsError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.05)
 
 
 def check_socket_path(path: str, *, live_ok: bool = False) -> None:

@@ -106,6 +106,11 @@ def _lasting(holder: str | None) -> bool:
     return holder is not None and holder.startswith((SERVE_PURPOSE, ATTACH_PURPOSE))
 
 
+def volumes_held_by(location: Location, pid: int) -> list[str]:
+    """The volumes the server of this pid (on this host) holds now."""
+    return [name for name, holder in _holders(location) if holder is not None and owner_pid(holder) == pid]
+
+
 def unheld_volumes(location: Location) -> list[str]:
     """The volumes no server per volume holds now (`serve POOL` beside them serves these)."""
     return [name for name, holder in _holders(location) if holder is None]

@@ -28,7 +28,7 @@ from thinblock.frontends.cli.common import emit as _emit
 from thinblock.frontends.cli.common import size_arg as _size
 from thinblock.frontends.cli.examples import epilog
 from thinblock.frontends.cli.progress import progress_bar, wanted
-from thinblock.listen import listening_addresses
+from thinblock.listen import check_socket_path, listening_addresses, wait_for_socket_path
 from thinblock.logsetup import add_log_options, configure_from, log_arguments
 from thinblock.runtime import NBD_SOCKET, require_socket_room, socket_path_problem
 from thinblock.sizes import format_size, parse_size
@@ -549,6 +549,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         )
     if (runtime := location.runtime_path()) is not None:
         require_socket_room(runtime, location.shorter_runtime_path)
+    if args.takeover and not activated:
+        # Checked before anything is taken: a taker that then could not listen would
+        # leave the volume served by nobody.
+        _check_takeover_socket(location, socket_path, volumes or [], waits=spec is None and args.workers == 1)
     if spec is None and args.workers > 1:
         if args.metrics:
             raise UsageError("--metrics is not available with --workers yet: each worker keeps its own figures")
@@ -621,6 +625,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     server.listen_socket(sock, shared=spec is not None)
                 unix_path, bound = listening_addresses([sock for sock, _name in activated])
             else:
+                if args.takeover:  # the owner it took from may still be stopping, on this path
+                    wait_for_socket_path(socket_path, TAKEOVER_SOCKET_WAIT_S)
                 server.listen_unix(socket_path, mode=socket_mode, gid=socket_gid)
                 if tcp:
                     where = f"TCP {tcp[0]}:{tcp[1]}"
@@ -633,7 +639,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
                 def release(name: str) -> dict[str, object]:
                     host.refuse_release(name)
-                    return {"name": name, "clients_closed": pool.give_up(name, server.hang_up_volume)}
+                    closed = pool.give_up(name, server.hang_up_volume)
+                    if volumes and spec is None and pool.owner is not None and not pool.owner.owned_ids():
+                        # A server of the volumes it was told (--volume) that has handed
+                        # them all over serves nothing: it stops, and its socket (which the
+                        # taker may want: nbd.VOLUME.sock) goes with it.
+                        log.info("every volume it served was handed over: stopping")
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    return {"name": name, "clients_closed": closed}
 
                 control = ControlServer(pool, {**_owner_verbs(pool, release), "fuse_mount": host.mount})
         except OSError as exc:
@@ -694,6 +707,36 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 pool.close()
                 step.mark("final commit done, pool closed")
     print("stopped", flush=True)
+
+
+TAKEOVER_SOCKET_WAIT_S = 10.0  # how long a taker waits for the owner it took from to leave its socket
+
+
+def _check_takeover_socket(location: Any, socket_path: str, taken: list[str], *, waits: bool) -> None:
+    """Refuse a takeover whose socket path another server listens on (before anything
+    is taken), unless that server is the owner of the volumes taken and of nothing
+    else: it stops once it has handed them over, and its path is free then (waits: a
+    server that binds after the takeover waits for that)."""
+    import errno
+
+    from thinblock.admin.handover import volumes_held_by
+    from thinblock.listen import listener_pid
+
+    try:
+        check_socket_path(socket_path)
+        return
+    except FileExistsError as exc:
+        problem = exc.strerror
+        pid = listener_pid(socket_path) if exc.errno == errno.EADDRINUSE else None
+    if pid is not None and waits:
+        held = volumes_held_by(location, pid)
+        if held and set(held) <= set(taken):
+            return  # it stops once they are handed over (cmd_serve waits for the path)
+        if held:
+            problem = f"the server of pid {pid} listens on it, and keeps serving {', '.join(sorted(set(held) - set(taken)))}"
+    raise ThinblockError(
+        f"cannot serve on the unix socket {socket_path}: {problem}; nothing was taken over: give --socket another path"
+    )
 
 
 def _owner_verbs(pool: Pool, release: Callable[[str], Any]) -> dict[str, Callable[..., Any]]:
