@@ -733,7 +733,9 @@ def _check_takeover_socket(location: Any, socket_path: str, taken: list[str], *,
         if held and set(held) <= set(taken):
             return  # it stops once they are handed over (cmd_serve waits for the path)
         if held:
-            problem = f"the server of pid {pid} listens on it, and keeps serving {', '.join(sorted(set(held) - set(taken)))}"
+            problem = (
+                f"the server of pid {pid} listens on it, and keeps serving {', '.join(sorted(set(held) - set(taken)))}"
+            )
     raise ThinblockError(
         f"cannot serve on the unix socket {socket_path}: {problem}; nothing was taken over: give --socket another path"
     )
