@@ -687,3 +687,28 @@ def test_takeover_on_the_default_socket_as_the_readme_shows(tmp_path: Path) -> N
             if server is not None:
                 _stop(server)
     thinblock("pool", "check", pool)
+
+
+def test_a_control_client_that_half_closes_after_its_request_gets_its_answer(tmp_path: Path) -> None:
+    """The control socket speaks JSON lines: a script (`socat`, `nc -N`) sends its
+    request, shuts its sending side down and reads the answer. Only a client that
+    closed its socket entirely has given up (its request is dropped unrun)."""
+    import socket as socketlib
+
+    from thinblock.admin.control import owner_socket_name
+    from thinblock.backends import locate
+
+    pool = _pool(tmp_path, "64M", {"a": "16M"})
+    with owners(pool, tmp_path, "a") as (sa,):
+        s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        s.settimeout(30)
+        s.connect(os.path.join(locate(pool).runtime_dir(), owner_socket_name(sa.proc.pid)))
+        s.sendall(b'{"verb": "open_clients", "args": {}}\n')
+        s.shutdown(socketlib.SHUT_WR)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = s.recv(4096)
+            assert chunk, f"no answer, the server closed: {reply!r}"
+            reply += chunk
+        s.close()
+        assert json.loads(reply) == {"ok": {"a": 0}}

@@ -722,3 +722,56 @@ def test_hops_count_an_option_passed_on_unanswered_not_a_client_that_lists() -> 
     answered.receive_data(_info(b"b"))
     assert isinstance(answered.next_event(), Route)
     assert next_hops(dataclasses.replace(first, hops=MAX_HOPS), answered.handoff_state()) == 1
+
+
+def test_a_restart_that_is_due_already_does_not_stop_the_supervisor() -> None:
+    """The supervisor waits for signals until the next restart is due; one due already
+    (two workers died together) is a wait of zero, which must not make the signal
+    socket non-blocking (BlockingIOError stopped every worker)."""
+    code = (
+        "import signal\n"
+        "from thinblock.frontends.cli.main import _SignalQueue\n"
+        "q = _SignalQueue(signal.SIGHUP)\n"
+        "assert q.within(0.0) is None and q.within(-1.0) is None\n"
+        "signal.raise_signal(signal.SIGHUP)\n"
+        "assert q.within(0.0) == signal.SIGHUP\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")},
+        timeout=60,
+    )
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_claiming_worker_with_no_volume_is_restarted(tmp_path: Path) -> None:
+    """`serve POOL --workers 2` of a pool with no volume yet: its worker serves the
+    volumes made later (claimed when asked), so one that dies is restarted like any,
+    and the server does not stop for want of volumes."""
+    pool = str(tmp_path / "pool")
+    thinblock("pool", "create", pool, "--size", "64M")
+    server = Server(pool, "--workers", "2")
+    try:
+        workers = [int(p) for p in Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()]
+        assert workers
+        os.kill(workers[0], signal.SIGKILL)
+        _wait_for_log(server, "restarting it for")
+        for _ in range(600):  # bounded by count: until the restarted worker is ready
+            if server.log.read_text().count("serves no volume") >= 2:
+                break
+            threading.Event().wait(0.05)
+        assert server.log.read_text().count("serves no volume") == 2, server.log.read_text()
+        assert server.proc.poll() is None
+        thinblock("volume", "create", pool, "late", "--size", "8M")
+        h = nbd.NBD()
+        h.connect_uri(server.unix_uri("late"))
+        h.pwrite(b"\x09" * 4096, 0)
+        h.flush()
+        h.shutdown()
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log.read_text()
+    thinblock("pool", "check", pool)

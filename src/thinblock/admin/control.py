@@ -94,6 +94,7 @@ class ControlServer:
         # We hold the pool lock, so a socket left here is a dead server's: replace it.
         # Only the pool's owner may connect (0600).
         self._stopping = threading.Event()
+        self._local = threading.local()  # per connection thread: what runs once its reply is sent
         self._connections = 0  # being served (drain waits for them)
         self._served = threading.Condition()
         try:
@@ -150,9 +151,18 @@ class ControlServer:
                 return
             sender = _Sender(conn)
             reply = self._handle(line, fds, sender)
-            if not sender.send(reply):
+            sent = sender.send(reply)
+            after, self._local.after = getattr(self._local, "after", None), None
+            if after is not None:
+                after()
+            if not sent:
                 return
             idle_since = time.monotonic()
+
+    def after_reply(self, action: Callable[[], None]) -> None:
+        """Run action once the reply to the request being handled (in this thread) is
+        sent: a server that stops because of a request answers it first."""
+        self._local.after = action
 
     def drain(self) -> None:
         """Stop taking connections, then wait for those being served to finish their
@@ -215,10 +225,12 @@ class ControlServer:
 
 
 def _gave_up(conn: socket.socket) -> bool:
-    """Whether the client has closed its end already (checked before a request runs)."""
+    """Whether the client has closed its socket already (checked before a request runs).
+    POLLHUP, not POLLRDHUP: a client that only shut its sending side down after its
+    request (`socat`, `nc -N`) still waits for the answer."""
     poller = select.poll()
-    poller.register(conn, select.POLLRDHUP | select.POLLHUP)
-    return bool(poller.poll(0))
+    poller.register(conn, select.POLLHUP)
+    return any(events & select.POLLHUP for _fd, events in poller.poll(0))
 
 
 class _Requests:
@@ -315,6 +327,11 @@ def control_timeout_s() -> float:
     return env_seconds("THINBLOCK_CONTROL_TIMEOUT_S", 120.0, 0.1)
 
 
+class NoAnswer(ThinblockError):
+    """The server did not answer at all (refused, failed, or timed out), as opposed to
+    answering with an error: it may be stopped, hung or gone."""
+
+
 class ControlClient:
     """The admin.Admin interface over a server's control socket. Every call is
     bounded: a server that does not answer is reported, never waited on forever."""
@@ -328,7 +345,7 @@ class ControlClient:
             self.sock.connect(path)
         except OSError as exc:
             self.sock.close()
-            raise ThinblockError(f"the pool is held by a server whose control socket {path} refuses: {exc}") from None
+            raise NoAnswer(f"the pool is held by a server whose control socket {path} refuses: {exc}") from None
         self.sock.settimeout(self.timeout_s)
         self.rfile = self.sock.makefile("rb")
 
@@ -359,15 +376,15 @@ class ControlClient:
                 if progress is not None:
                     progress(*reply["progress"])
         except TimeoutError:
-            raise ThinblockError(
+            raise NoAnswer(
                 f"the server holding the pool did not answer {verb} on its control socket {self.path}"
                 f" within {self.timeout_s:g} s (THINBLOCK_CONTROL_TIMEOUT_S); it drops the request unrun"
                 " if it had not started it"
             ) from None
         except OSError as exc:
-            raise ThinblockError(f"the control socket {self.path} failed: {exc.strerror or exc}") from None
+            raise NoAnswer(f"the control socket {self.path} failed: {exc.strerror or exc}") from None
         if not line:
-            raise ThinblockError("the server closed its control socket without replying")
+            raise NoAnswer("the server closed its control socket without replying")
         if "error" not in reply:
             return reply["ok"]
         code = reply.get("errno")

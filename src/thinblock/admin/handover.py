@@ -17,7 +17,7 @@ import logging
 import os
 import time
 
-from thinblock.admin.control import ControlClient, control_timeout_s, owner_socket
+from thinblock.admin.control import ControlClient, NoAnswer, control_timeout_s, owner_socket
 from thinblock.backends import Location
 from thinblock.core.owner import ATTACH_PURPOSE, SERVE_PURPOSE, owner_pid
 from thinblock.core.registry import STAGING_PREFIX
@@ -72,10 +72,15 @@ PROBE_TIMEOUT_S = 5.0  # how long an owner may take to answer a question before 
 
 
 def _answers(sock: str) -> None:
-    """ThinblockError unless the server at sock answers a cheap question in PROBE_TIMEOUT_S."""
+    """NoAnswer unless the server at sock answers a cheap question in PROBE_TIMEOUT_S:
+    any answer, an error too (a server of another version may not know the verb)."""
     client = ControlClient(sock, min(PROBE_TIMEOUT_S, control_timeout_s()))
     try:
         client.call("open_clients")
+    except NoAnswer:
+        raise
+    except ThinblockError:
+        pass
     finally:
         client.close()
 

@@ -640,12 +640,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 def release(name: str) -> dict[str, object]:
                     host.refuse_release(name)
                     closed = pool.give_up(name, server.hang_up_volume)
-                    if volumes and spec is None and pool.owner is not None and not pool.owner.owned_ids():
+                    if volumes and spec is None and pool.owner is not None and not pool.owner.leases():
                         # A server of the volumes it was told (--volume) that has handed
                         # them all over serves nothing: it stops, and its socket (which the
                         # taker may want: nbd.VOLUME.sock) goes with it.
                         log.info("every volume it served was handed over: stopping")
-                        os.kill(os.getpid(), signal.SIGTERM)
+                        control.after_reply(lambda: os.kill(os.getpid(), signal.SIGTERM))
                     return {"name": name, "clients_closed": closed}
 
                 control = ControlServer(pool, {**_owner_verbs(pool, release), "fuse_mount": host.mount})
@@ -831,8 +831,9 @@ class _SignalQueue:
         return signum
 
     def within(self, timeout: float | None) -> int | None:
-        """The next signal's number; None if none came within timeout seconds."""
-        self._read.settimeout(timeout)
+        """The next signal's number; None if none came within timeout seconds (0 or less:
+        none waiting now; a timeout of 0 would make the socket non-blocking)."""
+        self._read.settimeout(None if timeout is None else max(timeout, 0.001))
         while not self._pending:
             try:
                 self._pending += self._read.recv(64)

@@ -131,6 +131,7 @@ class Supervisor:
         self.listeners = listeners
         self.run_worker = run_worker
         self.restart_pause_s = restart_pause_s()  # read first: a bad value refuses the start
+        self.claims = False  # the workers claim volumes nobody holds (serve POOL without --volume)
         self.workers: list[_Worker] = []
         # Where the workers take hand-overs from each other: a fresh directory only this
         # user may enter, so no other user can listen in a worker's place.
@@ -259,7 +260,7 @@ class Supervisor:
         if taken:
             log.warning("worker %d: %s now served elsewhere; not taking them back", worker.index, ", ".join(taken))
         worker.volumes = [name for name in worker.volumes if name in free]
-        if not worker.volumes:  # the others claimed them for their clients: nothing to restart for
+        if not worker.volumes and not self.claims:  # served elsewhere now: nothing to restart for
             worker.given_up = True
             log.info("worker %d ended (%s): its volumes are served elsewhere now; not restarting it", worker.index, how)
             return
@@ -332,6 +333,7 @@ def supervise(
         take_over(location, volumes)
     names = list(dict.fromkeys(volumes)) if volumes else volumes_to_serve(location)
     supervisor = Supervisor(location, listeners, run_worker)
+    supervisor.claims = not volumes  # its workers claim volumes nobody holds: one with none still serves
     supervisor.deal(names, args.workers)
     log.info("the workers hand connections to each other through sockets in %s", supervisor.handoff_dir)
     supervisor.start_all()
