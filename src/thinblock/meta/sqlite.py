@@ -201,6 +201,7 @@ class SqliteMetadata(MetadataStore):
         self._columns = _VOLUME_COLUMNS
         self._leases_path = leases_path
         self._leases_fd = -1
+        self._closed = False  # the leases file is not opened again once closed
         self._held: dict[int, Lease] = {}  # the leases this store object holds
         self._owner_lock = threading.Lock()  # the fd and _held
         self._pool_lock = threading.RLock()  # pool_lock() within this process (a step may call another)
@@ -438,6 +439,8 @@ class SqliteMetadata(MetadataStore):
         """The leases file, opened once (under _owner_lock or _pool_lock)."""
         if self._leases_path is None or self._readonly:
             raise ThinblockError(f"metadata database {self.path} is not open for ownership per volume")
+        if self._closed:  # a thread still at work after the close (the committer's last step)
+            raise ThinblockError(f"metadata database {self.path} is closed")
         if self._leases_fd < 0:
             self._leases_fd = create_private_file(self._leases_path, exclusive=False)
         return self._leases_fd
@@ -579,7 +582,7 @@ class SqliteMetadata(MetadataStore):
         (pool check) may test them too, on the file opened for reading; -1 if none."""
         if not self._readonly:
             return self._fd()
-        if self._leases_fd < 0 and self._leases_path is not None:
+        if self._leases_fd < 0 and self._leases_path is not None and not self._closed:
             with contextlib.suppress(FileNotFoundError):
                 self._leases_fd = os.open(self._leases_path, os.O_RDONLY | os.O_CLOEXEC)
         return self._leases_fd
@@ -655,6 +658,7 @@ class SqliteMetadata(MetadataStore):
 
     def close(self) -> None:
         with self._owner_lock:
+            self._closed = True
             if self._leases_fd >= 0:
                 os.close(self._leases_fd)  # every lease this store held ends here
                 self._leases_fd = -1
