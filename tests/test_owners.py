@@ -712,3 +712,26 @@ def test_a_control_client_that_half_closes_after_its_request_gets_its_answer(tmp
             reply += chunk
         s.close()
         assert json.loads(reply) == {"ok": {"a": 0}}
+
+
+def test_a_takeover_of_several_volumes_checks_every_owner_before_taking_any(tmp_path: Path) -> None:
+    """`--volume a --volume b --takeover` where b's owner does not answer (stopped):
+    refused before a is taken, so a stays served by its owner, clients and all."""
+    pool = _pool(tmp_path, "64M", {"a": "16M", "b": "16M"})
+    with owners(pool, tmp_path, "a", "b") as (sa, sb):
+        h = _handle(sa, "a")
+        os.kill(sb.proc.pid, signal.SIGSTOP)
+        try:
+            taken = thinblock(
+                "serve", pool, "--volume", "a", "--volume", "b", "--takeover", "--socket", str(tmp_path / "t.sock"),
+                check=False,
+            )  # fmt: skip
+        finally:
+            os.kill(sb.proc.pid, signal.SIGCONT)
+        assert taken.returncode != 0
+        assert f"kill {sb.proc.pid}" in taken.stderr and "nothing was taken over" in taken.stderr, taken.stderr
+        h.pwrite(b"\x0a" * 4096, 0)  # a never left its owner
+        h.flush()
+        assert h.pread(4096, 0) == b"\x0a" * 4096
+        h.shutdown()
+        assert "handed over" not in sa.log.read_text()

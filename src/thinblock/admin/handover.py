@@ -27,11 +27,15 @@ log = logging.getLogger("thinblock.serve")
 
 
 def take_over(location: Location, names: list[str]) -> None:
-    """Ask the owners of these volumes to hand them over; returns once each is free."""
+    """Ask the owners of these volumes to hand them over; returns once each is free.
+    Every owner is checked first (it exists here, answers, is not an attach's daemon),
+    so that a takeover refused for one volume has not taken the others."""
     meta = location.open_meta(readonly=False)
     try:
         rows = {row.name: row for row in meta.volumes()}
-        for name in names:
+        asks: list[tuple[str, str, str]] = []  # (volume, holder, its control socket)
+        answering: set[str] = set()
+        for name in dict.fromkeys(names):
             row = rows.get(name)
             if row is None:
                 raise ThinblockError(f"no volume {name!r} in pool {location.name}")
@@ -39,21 +43,31 @@ def take_over(location: Location, names: list[str]) -> None:
             if holder is None:
                 log.info("takeover of volume %s: nobody serves it", name)
                 continue
+            if holder.startswith(ATTACH_PURPOSE):
+                raise PoolBusyError(
+                    f"volume {name} is attached by thinblock attach (pid {owner_pid(holder)}): detach it first"
+                    f" ('thinblock detach {location.name} {name}'), then serve it; nothing was taken over"
+                )
             sock = owner_socket(location, holder)
             if sock is None or not os.path.exists(sock):
                 raise PoolBusyError(f"volume {name} is served by {holder}, which offers no control socket here")
+            if sock not in answering:
+                try:
+                    # A stopped or hung owner still accepts connections: a quick question
+                    # first, so that it is named at once, not after the hand-over's timeout.
+                    _answers(sock)
+                except ThinblockError as exc:
+                    raise PoolBusyError(
+                        f"volume {name} is served by {holder}, which does not answer ({exc}); on a directory pool"
+                        f" a live process cannot be fenced off: stop it (kill {owner_pid(holder)}), then serve the"
+                        " volume; nothing was taken over"
+                    ) from None
+                answering.add(sock)
+            asks.append((name, holder, sock))
+        for name, holder, sock in asks:
             started = time.monotonic()
             log.info("takeover of volume %s: asking %s to hand it over", name, holder)
-            try:
-                # A stopped or hung owner still accepts connections: a quick question
-                # first, so that it is named at once, not after the hand-over's timeout.
-                _answers(sock)
-                client = ControlClient(sock, control_timeout_s())
-            except ThinblockError as exc:
-                raise PoolBusyError(
-                    f"volume {name} is served by {holder}, which does not answer ({exc}); on a directory pool a"
-                    f" live process cannot be fenced off: stop it (kill {owner_pid(holder)}), then serve the volume"
-                ) from None
+            client = ControlClient(sock, control_timeout_s())
             try:
                 done = client.call("volume_release", name=name)
             finally:
