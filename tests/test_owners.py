@@ -735,3 +735,38 @@ def test_a_takeover_of_several_volumes_checks_every_owner_before_taking_any(tmp_
         assert h.pread(4096, 0) == b"\x0a" * 4096
         h.shutdown()
         assert "handed over" not in sa.log.read_text()
+
+
+def test_a_claiming_server_leaves_a_volume_it_handed_over_to_its_taker(tmp_path: Path) -> None:
+    """`serve POOL` beside owners claims volumes nobody holds when a client asks. One it
+    has just handed over (the first half of a takeover) it must not claim back for a
+    client reconnecting to it, or the taker finds it held again and fails."""
+    from thinblock.admin.control import ControlClient, owner_socket_name
+    from thinblock.backends import locate
+
+    pool = _pool(tmp_path, "64M", {"a": "16M", "b": "16M"})
+    with owners(pool, tmp_path, "b"):
+        rest = Server(pool, "--socket", str(tmp_path / "rest.sock"), workdir=tmp_path)
+        try:
+            h = _handle(rest, "a")
+            h.pwrite(b"\x0b" * 4096, 0)
+            h.flush()
+            client = ControlClient(os.path.join(locate(pool).runtime_dir(), owner_socket_name(rest.proc.pid)), 30)
+            try:
+                assert client.call("volume_release", name="a")["clients_closed"] == 1
+            finally:
+                client.close()
+            again = subprocess.run(
+                ["qemu-img", "info", "-f", "raw", rest.unix_uri("a")], capture_output=True, text=True, timeout=60
+            )
+            assert again.returncode != 0 and "just handed over" in again.stderr, again.stderr
+            (tmp_path / "t").mkdir()
+            taker = Server(pool, "--volume", "a", "--socket", str(tmp_path / "taker.sock"), workdir=tmp_path / "t")
+            try:
+                ht = _handle(taker, "a")
+                assert ht.pread(4096, 0) == b"\x0b" * 4096
+                ht.shutdown()
+            finally:
+                _stop(taker)
+        finally:
+            _stop(rest)

@@ -218,6 +218,9 @@ class Pool:
         # Held to plan and to publish requests, to build and settle commits; never
         # across data I/O or a sync (see volume.py and commit.py).
         self.lock = threading.RLock()
+        # volume id -> when this owner handed it over (give_up): a server claiming volumes
+        # nobody holds leaves it to its taker a while (frontends/nbd/workers.py).
+        self.handed_over: dict[int, float] = {}
         self.stats = PoolStats()  # commits, ENOSPC results, requests per export (metrics)
         sb = meta.superblock()
         self.block_size = int(sb["block_size"])
@@ -659,6 +662,7 @@ class Pool:
         # What this owner's grants kept for the volume's reservation is the next holder's:
         # the free space must hold it again, so whole idle grants go back now, margin none.
         owner.give_back_idle(margin=False)
+        self.handed_over[vol.row.id] = time.monotonic()
         log.info("pool %s: volume %s handed over (%d client(s) closed)", self.path, name, clients)
         return clients
 

@@ -632,6 +632,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     where = f"TCP {tcp[0]}:{tcp[1]}"
                     bound = (tcp[0], server.listen_tcp(*tcp))
             host = MountHost(pool)
+            handed_all: list[str] = []  # filled when it stops itself, having handed everything over
             where = f"the control socket of pool {args.pool}"
             if pool.owner is None:
                 control = ControlServer(pool, {"fuse_mount": host.mount})
@@ -639,12 +640,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
                 def release(name: str) -> dict[str, object]:
                     host.refuse_release(name)
+                    vid = pool.volume(name, kind="volume").row.id
                     closed = pool.give_up(name, server.hang_up_volume)
+                    if spec is not None:  # the siblings leave it to its taker too
+                        from thinblock.frontends.nbd.workers import handed_over_mark
+
+                        try:
+                            with open(handed_over_mark(spec.handoff_dir, vid), "w"):
+                                pass
+                        except OSError as exc:
+                            log.warning("cannot tell the other workers volume %s was handed over: %s", name, exc)
                     if volumes and spec is None and pool.owner is not None and not pool.owner.leases():
                         # A server of the volumes it was told (--volume) that has handed
                         # them all over serves nothing: it stops, and its socket (which the
                         # taker may want: nbd.VOLUME.sock) goes with it.
                         log.info("every volume it served was handed over: stopping")
+                        handed_all.append(name)
                         control.after_reply(lambda: os.kill(os.getpid(), signal.SIGTERM))
                     return {"name": name, "clients_closed": closed}
 
@@ -685,7 +696,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 systemd.notify("RELOADING=1", "STATUS=reloading --tls-authz")
                 server.reload_authz()
                 systemd.notify("READY=1", f"STATUS={status}")
-            why = signal.Signals(signum).name
+            why = "its last volume handed over" if handed_all else signal.Signals(signum).name
             systemd.notify("STOPPING=1", "STATUS=stopping: finishing requests and committing")
             print("stopping: finishing requests and committing", flush=True)
         finally:

@@ -35,6 +35,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 from thinblock.core.owner import owner_pid
@@ -52,6 +53,14 @@ log = logging.getLogger("thinblock.nbd")
 MAX_MESSAGE_BYTES = 512 << 10  # a hand-over: one option (64 KiB at most) and what was negotiated
 HANDOFF_TIMEOUT_S = 5.0
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
+
+HANDED_OVER_GRACE_S = 30.0  # a volume handed over is left to its taker this long
+
+
+def handed_over_mark(directory: str, volume_id: int) -> str:
+    """A file whose time says when a worker of the group handed volume_id over."""
+    return os.path.join(directory, f"handed-over.{volume_id}")
 
 
 def handoff_address(directory: str, pid: int) -> str:
@@ -160,10 +169,28 @@ class GroupCatalog(PoolCatalog):
             raise ExportElsewhere(f"{kind} {name} is not served here: it is served by {holder}")
         if not self.claims:
             return None
+        if self._just_handed_over(base):
+            # Its taker claims it next: a client reconnecting here meanwhile must not
+            # take it back (the takeover would then fail, the volume served here again).
+            raise ExportElsewhere(f"{kind} {name} is not served here: it was just handed over to another server")
         with self._claiming:
             if (vol := self._served_here(name)) is not None:  # claimed while this lookup waited
                 return vol
             return self._claim(base, name)
+
+    def _just_handed_over(self, base: int) -> bool:
+        """Whether this worker, or a sibling (a mark in the group's directory), handed
+        volume base over less than HANDED_OVER_GRACE_S ago."""
+        now = time.monotonic()
+        if now - self.pool.handed_over.get(base, -HANDED_OVER_GRACE_S) < HANDED_OVER_GRACE_S:
+            return True
+        if not self.group.directory:
+            return False
+        try:
+            age = time.time() - os.stat(handed_over_mark(self.group.directory, base)).st_mtime
+        except OSError:
+            return False
+        return age < HANDED_OVER_GRACE_S
 
     def _served_here(self, name: str) -> Volume | None:
         with self.pool.lock:
