@@ -11,11 +11,11 @@ from __future__ import annotations
 import errno
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.test_commands import until
 from thinblock import Pool, ThinblockError
 from thinblock.admin.idle_grants import give_back_idle_grants
 from thinblock.admin.verbs import run_verb
@@ -362,14 +362,6 @@ def _blocked_in(thread: threading.Thread, function: str) -> bool:
     return False
 
 
-def _until(condition: Callable[[], bool], what: str) -> None:
-    for _ in range(600):  # bounded by count: 30 s at most, never a timing assertion
-        if condition():
-            return
-        threading.Event().wait(0.05)
-    raise AssertionError(f"never: {what}")
-
-
 def test_an_owner_closing_while_it_gives_idle_grants_back_does_not_deadlock(tmp_path: Path) -> None:
     """Another owner's ask for idle grants (a control request: the pool-level lock, then
     this pool's lock) while the owner closes (this pool's lock, then the pool-level lock
@@ -386,10 +378,10 @@ def test_an_owner_closing_while_it_gives_idle_grants_back_does_not_deadlock(tmp_
         with c.meta.pool_lock():  # another owner's pool-level step holds the lock a while
             asked = threading.Thread(target=give_back_idle_grants, args=(b,), daemon=True)
             asked.start()
-            _until(lambda: _blocked_in(asked, "pool_lock"), "the ask waits for the pool-level lock")
+            until(lambda: _blocked_in(asked, "pool_lock"), "the ask waits for the pool-level lock")
             closing = threading.Thread(target=b.close, daemon=True)
             closing.start()
-            _until(lambda: _blocked_in(closing, "pool_lock"), "the close waits for the pool-level lock")
+            until(lambda: _blocked_in(closing, "pool_lock"), "the close waits for the pool-level lock")
         asked.join(30)
         closing.join(30)
         assert not asked.is_alive() and not closing.is_alive(), "the ask and the close wait on each other"

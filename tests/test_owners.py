@@ -26,6 +26,7 @@ import pytest
 
 from tests.cli import ROOT, thinblock
 from tests.nbd_server import Server, listed_exports
+from tests.test_commands import listing, until
 
 MiB = 1 << 20
 
@@ -289,6 +290,18 @@ def test_a_nearly_full_pool_gives_space_trimmed_by_one_owner_to_another(tmp_path
         hb.shutdown()
 
 
+def _write_until_enospc(h: nbd.NBD, byte: bytes, size: int) -> int:
+    """Write 64 KiB extents of byte from the start until the pool answers ENOSPC (it
+    must, within size); how many bytes were written before it."""
+    written = 0
+    with pytest.raises(nbd.Error) as full:
+        while written < size:
+            h.pwrite(byte * (64 << 10), written)
+            written += 64 << 10
+    assert full.value.errno == "ENOSPC"
+    return written
+
+
 def test_enospc_comes_only_once_the_pool_is_full_whoever_holds_the_grants(tmp_path: Path) -> None:
     """The pool-wide ENOSPC rule across owners: a's owner keeps idle granted space
     after a small write; b's owner, finding nothing left outside the grants, has the
@@ -300,12 +313,7 @@ def test_enospc_comes_only_once_the_pool_is_full_whoever_holds_the_grants(tmp_pa
         ha.flush()
         before = json.loads(thinblock("pool", "status", pool, "--json").stdout)
         assert before["granted_unused_bytes"] > 0, before  # a's owner keeps some for its next writes
-        written = 0
-        with pytest.raises(nbd.Error) as full:
-            while written < 32 * MiB:
-                hb.pwrite(b"b" * (64 << 10), written)
-                written += 64 << 10
-        assert full.value.errno == "ENOSPC"
+        written = _write_until_enospc(hb, b"b", 32 * MiB)
         hb.flush()
         after = json.loads(thinblock("pool", "status", pool, "--json").stdout)
         assert after["used_bytes"] == after["size_bytes"], after
@@ -330,12 +338,7 @@ def test_an_owner_that_does_not_answer_keeps_its_idle_grants_and_the_asker_says_
         assert kept > 0
         os.kill(sa.proc.pid, signal.SIGSTOP)
         try:
-            written = 0
-            with pytest.raises(nbd.Error) as full:
-                while written < 32 * MiB:
-                    hb.pwrite(b"b" * (64 << 10), written)
-                    written += 64 << 10
-            assert full.value.errno == "ENOSPC"
+            written = _write_until_enospc(hb, b"b", 32 * MiB)
             assert written < 31 * MiB  # what a's owner kept was not b's
             assert hb.pread(written, 0) == b"b" * written  # b's server is fine
             assert "did not give its idle grants back" in sb.log.read_text()
@@ -368,12 +371,10 @@ def test_an_import_running_beside_an_owner_answers_for_its_idle_grants(tmp_path:
             assert job.stdin is not None
             job.stdin.write(b"i" * MiB)
             job.stdin.flush()
-            for _ in range(600):  # bounded by count: until the job holds its grant
-                if json.loads(thinblock("pool", "status", pool, "--json").stdout)["granted_bytes"] > 0:
-                    break
-                threading.Event().wait(0.05)
-            else:
-                raise AssertionError("the import never took a grant")
+            until(
+                lambda: json.loads(thinblock("pool", "status", pool, "--json").stdout)["granted_bytes"] > 0,
+                "the import to take a grant",
+            )
             client = ControlClient(os.path.join(locate(pool).runtime_dir(), owner_socket_name(job.pid)), 30)
             try:
                 answer = client.call("grants_idle_back")
@@ -387,7 +388,7 @@ def test_an_import_running_beside_an_owner_answers_for_its_idle_grants(tmp_path:
         assert job.stderr is not None
         err = job.stderr.read().decode()
         assert "Traceback" not in err, err
-    assert "n" not in _listed(pool)
+    assert "n" not in listing(pool)
 
 
 def _write_until_it_fits(h: nbd.NBD, length: int) -> int:
@@ -499,11 +500,6 @@ def test_a_reservation_on_one_owners_volume_holds_while_another_owner_fills_the_
         hb.shutdown()
 
 
-def _listed(pool: str) -> dict[str, dict[str, object]]:
-    rows = json.loads(thinblock("volume", "list", pool, "--json").stdout)
-    return {r["name"]: r for r in rows}
-
-
 def test_open_clients_are_counted_by_the_owner_whoever_lists(tmp_path: Path) -> None:
     """volume list and volume info run in the command's own process beside owners per
     volume; the open clients are the owners' to tell (a listing read from the store
@@ -513,23 +509,23 @@ def test_open_clients_are_counted_by_the_owner_whoever_lists(tmp_path: Path) -> 
     with owners(pool, tmp_path, "a", "b") as (sa, sb):
         ha, ha2, hb = _handle(sa, "a"), _handle(sa, "a"), _handle(sb, "b")
         try:
-            listed = _listed(pool)
+            listed = listing(pool)
             assert {n: r["open_clients"] for n, r in listed.items()} == {"a": 2, "a-snap": 0, "b": 1, "c": 0}
             info = json.loads(thinblock("volume", "info", pool, "a", "--json").stdout)
             assert info["open_clients"] == 2 and info["snapshots"] == ["a-snap"]
             hb.shutdown()
             hb = None
-            assert _listed(pool)["b"]["open_clients"] == 0
+            assert listing(pool)["b"]["open_clients"] == 0
             os.kill(sb.proc.pid, signal.SIGSTOP)
             try:
-                listed = _listed(pool)
+                listed = listing(pool)
                 assert listed["a"]["open_clients"] == 2 and listed["b"]["open_clients"] is None
             finally:
                 os.kill(sb.proc.pid, signal.SIGCONT)
             # A holder killed: its record and its socket file outlive it; it has none.
             sb.proc.kill()
             sb.proc.wait()
-            assert _listed(pool)["b"]["open_clients"] == 0
+            assert listing(pool)["b"]["open_clients"] == 0
         finally:
             for h in (ha, ha2, hb):
                 if h is not None:
@@ -586,12 +582,9 @@ def test_a_command_that_gave_up_on_a_stopped_owner_is_not_carried_out_later(tmp_
                 assert late.returncode != 0 and "did not answer" in late.stderr, late.stderr
         finally:
             os.kill(sa.proc.pid, signal.SIGCONT)
-        for _ in range(600):  # bounded by count: until both requests were read and dropped
-            if sa.log.read_text().count("dropped unrun") >= 2:
-                break
-            threading.Event().wait(0.05)
+        until(lambda: sa.log.read_text().count("dropped unrun") >= 2, "both requests to be read and dropped")
         assert sa.log.read_text().count("dropped unrun") == 2, sa.log.read_text()
-        listed = _listed(pool)
+        listed = listing(pool)
         assert "a@late" not in listed and listed["a"]["size_bytes"] == 16 * MiB
         thinblock("snapshot", "create", pool, "a", "a@now")  # a's owner answers again
 
@@ -619,7 +612,7 @@ def test_takeover_of_a_stopped_owner_names_it_at_once_and_changes_nothing(tmp_pa
         h.pwrite(b"\x06" * 4096, 0)
         h.flush()
         h.shutdown()
-        assert _listed(pool)["a"]["open_clients"] == 0
+        assert listing(pool)["a"]["open_clients"] == 0
 
 
 def test_removing_a_volume_another_server_owns_leaves_a_pool_that_checks_clean(tmp_path: Path) -> None:
@@ -634,7 +627,7 @@ def test_removing_a_volume_another_server_owns_leaves_a_pool_that_checks_clean(t
         h.shutdown()
         thinblock("volume", "remove", pool, "x")
         thinblock("pool", "check", pool)
-        assert "x" not in _listed(pool)
+        assert "x" not in listing(pool)
     assert json.loads(thinblock("pool", "status", pool, "--json").stdout)["granted_bytes"] == 0
 
 
@@ -676,7 +669,7 @@ def test_takeover_on_the_default_socket_as_the_readme_shows(tmp_path: Path) -> N
         refused = thinblock("serve", pool, "--volume", "vm2", "--takeover", check=False)
         assert refused.returncode != 0
         assert "keeps serving vm3; nothing was taken over" in refused.stderr, refused.stderr
-        assert _listed(pool)["vm2"]["open_clients"] == 0
+        assert listing(pool)["vm2"]["open_clients"] == 0
         h = nbd.NBD()  # still both's
         h.connect_uri(f"nbd+unix:///vm2?socket={os.path.join(pool, 'nbd.vm2.sock')}")
         h.pwrite(b"\x22" * 4096, 0)

@@ -41,6 +41,7 @@ import pytest
 from tests.cli import export_bytes, thinblock
 from tests.nbd_server import Server
 from tests.nbd_tls_client import PKI
+from tests.test_commands import until
 from tests.test_nbd_protocol import Catalog, opt, replies
 from thinblock.backends import locate
 from thinblock.core.owner import owner_pid
@@ -541,12 +542,7 @@ def test_workers_start_while_a_command_holds_every_volume_and_claim_them_after(t
         assert job.stdin is not None
         job.stdin.write(b"\x07" * MiB)  # the import reads its first bytes before it opens the pool
         job.stdin.flush()
-        for _ in range(600):  # bounded by count: until the import holds a
-            if holders_of(pool, ["a"])["a"] == job.pid:
-                break
-            threading.Event().wait(0.05)
-        else:
-            raise AssertionError("the import never took a's lease")
+        until(lambda: holders_of(pool, ["a"])["a"] == job.pid, "the import to take a's lease")
         server = Server(pool, "--workers", "2")
         job.stdin.write(b"\x07" * (7 * MiB))
         job.stdin.close()
@@ -759,10 +755,7 @@ def test_a_claiming_worker_with_no_volume_is_restarted(tmp_path: Path) -> None:
         assert workers
         os.kill(workers[0], signal.SIGKILL)
         _wait_for_log(server, "restarting it for")
-        for _ in range(600):  # bounded by count: until the restarted worker is ready
-            if server.log.read_text().count("serves no volume") >= 2:
-                break
-            threading.Event().wait(0.05)
+        until(lambda: server.log.read_text().count("serves no volume") >= 2, "the restarted worker to be ready")
         assert server.log.read_text().count("serves no volume") == 2, server.log.read_text()
         assert server.proc.poll() is None
         thinblock("volume", "create", pool, "late", "--size", "8M")

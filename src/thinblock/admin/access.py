@@ -15,7 +15,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
-from thinblock.admin.control import ControlClient, ControlServer, ask_each, control_timeout_s, owner_socket
+from thinblock.admin.control import (
+    ControlClient,
+    ControlServer,
+    ask_each,
+    control_timeout_s,
+    owner_socket,
+    reachable_sockets,
+)
 from thinblock.admin.follow import tell_owners
 from thinblock.admin.idle_grants import ask_back_idle_grants, give_back_idle_grants
 from thinblock.admin.jobs import Check, run_job
@@ -147,12 +154,9 @@ class SharedAdmin:
                 base = self.pool.base_volume_id(vol)
                 if base is not None and base in recorded:
                     holder_of[name] = (recorded[base], base)
-        sockets: dict[str, str] = {}
-        for holder, _vid in holder_of.values():
-            sock = owner_socket(self.pool.location, holder)
-            if sock is not None and os.path.exists(sock):
-                sockets[holder] = sock
+        sockets = reachable_sockets(self.pool.location, {holder for holder, _vid in holder_of.values()})
         answers = ask_each(sockets, "open_clients", min(self.timeout_s, LIST_CLIENTS_TIMEOUT_S))
+        live: dict[str, bool] = {}  # a holder that did not answer: one lock probe, whatever it held
         for row in rows:
             if row["name"] not in holder_of:
                 continue
@@ -160,10 +164,11 @@ class SharedAdmin:
             answer = answers.get(holder)
             if isinstance(answer, dict):
                 row["open_clients"] = answer.get(row["name"], 0)
-            elif self._live(vid, holder):
-                row["open_clients"] = None  # on another host, or not answering
-            else:
-                row["open_clients"] = 0  # gone: its record outlived it
+                continue
+            if holder not in live:
+                live[holder] = self._live(vid, holder)
+            # Not answering (or on another host): unknown; gone, its record outliving it: none.
+            row["open_clients"] = None if live[holder] else 0
 
     def _live(self, vid: int, holder: str) -> bool:
         try:

@@ -28,7 +28,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -399,6 +399,17 @@ class ControlClient:
     def close(self) -> None:
         self.rfile.close()
         self.sock.close()
+
+
+def reachable_sockets(pool: Location, holders: Iterable[str]) -> dict[str, str]:
+    """holder -> its control socket, for the holders (lease holder names) whose socket
+    is on this host and still there; one on another host, or gone, is left out."""
+    sockets: dict[str, str] = {}
+    for holder in holders:
+        sock = owner_socket(pool, holder)
+        if sock is not None and os.path.exists(sock):
+            sockets[holder] = sock
+    return sockets
 
 
 def ask_each(sockets: dict[str, str], verb: str, timeout_s: float) -> dict[str, Any]:

@@ -101,8 +101,8 @@ def _answers(sock: str) -> None:
 
 def volumes_to_serve(location: Location) -> list[str]:
     """What `serve POOL` serves beside servers per volume: the volumes none holds. When
-    every one is held it is refused, naming the holders, as a second server of a pool
-    owned whole is (a server of nothing would only look like one)."""
+    servers (or attach daemons) hold every one it is refused, naming the holders, as a
+    second server of a pool owned whole is (a server of nothing would only look like one)."""
     holders = _holders(location)
     free = [name for name, holder in holders if holder is None]
     held = [f"{name} by {holder}" for name, holder in holders if holder is not None]

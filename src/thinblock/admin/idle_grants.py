@@ -11,10 +11,9 @@ Only then is the answer ENOSPC, as with one process owning the whole pool.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
-from thinblock.admin.control import ask_each, owner_socket
+from thinblock.admin.control import ask_each, reachable_sockets
 from thinblock.errors import ThinblockError
 
 if TYPE_CHECKING:
@@ -36,11 +35,7 @@ def ask_back_idle_grants(pool: Pool) -> bool:
     except (OSError, ThinblockError) as exc:
         log.warning("pool %s: cannot read the grants to ask their idle space back: %s", pool.path, exc)
         return False
-    sockets: dict[str, str] = {}
-    for holder in sorted(h for h in holders if h is not None and h != owner.name):
-        sock = owner_socket(pool.location, holder)
-        if sock is not None and os.path.exists(sock):  # else on another host, or gone
-            sockets[holder] = sock
+    sockets = reachable_sockets(pool.location, sorted(h for h in holders if h is not None and h != owner.name))
     answered = False
     for holder, answer in ask_each(sockets, "grants_idle_back", ASK_TIMEOUT_S).items():
         if isinstance(answer, Exception):
