@@ -144,3 +144,24 @@ def test_the_owner_tail_failing_changes_nothing(tmp_path: Path, failing: str) ->
         meta.close()
     with Pool.open(path) as again:  # opens (no false rollback refusal) and reads back
         assert again.volume("v").read(0, 128 << 10) == b"x" * (128 << 10)
+
+
+def test_an_overwrite_in_place_on_a_full_layer_below_is_enospc_and_changes_nothing(tmp_path: Path) -> None:
+    """An overwrite of a block the volume holds alone takes the short path (no plan,
+    no entry changes); the layer below saying ENOSPC there is the pool's ENOSPC,
+    naming that layer, as on the general path, and the block keeps its bytes."""
+    path = tmp_path / "pool"
+    pool = Pool.create(str(path), 16 * BS, block_size=BS)
+    store = FaultyStore(pool.store)
+    install(pool, store=store)
+    vol = pool.create_volume("v", 8 * BS)
+    vol.write(0, b"x" * BS)
+    store.arm(Fault(("pwritev",), 0, "enospc", times=2))  # the short path, then the general one
+    with pytest.raises(NoSpaceError, match="data store below pool"):
+        vol.write(4096, b"y" * 4096)
+    assert store.fault is not None and store.fault.times == 0
+    assert vol.read(0, BS) == b"x" * BS
+    vol.write(4096, b"y" * 4096)  # the layer below has room again
+    assert vol.read(0, 8192) == b"x" * 4096 + b"y" * 4096
+    pool.close()
+    assert _check(path) == []

@@ -411,7 +411,36 @@ class Volume:
         over UNMAPPED/ZEROED nothing changes; a whole DATA block becomes ZEROED (on)
         or, unless provisioned, UNMAPPED (unmap)."""
         buf = memoryview(data).cast("B")
-        self._waiting_for_space(fua, self._mutate, offset, len(buf), lambda: self._plan_write(offset, buf))
+        if not self._overwrite_in_place(offset, buf):
+            self._waiting_for_space(fua, self._mutate, offset, len(buf), lambda: self._plan_write(offset, buf))
+        elif fua:
+            self.pool.commit()
+
+    def _overwrite_in_place(self, offset: int, buf: memoryview) -> bool:
+        """The commonest write, without the planner: data within one DATA block that
+        this volume alone holds lands in that block and no entry changes (what
+        _plan_write and _fill_data would do, at a fraction of the cost per request).
+        False, having done nothing, when any other rule may apply: the block is not
+        DATA or is shared, the payload is zeros under detect_zeroes, or the layer
+        below is full (the general path then waits for space or says ENOSPC)."""
+        bs = self.pool.block_size
+        vblock, start = divmod(offset, bs)
+        if not len(buf) or start + len(buf) > bs or (self.row.detect_zeroes != "off" and is_zero(buf)):
+            return False
+        self._check(offset, len(buf), write=True)
+        with self.ranges.hold(vblock, vblock, exclusive=True):
+            with self.pool.lock:
+                self._check(offset, len(buf), write=True)  # again: a resize or removal may have run meanwhile
+                entry = self._entry(vblock)
+                if entry_state(entry) != _DATA or self._needs_new_dblock(vblock, entry):
+                    return False
+            try:
+                self.pool.store.pwritev(entry_dblock(entry) * bs + start, [buf])
+            except OSError as exc:
+                if is_no_space(exc) and not isinstance(exc, OpError):
+                    return False
+                raise
+        return True
 
     def _plan_write(self, offset: int, buf: memoryview) -> Iterator[_Step]:
         bs = self.pool.block_size

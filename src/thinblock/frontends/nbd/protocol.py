@@ -27,6 +27,16 @@ DIRECT_PAYLOAD_BYTES = 64 << 10  # payloads at least this large are read into th
 _REQUEST = struct.Struct(">IHHQQI")
 _SIMPLE_REPLY = struct.Struct(">IIQ")
 _CHUNK = struct.Struct(">IHHQI")
+_DATA_CHUNK = struct.Struct(">IHHQIQ")  # a chunk's header and an OFFSET_DATA chunk's offset
+_ALLOWED_FLAGS = {  # the flags each command may carry
+    c.CMD_READ: c.CMD_FLAG_FUA | c.CMD_FLAG_DF,
+    c.CMD_WRITE: c.CMD_FLAG_FUA,
+    c.CMD_FLUSH: c.CMD_FLAG_FUA,
+    c.CMD_TRIM: c.CMD_FLAG_FUA,
+    c.CMD_CACHE: c.CMD_FLAG_FUA,
+    c.CMD_WRITE_ZEROES: c.CMD_FLAG_FUA | c.CMD_FLAG_NO_HOLE | c.CMD_FLAG_FAST_ZERO,
+    c.CMD_BLOCK_STATUS: c.CMD_FLAG_FUA | c.CMD_FLAG_REQ_ONE,
+}
 
 BASE_ALLOCATION = "base:allocation"
 
@@ -669,15 +679,7 @@ class ServerConnection:
         export = self.export
         if export is None:
             raise LocalProtocolError("check_request before transmission")
-        allowed = {
-            c.CMD_READ: c.CMD_FLAG_FUA | c.CMD_FLAG_DF,
-            c.CMD_WRITE: c.CMD_FLAG_FUA,
-            c.CMD_FLUSH: c.CMD_FLAG_FUA,
-            c.CMD_TRIM: c.CMD_FLAG_FUA,
-            c.CMD_CACHE: c.CMD_FLAG_FUA,
-            c.CMD_WRITE_ZEROES: c.CMD_FLAG_FUA | c.CMD_FLAG_NO_HOLE | c.CMD_FLAG_FAST_ZERO,
-            c.CMD_BLOCK_STATUS: c.CMD_FLAG_FUA | c.CMD_FLAG_REQ_ONE,
-        }.get(req.command)
+        allowed = _ALLOWED_FLAGS.get(req.command)
         if allowed is None:
             return c.EINVAL, f"unknown command {req.command}"
         if req.flags & ~allowed:
@@ -737,8 +739,9 @@ class ServerConnection:
                 )
             else:
                 out.append(
-                    _CHUNK.pack(c.STRUCTURED_REPLY_MAGIC, done, c.REPLY_TYPE_OFFSET_DATA, cookie, 8 + len(data))
-                    + struct.pack(">Q", offset)
+                    _DATA_CHUNK.pack(
+                        c.STRUCTURED_REPLY_MAGIC, done, c.REPLY_TYPE_OFFSET_DATA, cookie, 8 + len(data), offset
+                    )
                 )
                 out.append(data)
         if not pieces:

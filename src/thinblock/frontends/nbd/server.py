@@ -71,6 +71,7 @@ log = logging.getLogger("thinblock.nbd")
 
 MAX_IN_FLIGHT = 64
 READ_CHUNK_BYTES = 256 << 10
+SMALL_PAYLOAD_BYTES = 16 << 10  # a write payload shorter than this is read along with what follows it
 WORKERS = 4
 QUICK_REQUEST_BYTES = 128 << 10
 BATCH_REPLIES = 32  # inline replies sent in one sendmsg at most
@@ -952,8 +953,11 @@ class Session:
                     self.peer_gone = not n
                     conn.received_into(n)
                     continue
-                wanted = conn.wanted()  # read a write payload alone, so it is not copied
-                n = self._recv_into(view[: min(len(view), wanted)] if wanted else view)
+                # A large write payload's tail is read alone, so it is not copied; a small
+                # one is read with whatever follows it (pipelined requests: one recv, not
+                # one per payload, and their replies go out together).
+                wanted = conn.wanted()
+                n = self._recv_into(view[:wanted] if SMALL_PAYLOAD_BYTES <= wanted < len(view) else view)
                 self.peer_gone = not n
                 conn.receive_data(view[:n])
             elif isinstance(event, PayloadPending):
@@ -964,11 +968,12 @@ class Session:
                 self.reserved = event.length
             elif isinstance(event, Request):
                 cost = request_cost(event)
+                quick = _quick(event, self.server.inline_small)
                 if self.reserved:
                     assert cost == self.reserved
                     self.reserved = 0
                 else:
-                    if not _quick(event, self.server.inline_small):
+                    if not quick:
                         self._flush_batch()  # the budget may have to wait for those replies
                     if not self._take_budget(cost):
                         return "server shutting down"
@@ -979,7 +984,7 @@ class Session:
                         return "server shutting down"
                 with self._pending_mutex:
                     self.pending += 1
-                if _quick(event, self.server.inline_small):
+                if quick:
                     self._work(event, cost, inline=True)  # no thread handoff for small requests
                 else:
                     self._flush_batch()
@@ -1188,7 +1193,7 @@ class Session:
             if inline:
                 self.batch += reply
                 self.batch_costs.append(cost)
-                self.batch_bytes += sum(len(b) for b in reply)
+                self.batch_bytes += sum(map(len, reply))
                 if len(self.batch_costs) >= BATCH_REPLIES or self.batch_bytes >= BATCH_BYTES:
                     self._flush_batch()
             else:
@@ -1210,9 +1215,14 @@ class Session:
             self._out(bufs, costs)
 
     def _done(self, costs: list[int]) -> None:
-        for cost in costs:
-            self._give_budget(cost)
-            self.slots.release(1)
+        """The replies of a batch are out: what they held goes back at once (one release
+        per budget, not one per reply)."""
+        total = sum(costs)
+        self.server.budget.release(total)
+        if large := sum(cost for cost in costs if cost > LARGE_REQUEST_BYTES):
+            self.server.large_budget.release(large)
+        self.budget.release(total)
+        self.slots.release(len(costs))
 
     def _out(self, bufs: list[bytes], costs: list[int]) -> None:
         """Send a reply at once if the socket takes it whole without blocking and nothing
