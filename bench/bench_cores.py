@@ -22,7 +22,13 @@ cases, side by side in one run:
 fio --ioengine=nbd over unix sockets: the exports are first written
 sequentially (1 MiB, so that reads find data), then 4 KiB random read and
 random write with two jobs, one connection to each volume (iodepth 16 each,
-time-based, 15 s; --quick 5 s over 1 GiB). On A's v1 alone: the same with one
+time-based, 15 s over the first 4 GiB, --region to change that; --quick 5 s
+over 1 GiB); the prefill is synced to disk before the random phases. With 4 GiB
+per volume the random writes dirty more of the page cache than the kernel lets
+stay dirty (a 4 KiB write into a page-cache folio the 1 MiB prefill made large
+counts the whole folio as dirty), so every case's writes wait for the disk's
+writeback; with --region 1G they stay within it and measure the servers' CPU.
+On A's v1 alone: the same with one
 job and one connection. Each comparison runs twice, the order reversed the
 second time (run 1: A, B, [O, W,] C; run 2: C, [W, O,] B, A). Ratios B/A,
 A/C, B/C (and O/A, O/C, W/A, W/C). --cases picks some of them. fio shares the machine's cores with the servers.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -192,6 +199,7 @@ def run_case(key: str, scratch: Path, region: str, runtime: int) -> dict[str, An
         with STARTERS[key](work) as uris:
             progress(f"{key} ({CASES[key]}): sequential prefill of {region} on each of {len(uris)} exports")
             fio_volumes(uris, "write", "1M", 16, region, None)
+            os.sync()  # every case's random phase starts with the prefill on disk, none behind
             for rw in WORKLOADS:
                 progress(f"{key} ({CASES[key]}): 4k {rw}, {len(uris)} jobs, {runtime} s")
                 res = fio_volumes(uris, rw, "4k", 16, region, runtime)
@@ -253,8 +261,14 @@ def main() -> None:
     )
     parser.add_argument("--workers", action="store_true", help="also one `serve POOL --workers 2` (W)")
     parser.add_argument("--cases", metavar="A,W,C", help="run only these cases, in this order (then reversed)")
+    parser.add_argument(
+        "--region",
+        metavar="SIZE",
+        help="the part of each volume written and then read at random (default 4G; --quick 1G)",
+    )
     args = parser.parse_args()
     region, runtime = ("1G", 5) if args.quick else (VOLUME, 15)
+    region = args.region or region
     order = ["A", "B", *(["O"] if args.owners else []), *(["W"] if args.workers else []), "C"]
     if args.cases:
         order = [k for k in args.cases.split(",") if k in CASES]

@@ -350,6 +350,9 @@ class Volume:
             with self.pool.lock:
                 self._check(offset, length, write=False)
                 pieces = self._sparse_plan(offset, length)
+            if len(pieces) == 1:  # the common small request: one read, or none
+                off, n, src = pieces[0]
+                return [(off, n, store.pread(src, n) if src >= 0 else None)]
             got = iter(store.read_many([(src, n) for _, n, src in pieces if src >= 0]))
             return [(off, n, None if src < 0 else next(got)) for off, n, src in pieces]
 
