@@ -1231,10 +1231,9 @@ class Session:
         with another's: while anything is queued, everything queues behind it."""
         with self.send_lock:
             if not self.queued and self.inline_sends:
-                views = [memoryview(b).cast("B") for b in bufs if len(b)]
-                total = sum(len(v) for v in views)
+                total = sum(map(len, bufs))  # replies are bytes: len counts bytes
                 try:
-                    sent = self.sock.sendmsg(views, [], socket.MSG_DONTWAIT) if len(views) <= IOV_MAX else 0
+                    sent = self.sock.sendmsg(bufs, [], socket.MSG_DONTWAIT) if len(bufs) <= IOV_MAX else 0
                 except BlockingIOError:
                     sent = 0
                 except OSError:
@@ -1242,7 +1241,7 @@ class Session:
                 if sent >= total:
                     self._done(costs)
                     return
-                bufs = _remainder(views, sent)
+                bufs = _remainder([memoryview(b).cast("B") for b in bufs if len(b)], sent)
             self.queued += 1
         self.replies.put((bufs, costs))
 
