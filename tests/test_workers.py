@@ -768,3 +768,21 @@ def test_a_claiming_worker_with_no_volume_is_restarted(tmp_path: Path) -> None:
         server.stop()
     assert "Traceback" not in server.log.read_text()
     thinblock("pool", "check", pool)
+
+
+def test_more_workers_than_volumes_given_says_so(tmp_path: Path) -> None:
+    """`--workers 3 --volume a`: one process serves a volume, so one worker runs,
+    and the log says why there are fewer than asked."""
+    pool = _pool(tmp_path)
+    server = Server(pool, "--workers", "3", "--volume", "a")
+    try:
+        h = nbd.NBD()
+        h.connect_uri(server.unix_uri("a"))
+        h.pwrite(b"w" * 4096, 0)
+        assert h.pread(4096, 0) == b"w" * 4096
+        h.shutdown()
+        log = server.log.read_text()
+        assert "--workers 3 for 1 volume(s) given with --volume: 1 worker(s), one per volume" in log, log
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log.read_text()

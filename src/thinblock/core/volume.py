@@ -13,6 +13,9 @@ Each mutating verb runs through one skeleton, `_mutate`:
   4. under the pool lock, publish the new entries, only if all the I/O succeeded.
 A failed request changes nothing: its fresh dblocks go back through the freed
 path. Reads plan under the pool lock and read outside it, sharing their range.
+One write skips the planner: within one DATA block the volume holds alone, it
+changes no entry, so steps 2 and 4 reduce to looking the block up
+(`_overwrite_in_place`); anything else about it goes the general way.
 
 Two rules keep stale bytes out of reads:
   * UNMAPPED and ZEROED blocks are never read from the data store;

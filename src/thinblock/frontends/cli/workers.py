@@ -335,6 +335,14 @@ def supervise(
     supervisor = Supervisor(location, listeners, run_worker)
     supervisor.claims = not volumes  # its workers claim volumes nobody holds: one with none still serves
     supervisor.deal(names, args.workers)
+    if volumes and len(supervisor.workers) < args.workers:
+        # A volume is served by one process: more workers than volumes would idle.
+        log.warning(
+            "--workers %d for %d volume(s) given with --volume: %d worker(s), one per volume",
+            args.workers,
+            len(names),
+            len(supervisor.workers),
+        )
     log.info("the workers hand connections to each other through sockets in %s", supervisor.handoff_dir)
     supervisor.start_all()
     why = "an error"
