@@ -11,12 +11,14 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -714,3 +716,51 @@ def test_a_shorter_view_of_a_refcount_page_leaves_its_tail_alone() -> None:
     new = np.array([2, 1], dtype=np.uint32).tobytes()
     got = np.frombuffer(refcount_page(0, stored, new, base), dtype=np.uint32).tolist()
     assert got == [2, 1, 1, 1]
+
+
+class _CommitFailsOnce:
+    """A SQLite connection whose next COMMIT fails as a full disk makes it fail
+    (SQLITE_FULL at the write of the log), leaving the transaction open."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self.armed = True
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if self.armed and sql == "COMMIT":
+            self.armed = False
+            raise sqlite3.OperationalError("database or disk is full")
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._conn, name)
+
+
+def test_a_lease_record_whose_commit_fails_is_rolled_back(sqlite_pool: str) -> None:
+    """A claim whose record's COMMIT fails is refused whole (EIO, no lock kept, no
+    row naming it), and the connection is usable after: without the rollback every
+    later write transaction would fail ("cannot start a transaction within a
+    transaction"). The same for a release, which gives the lease up regardless."""
+    a = locate(sqlite_pool).open_meta(readonly=False)
+    b = locate(sqlite_pool).open_meta(readonly=False)
+    real = a.conn  # type: ignore[attr-defined]
+    try:
+        a.conn = _CommitFailsOnce(real)  # type: ignore[attr-defined]
+        with pytest.raises(OSError) as info:
+            a.claim_volume(1, "server-a")
+        refused(info, errno.EIO, "metadata lease record failed", "disk is full")
+        assert not real.in_transaction
+        assert b.volume_holder(1) is None
+        lease = b.claim_volume(1, "server-b")  # a kept no lock
+        b.release_volume(lease)
+        lease = a.claim_volume(1, "server-a")  # and its connection writes again
+        assert b.volume_holder(1) == "server-a"
+        a.conn = _CommitFailsOnce(real)  # type: ignore[attr-defined]
+        with pytest.raises(OSError, match="metadata lease record failed"):
+            a.release_volume(lease)
+        assert not real.in_transaction
+        assert b.claim_volume(1, "server-b").epoch == lease.epoch + 1  # the lease went all the same
+    finally:
+        a.conn = real  # type: ignore[attr-defined]
+        a.close()
+        b.close()
