@@ -129,14 +129,23 @@ def remove_socket(path: str, inode: int | None) -> None:
             os.unlink(path)
 
 
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a connected unix socket, as the
+    kernel recorded them when it connected or listened (SO_PEERCRED)."""
+    pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return pid, uid
+
+
 def listener_pid(path: str) -> int | None:
-    """The pid of the process listening on a unix socket (SO_PEERCRED), None if none."""
+    """The pid of the process listening on a unix socket, None if none."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(2)
     try:
         probe.connect(path)
-        pid, _uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        return int(pid)
+        return peer_credentials(probe)[0]
     except OSError:
         return None
     finally:

@@ -45,14 +45,13 @@ from thinblock.core.volume import Volume
 from thinblock.errors import ThinblockError
 from thinblock.frontends.nbd.protocol import ExportElsewhere, ExportRouted, RemoteProtocolError, ServerConnection
 from thinblock.frontends.nbd.server import Handed, NBDServer, PoolCatalog, describe_row
-from thinblock.listen import accept_loop
+from thinblock.listen import accept_loop, peer_credentials
 from thinblock.meta.base import VolumeBusyError, VolumeRow
 
 log = logging.getLogger("thinblock.nbd")
 
 MAX_MESSAGE_BYTES = 512 << 10  # a hand-over: one option (64 KiB at most) and what was negotiated
 HANDOFF_TIMEOUT_S = 5.0
-_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
 HANDED_OVER_GRACE_S = 30.0  # a volume handed over is left to its taker this long
@@ -297,7 +296,7 @@ class Handoffs:
             ctl.settimeout(HANDOFF_TIMEOUT_S)
             ctl.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE_BYTES)
             ctl.connect(handoff_address(self.group.directory, pid))
-            peer_pid, uid, _gid = _UCRED.unpack(ctl.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            peer_pid, uid = peer_credentials(ctl)
             if peer_pid != pid or uid != os.geteuid():
                 raise ThinblockError(f"the hand-over socket of worker {pid} is held by pid {peer_pid} (uid {uid})")
             socket.send_fds(ctl, [message], [sock.fileno()])  # atomic: all of it was queued, or nothing
@@ -315,7 +314,7 @@ class Handoffs:
             log.exception("dropped a connection handed over by a sibling: internal error")
 
     def _take(self, ctl: socket.socket) -> None:
-        pid, uid, _gid = _UCRED.unpack(ctl.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        pid, uid = peer_credentials(ctl)
         if uid != os.geteuid() or not self.group.member(pid):  # before reading anything from it
             log.warning("refused a hand-over from pid %d (uid %d): not a worker of this server", pid, uid)
             return
