@@ -426,9 +426,10 @@ class Volume:
         """The commonest write, without the planner: data within one DATA block that
         this volume alone holds lands in that block and no entry changes (what
         _plan_write and _fill_data would do, at a fraction of the cost per request).
-        False, having done nothing, when any other rule may apply: the block is not
-        DATA or is shared, the payload is zeros under detect_zeroes, or the layer
-        below is full (the general path then waits for space or says ENOSPC)."""
+        False when any other rule may apply, having changed no entry: the block is
+        not DATA or is shared, the payload is zeros under detect_zeroes, or the
+        layer below is full (the general path then writes it again whole, and waits
+        for space or says ENOSPC as it does for any write)."""
         bs = self.pool.block_size
         vblock, start = divmod(offset, bs)
         if not len(buf) or start + len(buf) > bs or (self.row.detect_zeroes != "off" and is_zero(buf)):
