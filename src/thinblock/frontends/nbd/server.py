@@ -1178,11 +1178,17 @@ class Session:
         return True
 
     def _give_budget(self, cost: int, *, server: bool = True) -> None:
+        self._give_back([cost], server=server)
+
+    def _give_back(self, costs: list[int], *, server: bool = True) -> None:
+        """What requests held goes back to each budget _take_budget took it from, in
+        one release per budget however many requests."""
+        total = sum(costs)
         if server:
-            self.server.budget.release(cost)
-        if cost > LARGE_REQUEST_BYTES:
-            self.server.large_budget.release(cost)
-        self.budget.release(cost)
+            self.server.budget.release(total)
+        if large := sum(cost for cost in costs if cost > LARGE_REQUEST_BYTES):
+            self.server.large_budget.release(large)
+        self.budget.release(total)
 
     def _work(self, req: Request, cost: int, *, inline: bool = False) -> None:
         """Run a request; inline (on the reader thread), its reply joins the batch that
@@ -1215,13 +1221,8 @@ class Session:
             self._out(bufs, costs)
 
     def _done(self, costs: list[int]) -> None:
-        """The replies of a batch are out: what they held goes back at once (one release
-        per budget, not one per reply)."""
-        total = sum(costs)
-        self.server.budget.release(total)
-        if large := sum(cost for cost in costs if cost > LARGE_REQUEST_BYTES):
-            self.server.large_budget.release(large)
-        self.budget.release(total)
+        """The replies of a batch are out: what they held goes back at once."""
+        self._give_back(costs)
         self.slots.release(len(costs))
 
     def _out(self, bufs: list[bytes], costs: list[int]) -> None:
