@@ -31,7 +31,7 @@ import sys
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NamedTuple, ParamSpec
+from typing import TYPE_CHECKING, NamedTuple, ParamSpec, TypeGuard
 
 from thinblock.core.change import Change
 from thinblock.core.exclusive import count_exclusive
@@ -79,6 +79,12 @@ def _add_piece(pieces: list[list[int]], offset: int, length: int, store_off: int
             last[1] += length
             return
     pieces.append([offset, length, store_off])
+
+
+def _below_is_full(exc: BaseException) -> TypeGuard[OSError]:
+    """A write's data I/O failed because the layer below is full (not an error of the
+    pool's own, which is an OpError): the pool answers as if it were full itself."""
+    return is_no_space(exc) and not isinstance(exc, OpError)
 
 
 class _Step(NamedTuple):
@@ -444,7 +450,7 @@ class Volume:
             try:
                 self.pool.store.pwritev(entry_dblock(entry) * bs + start, [buf])
             except OSError as exc:
-                if is_no_space(exc) and not isinstance(exc, OpError):
+                if _below_is_full(exc):
                     return False
                 raise
         return True
@@ -685,7 +691,7 @@ class Volume:
                     # A ZEROED block's dblock must read zero (the rule writes into it rely on);
                     # the failed write may have reached it, so the next write there is whole.
                     pool.unclean_zeroed.update(change.in_place_zeroed)
-                if is_no_space(exc) and not isinstance(exc, OpError):  # a full layer below: like a full pool
+                if _below_is_full(exc):  # like a full pool
                     raise NoSpaceError(f"the data store below pool {pool.path} is full: {exc.strerror}") from exc
                 raise
             with pool.lock:
