@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults import Fault, FaultyMeta, FaultyStore, install
-from thinblock import NoSpaceError, Pool
+from thinblock import NoSpaceError, Pool, Volume
 from thinblock.backends import locate
 from thinblock.errors import CommitError
 from thinblock.tools.check import check_metadata
@@ -82,13 +82,19 @@ def test_failed_commit_keeps_refcounts_pending(tmp_path: Path) -> None:
         assert again.volume("a").read(0, 8 * BS) == b"A" * (8 * BS)
 
 
-def test_failed_data_sync_fails_the_flush_and_commits_nothing(tmp_path: Path) -> None:
-    path = tmp_path / "pool"
+def _pool_over_a_faulty_store(path: Path) -> tuple[Pool, FaultyStore, Volume]:
+    """A pool on a FaultyStore (not armed yet) with a volume v whose first block holds x."""
     pool = Pool.create(str(path), 16 * BS, block_size=BS)
     store = FaultyStore(pool.store)
     install(pool, store=store)
     vol = pool.create_volume("v", 8 * BS)
     vol.write(0, b"x" * BS)
+    return pool, store, vol
+
+
+def test_failed_data_sync_fails_the_flush_and_commits_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "pool"
+    pool, store, vol = _pool_over_a_faulty_store(path)
     store.arm(Fault(("flush",), 0, "eio"))
     with pytest.raises(CommitError) as info:
         vol.flush()
@@ -151,11 +157,7 @@ def test_an_overwrite_in_place_on_a_full_layer_below_is_enospc_and_changes_nothi
     no entry changes); the layer below saying ENOSPC there is the pool's ENOSPC,
     naming that layer, as on the general path, and the block keeps its bytes."""
     path = tmp_path / "pool"
-    pool = Pool.create(str(path), 16 * BS, block_size=BS)
-    store = FaultyStore(pool.store)
-    install(pool, store=store)
-    vol = pool.create_volume("v", 8 * BS)
-    vol.write(0, b"x" * BS)
+    pool, store, vol = _pool_over_a_faulty_store(path)
     store.arm(Fault(("pwritev",), 0, "enospc", times=2))  # the short path, then the general one
     with pytest.raises(NoSpaceError, match="data store below pool"):
         vol.write(4096, b"y" * 4096)
