@@ -8,6 +8,7 @@ with them). The RADOS store keeps one owner per pool and refuses these verbs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -15,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,14 +30,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tests.conftest import new_rados_locator
 from thinblock.backends import Location, locate
 from thinblock.backends.memory import MemoryLocation
-from thinblock.errors import ThinblockError
+from thinblock.backends.rados import RadosLocation
+from thinblock.errors import PoolBusyError
 from thinblock.meta.base import Grant, Lease, MetadataStore, Transaction, VolumeBusyError, VolumeRow
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = 256  # the pool's blocks (1 MiB of 4 KiB)
-LOCATIONS: dict[str, Callable[[Path], str]] = {
-    "directory-sqlite": lambda tmp: str(tmp / "pool"),
-    "memory": lambda tmp: f"memory:owners-{uuid.uuid4().hex}",
+LOCATIONS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {
+    "directory-sqlite": lambda request, tmp: str(tmp / "pool"),
+    "memory": lambda request, tmp: f"memory:owners-{uuid.uuid4().hex}",
+    "rados-omap": lambda request, tmp: new_rados_locator(request, "owners"),
 }
 
 
@@ -53,8 +57,10 @@ def read_counts(meta: MetadataStore, n: int = 8) -> list[int]:
 
 @pytest.fixture(params=list(LOCATIONS))
 def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Location]:
-    loc = locate(LOCATIONS[request.param](tmp_path))
+    loc = locate(LOCATIONS[request.param](request, tmp_path))
     loc.create({"block_size": 4096, "size_bytes": BLOCKS * 4096, "clean": True}, BLOCKS * 4096, None)
+    # A RADOS store commits beside other owners only while its process shares the pool.
+    shared = loc.own_shared("owners contract") if isinstance(loc, RadosLocation) else None
     seed = loc.open_meta(readonly=False)
     seed.commit(
         Transaction(
@@ -68,6 +74,8 @@ def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Locatio
     try:
         yield loc
     finally:
+        if shared is not None:
+            shared.release()
         if isinstance(loc, MemoryLocation):
             loc.remove_created()
 
@@ -492,7 +500,10 @@ import numpy as np
 from thinblock.backends import locate
 from thinblock.meta.base import Grant, Transaction
 pool, vid, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-meta = locate(pool).open_meta(readonly=False)
+loc = locate(pool)
+if pool.startswith("rados:"):
+    shared = loc.own_shared(f"process-{vid}")  # a RADOS store commits beside others only so
+meta = loc.open_meta(readonly=False)
 lease = meta.claim_volume(vid, f"process-{vid}")
 with meta.pool_lock():
     meta.commit(Transaction(leases=[lease], grants=[Grant(vid, lease.epoch, 100 + 40 * vid, 10)]))
@@ -525,11 +536,10 @@ def _owner_process(pool: str, vid: int, rounds: int, *, hold: bool = False) -> s
     return subprocess.Popen(args, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
-@pytest.fixture
-def sqlite_pool(tmp_path: Path) -> str:
-    pool = str(tmp_path / "pool")
+def _seeded_pool(pool: str) -> str:
     loc = locate(pool)
     loc.create({"block_size": 4096, "size_bytes": BLOCKS * 4096, "clean": True}, BLOCKS * 4096, None)
+    shared = loc.own_shared("seed") if isinstance(loc, RadosLocation) else None
     meta = loc.open_meta(readonly=False)
     meta.commit(
         Transaction(
@@ -539,14 +549,45 @@ def sqlite_pool(tmp_path: Path) -> str:
         )
     )
     meta.close()
+    if shared is not None:
+        shared.release()
     return pool
 
 
-def test_owner_processes_commit_to_one_pool_at_once(sqlite_pool: str) -> None:
-    procs = [_owner_process(sqlite_pool, vid, 100) for vid in (1, 2, 3)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+@pytest.fixture
+def sqlite_pool(tmp_path: Path) -> str:
+    return _seeded_pool(str(tmp_path / "pool"))
+
+
+@pytest.fixture(params=["sqlite", "rados"])
+def process_pool(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A pool that owner processes share: SQLite (leases die with their process) and
+    RADOS (leases lapse 2 s after their holder stops renewing them)."""
+    monkeypatch.setenv("THINBLOCK_RADOS_LEASE_S", "2")
+    if request.param == "sqlite":
+        return _seeded_pool(str(tmp_path / "pool"))
+    return _seeded_pool(new_rados_locator(request, "processes"))
+
+
+@contextlib.contextmanager
+def owner_store(pool: str) -> Iterator[MetadataStore]:
+    """A store of this process as one more owner (sharing a RADOS pool first)."""
+    loc = locate(pool)
+    shared = loc.own_shared("test owner") if isinstance(loc, RadosLocation) else None
+    meta = loc.open_meta(readonly=False)
+    try:
+        yield meta
+    finally:
+        meta.close()
+        if shared is not None:
+            shared.release()
+
+
+def test_owner_processes_commit_to_one_pool_at_once(process_pool: str) -> None:
+    procs = [_owner_process(process_pool, vid, 100) for vid in (1, 2, 3)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0]
-    meta = locate(sqlite_pool).open_meta(readonly=True)
+    meta = locate(process_pool).open_meta(readonly=True)
     try:
         got = np.frombuffer(meta.refcount_pages()[0], dtype=np.uint32)
         assert [int(got[100 + 40 * vid]) for vid in (1, 2, 3)] == [100, 100, 100] and int(got[2]) == 2 + 300
@@ -558,50 +599,79 @@ def test_owner_processes_commit_to_one_pool_at_once(sqlite_pool: str) -> None:
     assert len(ids) == len(set(ids)) == 150
 
 
-def test_a_killed_owner_process_frees_its_volume_and_its_grants_go_stale(sqlite_pool: str) -> None:
-    proc = _owner_process(sqlite_pool, 1, 1, hold=True)
+def test_a_killed_owner_process_frees_its_volume_and_its_grants_go_stale(process_pool: str) -> None:
+    proc = _owner_process(process_pool, 1, 1, hold=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline()  # it holds volume 1 now
-        meta = locate(sqlite_pool).open_meta(readonly=False)
-        try:
+        with owner_store(process_pool) as meta:
             with pytest.raises(VolumeBusyError, match="volume 1 is owned by process-1"):
                 meta.claim_volume(1, "me")
             assert meta.stale_grants() == []
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
-            assert meta.volume_holder(1) is None
+            _until_lapsed(meta, 1)
             assert meta.stale_grants() == [Grant(1, 1, 140, 10)]
             lease = meta.claim_volume(1, "me")
             assert lease.epoch == 2
             with meta.pool_lock():  # the next pool-level step takes the grant back, fencing its lease
                 meta.commit(Transaction(returned_grants=meta.stale_grants(), fenced=[(1, 1)]))
             assert meta.grants() == []
-        finally:
-            meta.close()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-# ----- RADOS keeps one owner per pool -------------------------------------------------------------
+def _exists(loc: RadosLocation, name: str) -> bool:
+    import rados
+
+    try:
+        loc.cluster().ioctx(loc.ceph_pool).stat(name)
+    except rados.ObjectNotFound:
+        return False
+    return True
 
 
-def test_a_rados_store_refuses_the_ownership_verbs(request: pytest.FixtureRequest) -> None:
+def _until_lapsed(meta: MetadataStore, vid: int) -> None:
+    """Wait until nobody live holds the volume: at once on SQLite (the lock died with
+    its process), once the lease lapses on RADOS (bounded: a minute)."""
+    deadline = time.monotonic() + 60
+    while meta.volume_holder(vid) is not None:
+        assert time.monotonic() < deadline, f"volume {vid}'s lease never lapsed"
+        time.sleep(0.1)
+
+
+# ----- RADOS: a pool is owned whole or shared per volume, never both ----------------------------
+
+
+def test_a_rados_pool_is_held_whole_or_shared_never_both(request: pytest.FixtureRequest) -> None:
+    """The whole owner's commits are one owner's (the ownership verbs are refused);
+    a sharer is refused while it holds the pool, and it is refused while sharers do."""
     loc = locate(new_rados_locator(request, "owners"))
     loc.create({"block_size": 4096, "size_bytes": 1 << 20, "clean": True}, 1 << 20, None)
     meta = loc.open_meta(readonly=False)
     ownership = loc.own("owners contract")
     try:
-        with pytest.raises(ThinblockError, match="keeps one owner per pool"):
-            meta.claim_volume(1, "x")
         with pytest.raises(OSError) as exc:
             meta.commit(Transaction(refcount_pages={0: counts(1)}, refcount_bases={0: counts()}))
-        refused(exc, errno.EOPNOTSUPP, "one owner")
+        refused(exc, errno.EOPNOTSUPP, "holds the RADOS pool whole")
         assert meta.refcount_pages() == {}
+        with pytest.raises(PoolBusyError, match="it owns the whole pool"):
+            locate(loc.name).own_shared("a sharer")
+        assert not loc.served_per_volume()
     finally:
         ownership.release()
         meta.close()
+    shared = [locate(loc.name).own_shared(f"sharer {i}") for i in range(2)]
+    try:
+        assert loc.served_per_volume()
+        with pytest.raises(PoolBusyError, match="served per volume by other processes"):
+            locate(loc.name).own("a whole owner")
+    finally:
+        for one in shared:
+            one.release()
+    assert not loc.served_per_volume()
+    loc.own("a whole owner").release()
 
 
 def test_pool_level_steps_nest_in_one_thread(owners: Callable[[], MetadataStore]) -> None:
@@ -764,3 +834,73 @@ def test_a_lease_record_whose_commit_fails_is_rolled_back(sqlite_pool: str) -> N
         a.conn = real  # type: ignore[attr-defined]
         a.close()
         b.close()
+
+
+_STALLED = """
+import sys
+from thinblock.backends import locate
+from thinblock.meta.base import Transaction, VolumeRow
+pool, probe = sys.argv[1], sys.argv[2]
+loc = locate(pool)
+shared = loc.own_shared("stalled owner")
+meta = loc.open_meta(readonly=False)
+lease = meta.claim_volume(1, "stalled")
+print("held", flush=True)
+sys.stdin.readline()  # stopped here (SIGSTOP) while another takes the volume over
+try:
+    meta.commit(Transaction(leases=[lease], volumes=[VolumeRow(1, "v1", 7 << 20, "on", 1.0)]))
+    print("commit: landed", flush=True)
+except OSError as exc:
+    print(f"commit: refused: {exc}", flush=True)
+try:
+    meta.io.write_full(probe, b"written by a fenced owner")
+    print("write: landed", flush=True)
+except Exception as exc:
+    print(f"write: refused: {exc}", flush=True)
+"""
+
+
+def test_a_stalled_rados_owner_whose_volume_was_taken_writes_nothing(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An owner stopped (SIGSTOP) past its lease: the next claim fences its client
+    before writing its own record, so when it wakes up neither its metadata commit
+    nor any write of its to RADOS lands (RBD's exclusive lock: lease, blocklist, epoch)."""
+    monkeypatch.setenv("THINBLOCK_RADOS_LEASE_S", "2")
+    pool = _seeded_pool(new_rados_locator(request, "stalled"))
+    probe = f"thinblock-fence-probe-{uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STALLED, pool, probe], env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "held"
+        proc.send_signal(signal.SIGSTOP)
+        with owner_store(pool) as meta:
+            deadline = time.monotonic() + 60
+            while True:  # refused while the lease lives, taken (and its holder fenced) once it lapsed
+                try:
+                    lease = meta.claim_volume(1, "heir")
+                    break
+                except VolumeBusyError as exc:
+                    assert "owned by stalled" in str(exc)
+                    assert time.monotonic() < deadline, "the stalled owner's lease never lapsed"
+                    time.sleep(0.1)
+            assert lease.epoch == 2
+            proc.send_signal(signal.SIGCONT)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out = proc.communicate(timeout=120)[0]
+            assert "commit: refused" in out and "write: refused" in out, out
+            assert [v.size_bytes for v in meta.volumes() if v.id == 1] == [1 << 20]
+            loc = locate(pool)
+            assert isinstance(loc, RadosLocation)
+            assert not _exists(loc, probe)
+            meta.commit(Transaction(leases=[lease], volumes=[VolumeRow(1, "v1", 3 << 20, "on", 1.0)]))
+            assert [v.size_bytes for v in meta.volumes() if v.id == 1] == [3 << 20]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()

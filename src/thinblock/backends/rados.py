@@ -24,20 +24,22 @@ import logging
 import os
 import re
 import socket
-import struct
 import threading
 import time
 import uuid
+from struct import error as struct_error
 from typing import Any
 
 from thinblock.backends.base import Location, Ownership
 from thinblock.bindings import RADOS_POOLS, require
+from thinblock.ceph import cls_lock
 from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, connect, rados_errno
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
+from thinblock.meta.rados_leases import BLOCKLIST_S, lease_s
 from thinblock.runtime import private_runtime_dir, runtime_base
-from thinblock.sizes import env_seconds, format_size
+from thinblock.sizes import format_size
 from thinblock.stats import LEASE_EVENTS
 from thinblock.steps import Step, timed
 from thinblock.store.base import DataStore
@@ -52,26 +54,8 @@ log = logging.getLogger("thinblock.rados")
 LOCK_NAME = "thinblock"
 
 
-def lease_s() -> int:
-    """The lease, in whole seconds (THINBLOCK_RADOS_LEASE_S, default 15, 1 to 3600)."""
-    return max(1, round(env_seconds("THINBLOCK_RADOS_LEASE_S", 15.0, 1.0, 3600.0)))
-
-
-BLOCKLIST_S = 3600  # long enough for the fenced process to notice and give up
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}$")
-_ENTITY_CLIENT = 8  # CEPH_ENTITY_TYPE_CLIENT
-
-
-def _encode_string(value: str) -> bytes:
-    raw = value.encode()
-    return struct.pack("<I", len(raw)) + raw
-
-
-def _break_lock_args(instance: int, cookie: str) -> bytes:
-    """cls_lock_break_op {name, locker (entity_name_t), cookie}, Ceph's encoding
-    (the Python binding has no break_lock)."""
-    body = _encode_string(LOCK_NAME) + struct.pack("<Bq", _ENTITY_CLIENT, instance) + _encode_string(cookie)
-    return struct.pack("<BBI", 1, 1, len(body)) + body
+SHARED_TAG = "per-volume"  # the tag of the shared lock that servers per volume hold
 
 
 class _Lease(Ownership):
@@ -142,6 +126,44 @@ class _Lease(Ownership):
                 op.omap_cmp(EPOCH_KEY, epoch_value(self.epoch), rados.LIBRADOS_CMPXATTR_OP_EQ)
                 self.io.remove_omap_keys(op, (OWNER_KEY,))
                 self.io.operate_write_op(op, self.location.meta_object)
+            self.io.unlock(self.location.meta_object, LOCK_NAME, self.cookie)
+
+
+class _SharedLease(Ownership):
+    """The shared lock of a server per volume, renewed by a thread until release."""
+
+    def __init__(self, location: RadosLocation, io: Any, cookie: str, desc: str) -> None:
+        self.location, self.io, self.cookie, self.desc = location, io, cookie, desc
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew_loop, name="thinblock-shared-lease", daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(lease_s() / 3):
+            try:
+                self.io.lock_shared(
+                    self.location.meta_object,
+                    LOCK_NAME,
+                    self.cookie,
+                    SHARED_TAG,
+                    desc=self.desc,
+                    duration=lease_s(),
+                    flags=1,
+                )
+            except rados.Error as exc:
+                if self._stop.is_set():
+                    return
+                log.error("pool %s: renewing the shared lease failed: %s", self.location.name, exc)
+                if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
+                    return
+
+    def release(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        self.location.shared_epoch = None
+        with contextlib.suppress(rados.Error):
             self.io.unlock(self.location.meta_object, LOCK_NAME, self.cookie)
 
 
@@ -235,6 +257,7 @@ class RadosLocation(Location):
         self.pool_name = pool_name
         self.meta_object = f"thinblock.{pool_name}"
         self.held_epoch: int | None = None
+        self.shared_epoch: int | None = None  # the pool epoch while served per volume (own_shared)
         self._cluster: Cluster | None = None
 
     def cluster(self) -> Cluster:
@@ -288,7 +311,12 @@ class RadosLocation(Location):
         if not self.exists():
             raise ThinblockError(f"no pool at {self.name}: Ceph pool {self.ceph_pool} has no object {self.meta_object}")
         meta = RadosMetadata(
-            self.cluster(), self.ceph_pool, self.meta_object, epoch=lambda: self.held_epoch, readonly=readonly
+            self.cluster(),
+            self.ceph_pool,
+            self.meta_object,
+            epoch=lambda: self.held_epoch,
+            shared_epoch=lambda: self.shared_epoch,
+            readonly=readonly,
         )
         if readonly and meta.journal_pending():
             raise ThinblockError(
@@ -353,6 +381,11 @@ class RadosLocation(Location):
                     io.lock_exclusive(self.meta_object, LOCK_NAME, cookie, desc=desc, duration=lease_s())
                     step.mark("took the lock")
                 except rados.ObjectBusy:
+                    if self.served_per_volume():
+                        raise PoolBusyError(
+                            f"pool {self.name} is served per volume by other processes (thinblock serve --volume);"
+                            " commands reach its volumes through them, or stop them first"
+                        ) from None
                     holder, _epoch = self._holder(io)
                     step.mark(
                         "the lock is held by %s", self._who(holder) if holder else "a client that recorded no owner"
@@ -365,7 +398,10 @@ class RadosLocation(Location):
                             f" 'rados -p {self.ceph_pool} lock break {self.meta_object} {LOCK_NAME} ...'"
                         ) from None
                     io.execute(
-                        self.meta_object, "lock", "break_lock", _break_lock_args(holder["instance"], holder["cookie"])
+                        self.meta_object,
+                        "lock",
+                        "break_lock",
+                        cls_lock.break_lock_args(LOCK_NAME, holder["instance"], holder["cookie"]),
                     )
                     LEASE_EVENTS.add(self.name, "lock_broken")
                     step.mark("broke the lock of %s", self._who(holder), level=logging.WARNING)
@@ -391,6 +427,70 @@ class RadosLocation(Location):
                 raise
             step.mark("metadata journal finished")
         return lease
+
+    def own_shared(self, purpose: str) -> Ownership:
+        """The shared lock `thinblock` (tag per-volume), renewed like the exclusive one:
+        refused while a process holds the pool whole, and keeps any from taking it
+        whole meanwhile. A holder of the whole pool that never let go (its lease
+        lapsed) is fenced first, and the epoch bumped, as a takeover does."""
+        cluster = self.cluster()
+        io = self._io()
+        cookie = uuid.uuid4().hex
+        desc = json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose or "a thinblock command"}
+        )
+        with timed(log, f"pool {self.name}: sharing it per volume") as step:
+            try:
+                try:
+                    io.lock_shared(self.meta_object, LOCK_NAME, cookie, SHARED_TAG, desc=desc, duration=lease_s())
+                except rados.ObjectBusy:
+                    holder, _epoch = self._holder(io)
+                    raise PoolBusyError(
+                        f"pool {self.name} is held whole by"
+                        f" {self._who(holder) if holder else 'a client that recorded no owner'}: it owns the whole pool"
+                    ) from None
+                step.mark("took the shared lock")
+                while True:
+                    holder, epoch = self._holder(io)
+                    if holder is None:
+                        break
+                    if holder.get("addr") != cluster.address:
+                        LEASE_EVENTS.add(self.name, "fenced_holder")
+                        step.mark("fencing its previous holder %s", self._who(holder), level=logging.WARNING)
+                        cluster.blocklist(str(holder["addr"]), BLOCKLIST_S, on_step=step.mark)
+                    try:
+                        with rados.WriteOpCtx() as op:
+                            op.omap_cmp(EPOCH_KEY, epoch_value(epoch), rados.LIBRADOS_CMPXATTR_OP_EQ)
+                            io.set_omap(op, (EPOCH_KEY,), (epoch_value(epoch + 1).encode(),))
+                            io.remove_omap_keys(op, (OWNER_KEY,))
+                            io.operate_write_op(op, self.meta_object)
+                    except rados.Error as exc:
+                        if rados_errno(exc) != errno.ECANCELED:
+                            raise
+                        continue  # another sharer bumped it first
+                    step.mark("took epoch %d", epoch + 1)
+                    epoch += 1
+                    break
+                RadosMetadata(cluster, self.ceph_pool, self.meta_object, epoch=lambda: epoch).finish_journal()
+            except rados.Error as exc:
+                with contextlib.suppress(rados.Error):
+                    io.unlock(self.meta_object, LOCK_NAME, cookie)
+                raise ThinblockError(f"cannot share pool {self.name}: {as_oserror(exc, 'RADOS').strerror}") from None
+            except BaseException:
+                with contextlib.suppress(rados.Error):
+                    io.unlock(self.meta_object, LOCK_NAME, cookie)
+                raise
+        self.shared_epoch = epoch
+        return _SharedLease(self, io, cookie, desc)
+
+    def served_per_volume(self) -> bool:
+        try:
+            _ret, out = self._io().execute(self.meta_object, "lock", "get_info", cls_lock.get_info_args(LOCK_NAME))
+            lockers, kind = cls_lock.lock_info(out)
+        except (rados.Error, ThinblockError, struct_error):
+            return False
+        now = time.time()
+        return kind == cls_lock.SHARED and any(lk.expires == 0 or lk.expires + 1.0 > now for lk in lockers)
 
     def _fence_and_bump(self, cluster: Cluster, io: Any, me: dict[str, Any], step: Step) -> int:
         """We hold the lock: fence the previous holder if it never let go, then take

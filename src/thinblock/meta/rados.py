@@ -24,24 +24,32 @@ Every step is a set or a removal of known keys, so applying it twice is harmless
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
 import struct
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from thinblock.bindings import RADOS_POOLS, require
+from thinblock.ceph import cls_lock
 from thinblock.ceph.cluster import Cluster, as_oserror, rados_errno
 from thinblock.errors import ThinblockError
+from thinblock.meta import rados_shared
 from thinblock.meta.base import (
     CommitResult,
+    Grant,
+    Lease,
     MetadataStore,
     Transaction,
+    VolumeBusyError,
     VolumeRow,
     check_format,
     initial_superblock,
 )
+from thinblock.meta.rados_leases import VolumeLeases, parse_record, record_key, volume_lock
 
 rados = require("rados", feature=RADOS_POOLS)
 
@@ -53,6 +61,7 @@ BACKEND_KEYS = ("rados_id", "object_size")  # superblock keys that name the data
 PAGE_LIMIT = 1024  # get_omap_vals returns at most this many per call, whatever it is asked
 MAX_OP_BYTES = 8 << 20
 MAX_OP_KEYS = 8192
+COMMIT_ATTEMPTS = 200  # a commit of owners per volume, started again after another landed first
 
 
 def epoch_value(epoch: int) -> str:
@@ -149,9 +158,52 @@ class _Ops:
         return ops
 
 
+def translate(
+    txn: Transaction, names: dict[int, str], high: int, existing: set[str]
+) -> tuple[_Ops, dict[int, str], int]:
+    """The omap changes of txn (every value absolute), given the volume names and the
+    largest page id before it and which count keys exist of the pages whose counts
+    alone change; returns them with the names and largest page id after it."""
+    ops = _Ops()
+    names = dict(names)
+    for k, v in txn.superblock.items():
+        ops.sets[f"s.{k}"] = json.dumps(v).encode()
+    for vid in txn.deleted_volumes:
+        names.pop(vid, None)
+        ops.removes.add(_vkey(vid))
+        ops.ranges.append((_rprefix(vid), _rprefix(vid)[:-1] + "/"))  # '/' sorts right after '.'
+    for row in txn.volumes:
+        names[row.id] = row.name
+        ops.sets[_vkey(row.id)] = json.dumps(dataclasses.asdict(row)).encode()
+    if len(set(names.values())) != len(names):
+        raise OSError(errno.EIO, "metadata commit failed: two volumes would share a name")
+    for (vid, index), pid in txn.roots.items():
+        if pid is None:
+            ops.removes.add(_rkey(vid, index))
+        else:
+            ops.sets[_rkey(vid, index)] = str(pid).encode()
+    for pid, page in txn.pages.items():
+        if page is None:
+            ops.removes |= {_pkey(pid), _qkey(pid)}
+        else:
+            ops.sets[_pkey(pid)] = bytes(page[1])
+            ops.sets[_qkey(pid)] = str(page[0]).encode()
+    for pid, count in txn.page_refcounts.items():
+        if (txn.pages.get(pid) is not None) or _qkey(pid) in existing:
+            ops.sets[_qkey(pid)] = str(count).encode()
+    for index, blob in txn.refcount_pages.items():
+        ops.sets[_ckey(index)] = bytes(blob)
+    if txn.pages:
+        high = max(high, *txn.pages)
+        ops.sets[MAX_PAGE_KEY] = str(high).encode()
+    return ops, names, high
+
+
 class RadosMetadata(MetadataStore):
     """The omap of object `obj` in the Ceph pool. `epoch()` gives the epoch this
-    process holds the pool under (None when it holds nothing: commits refuse)."""
+    process holds the whole pool under; `shared_epoch()` the pool epoch under which
+    it shares the pool with other owners per volume (meta/rados_shared.py,
+    meta/rados_leases.py). Commits refuse when both are None."""
 
     def __init__(
         self,
@@ -160,13 +212,17 @@ class RadosMetadata(MetadataStore):
         obj: str,
         *,
         epoch: Callable[[], int | None],
+        shared_epoch: Callable[[], int | None] = lambda: None,
         readonly: bool = False,
     ) -> None:
         self.cluster = cluster
         self.io = cluster.ioctx(ceph_pool)
         self.obj = obj
         self._epoch = epoch
+        self._shared_epoch = shared_epoch
         self.readonly = readonly
+        self._leases: VolumeLeases | None = None
+        self._commit_lock = threading.Lock()
         self._names: dict[int, str] | None = None  # volume id -> name, as committed
         self._max_page: int | None = None
         # Whether a journal may be recorded but not applied: unknown until the first
@@ -285,58 +341,38 @@ class RadosMetadata(MetadataStore):
     # ----- committing --------------------------------------------------------------
 
     def _translate(self, txn: Transaction, *, fresh: bool) -> tuple[_Ops, dict[int, str], int]:
-        """The omap changes of txn, and the volume names and largest page id after it."""
-        ops = _Ops()
+        """The omap changes of txn, and the volume names and largest page id after it
+        (one owner: what this process committed last is what is stored)."""
         if fresh:
             names: dict[int, str] = {}
             high = 0
         else:
             if self._names is None:
-                self._names = {int(k[2:]): json.loads(v)["name"] for k, v in self.items("v.")}
+                self._names = self._stored_names()
             if self._max_page is None:
                 self._max_page = self.max_page_id()
             names, high = dict(self._names), self._max_page
-        for k, v in txn.superblock.items():
-            ops.sets[f"s.{k}"] = json.dumps(v).encode()
-        for vid in txn.deleted_volumes:
-            names.pop(vid, None)
-            ops.removes.add(_vkey(vid))
-            ops.ranges.append((_rprefix(vid), _rprefix(vid)[:-1] + "/"))  # '/' sorts right after '.'
-        for row in txn.volumes:
-            names[row.id] = row.name
-            ops.sets[_vkey(row.id)] = json.dumps(dataclasses.asdict(row)).encode()
-        if len(set(names.values())) != len(names):
-            raise OSError(errno.EIO, "metadata commit failed: two volumes would share a name")
-        for (vid, index), pid in txn.roots.items():
-            if pid is None:
-                ops.removes.add(_rkey(vid, index))
-            else:
-                ops.sets[_rkey(vid, index)] = str(pid).encode()
-        for pid, page in txn.pages.items():
-            if page is None:
-                ops.removes |= {_pkey(pid), _qkey(pid)}
-            else:
-                ops.sets[_pkey(pid)] = bytes(page[1])
-                ops.sets[_qkey(pid)] = str(page[0]).encode()
         elsewhere = [pid for pid in txn.page_refcounts if pid not in txn.pages]
         # A page's count key exists exactly while its entries do: asking for the small
         # count keys, not the entries, keeps a snapshot's commit from reading every page.
         existing = set(self._get_many([_qkey(pid) for pid in elsewhere])) if elsewhere and not fresh else set()
-        for pid, count in txn.page_refcounts.items():
-            if (txn.pages.get(pid) is not None) or _qkey(pid) in existing:
-                ops.sets[_qkey(pid)] = str(count).encode()
-        for index, blob in txn.refcount_pages.items():
-            ops.sets[_ckey(index)] = bytes(blob)
-        if txn.pages:
-            high = max(high, *txn.pages)
-            ops.sets[MAX_PAGE_KEY] = str(high).encode()
-        return ops, names, high
+        return translate(txn, names, high, existing)
+
+    def _stored_names(self) -> dict[int, str]:
+        return {int(k[2:]): json.loads(v)["name"] for k, v in self.items("v.")}
 
     def commit(self, txn: Transaction) -> CommitResult:
         if self.readonly:
             raise OSError(errno.EROFS, "metadata store opened read-only")
-        if txn.shared():  # one owner per pool, under the pool's lock and epoch (meta/base.py)
-            raise OSError(errno.EOPNOTSUPP, "metadata commit refused: a RADOS pool has one owner; no per-volume leases")
+        if self._epoch() is None and self._shared_epoch() is not None:
+            with self._commit_lock:
+                return self._commit_shared(txn)
+        if txn.shared():  # one owner, under the pool's lock and epoch (meta/base.py)
+            raise OSError(
+                errno.EOPNOTSUPP,
+                "metadata commit refused: this process holds the RADOS pool whole; per-volume leases are for"
+                " servers per volume",
+            )
         epoch = self._held_epoch()
         if self._journal_maybe:
             self.finish_journal()
@@ -431,6 +467,299 @@ class RadosMetadata(MetadataStore):
                 raise as_oserror(exc, "metadata journal removal") from None
         self._journal_maybe = False
 
+    # ----- commits of owners per volume (meta/rados_shared.py) ----------------------
+
+    def _versioned_get(self, keys: list[str]) -> dict[str, bytes]:
+        """keys and x.version, in operations of at most PAGE_LIMIT keys each."""
+        out: dict[str, bytes] = {}
+        at = 0
+        while True:
+            batch = [rados_shared.VERSION_KEY, *keys[at : at + PAGE_LIMIT - 1]]
+            try:
+                with rados.ReadOpCtx() as op:
+                    it, _ = self.io.get_omap_vals_by_keys(op, tuple(batch))
+                    self.io.operate_read_op(op, self.obj)
+                    got = dict(it)
+            except rados.Error as exc:  # inside a commit: its contract speaks OSError
+                raise as_oserror(exc, "metadata read") from None
+            version = got.pop(rados_shared.VERSION_KEY, b"")
+            if at and version != out.get(rados_shared.VERSION_KEY, b""):
+                raise rados_shared.Raced
+            out.update(got)
+            out[rados_shared.VERSION_KEY] = version
+            at += PAGE_LIMIT - 1
+            if at >= len(keys):
+                if not out[rados_shared.VERSION_KEY]:
+                    del out[rados_shared.VERSION_KEY]
+                return out
+
+    def _versioned_items(self, prefix: str) -> Iterator[tuple[str, bytes]]:
+        """items(prefix), each page read together with x.version (yielded as a pair)."""
+        after = ""
+        while True:
+            try:
+                with rados.ReadOpCtx() as op:
+                    it, _ = self.io.get_omap_vals(op, after, prefix, PAGE_LIMIT)
+                    vit, _ = self.io.get_omap_vals_by_keys(op, (rados_shared.VERSION_KEY,))
+                    self.io.operate_read_op(op, self.obj)
+                    items, version = list(it), dict(vit).get(rados_shared.VERSION_KEY, b"")
+            except rados.Error as exc:
+                raise as_oserror(exc, "metadata read") from None
+            yield rados_shared.VERSION_KEY, version
+            if not items:
+                return
+            yield from items
+            after = items[-1][0]
+
+    def _commit_shared(self, txn: Transaction) -> CommitResult:
+        """One commit beside other owners: read, judge, write guarded by x.version, and
+        start again from fresh reads whenever another commit landed in between."""
+        pool_epoch = self._shared_epoch()
+        assert pool_epoch is not None
+        leases = self.leases()
+        for vid, epoch in txn.fenced:  # a lease judged dead: its client may write nothing more
+            rec = parse_record(self._get([record_key(vid)]).get(record_key(vid)))
+            if rec is not None and rec.get("owner") and int(rec.get("epoch", -1)) == epoch:
+                leases.fence(rec, f"its lease of volume {vid} (epoch {epoch}) lapsed and is recovered")
+        for _attempt in range(COMMIT_ATTEMPTS):
+            view = rados_shared.View(self._versioned_get, self._versioned_items)
+            try:
+                got = rados_shared.resolve(view, txn, leases.live_record)
+                names = self._stored_names_in(view) if (txn.volumes or txn.deleted_volumes) else {}
+                high = int(view.one(MAX_PAGE_KEY) or b"0") if txn.pages else 0
+                elsewhere = [pid for pid in got.txn.page_refcounts if pid not in got.txn.pages]
+                existing = set(view.get([_qkey(pid) for pid in elsewhere]))
+                ops, _names, _high = translate(got.txn, names, high, existing)
+            except rados_shared.Raced:
+                continue
+            except OSError:
+                if self._version_moved(view):
+                    continue  # judged on a state another commit has changed since: judge again
+                raise
+            ops.sets.update(got.sets)
+            ops.removes |= got.removes
+            if len(ops.pieces()) > 1:
+                raise OSError(
+                    errno.EFBIG,
+                    "metadata commit refused: too large for one RADOS operation on a pool served per volume"
+                    f" ({len(ops.sets)} keys); serve the pool whole for this step",
+                )
+            try:
+                self._operate_shared(pool_epoch, view.version, ops, got.locks)
+            except rados_shared.Raced:
+                continue
+            return got.result
+        raise OSError(errno.EIO, f"metadata commit: other owners' commits landed first {COMMIT_ATTEMPTS} times")
+
+    def _stored_names_in(self, view: rados_shared.View) -> dict[int, str]:
+        return {int(k[2:]): json.loads(v)["name"] for k, v in view.items("v.")}
+
+    def _version_moved(self, view: rados_shared.View) -> bool:
+        try:
+            now = self._get([rados_shared.VERSION_KEY]).get(rados_shared.VERSION_KEY)
+        except ThinblockError:
+            return False
+        return now != view.version
+
+    def _operate_shared(self, pool_epoch: int, version: bytes | None, ops: _Ops, locks: list[tuple[int, str]]) -> None:
+        """One WriteOp: lands only if x.version is what the attempt read, the pool epoch
+        is the one shared, and every lease's lock still lists its cookie."""
+        before = int(version) if version else 0
+        sets = {**ops.sets, rados_shared.VERSION_KEY: rados_shared.version_value(before + 1).encode()}
+        try:
+            with rados.WriteOpCtx() as op:
+                op.omap_cmp(rados_shared.VERSION_KEY, (version or b"").decode(), rados.LIBRADOS_CMPXATTR_OP_EQ)
+                op.omap_cmp(EPOCH_KEY, epoch_value(pool_epoch), rados.LIBRADOS_CMPXATTR_OP_EQ)
+                for vid, cookie in locks:
+                    op.execute("lock", "assert_locked", cls_lock.assert_locked_args(volume_lock(vid), cookie))
+                for begin, end in ops.ranges:
+                    self.io.remove_omap_range2(op, begin, end)
+                if ops.removes:
+                    self.io.remove_omap_keys(op, tuple(sorted(ops.removes)))
+                self.io.set_omap(op, tuple(sets), tuple(sets.values()))
+                self.io.operate_write_op(op, self.obj)
+        except rados.Error as exc:
+            code = rados_errno(exc)
+            if code == errno.ECANCELED:
+                epoch = self._get([EPOCH_KEY]).get(EPOCH_KEY)
+                if epoch is not None and int(epoch) != pool_epoch:
+                    raise OSError(
+                        errno.EIO, "metadata commit refused: another host took the whole pool over (its epoch is newer)"
+                    ) from None
+                raise rados_shared.Raced from None
+            if code == errno.EBUSY:
+                mine = ", ".join(f"volume {vid}" for vid, _c in locks)
+                raise OSError(
+                    errno.ESTALE, f"metadata commit refused: the lease of {mine} was taken by another owner"
+                ) from None
+            raise as_oserror(exc, "metadata commit") from None
+
+    # ----- ownership per volume (meta/rados_leases.py) --------------------------------
+
+    def leases(self) -> VolumeLeases:
+        if self._leases is None:
+            self._leases = VolumeLeases(self.cluster, self.io, self.obj)
+        return self._leases
+
+    def _record(self, volume_id: int) -> dict[str, Any] | None:
+        return parse_record(self._get([record_key(volume_id)]).get(record_key(volume_id)))
+
+    def claim_volume(self, volume_id: int, owner: str) -> Lease:
+        return self.claim_volumes([volume_id], owner)[volume_id]
+
+    def claim_volumes(self, volume_ids: Sequence[int], owner: str) -> dict[int, Lease]:
+        """Every lock first, then every record in one guarded WriteOp. A record still
+        naming a holder (it never let go, and its lock lapsed) is fenced first."""
+        if not owner:
+            raise ValueError("an owner needs a name")
+        if self.readonly:
+            raise OSError(errno.EROFS, "metadata store opened read-only")
+        leases = self.leases()
+        ids = list(dict.fromkeys(volume_ids))
+        cookies: dict[int, str] = {}
+        try:
+            for vid in ids:
+                try:
+                    if vid in leases.held:
+                        raise rados.ObjectBusy("held by this store")
+                    cookies[vid] = leases.lock(vid, owner)
+                except rados.ObjectBusy:
+                    rec = self._record(vid)
+                    holder = rec.get("owner") if rec and rec.get("owner") else "another client (unknown)"
+                    raise VolumeBusyError(f"volume {vid} is owned by {holder}") from None
+                except rados.Error as exc:
+                    raise as_oserror(exc, f"lock of volume {vid}") from None
+            for vid, rec in self._records(ids).items():
+                if rec is not None and rec.get("owner"):
+                    leases.fence(rec, f"it never let go of volume {vid}, and its lease lapsed")
+            got = self._write_records(ids, cookies, owner)
+        except BaseException:
+            for vid, cookie in cookies.items():
+                leases.unlock(vid, cookie)
+            raise
+        for vid, lease in got.items():
+            leases.held[vid] = (lease, cookies[vid])
+            leases.renewer.add(volume_lock(vid), cookies[vid], owner)
+        return got
+
+    def _records(self, ids: list[int]) -> dict[int, dict[str, Any] | None]:
+        got = self._get_many([record_key(vid) for vid in ids])
+        return {vid: parse_record(got.get(record_key(vid))) for vid in ids}
+
+    def _write_records(self, ids: list[int], cookies: dict[int, str], owner: str) -> dict[int, Lease]:
+        me = self.leases().me()
+        for _attempt in range(COMMIT_ATTEMPTS):
+            view = rados_shared.View(self._versioned_get, self._versioned_items)
+            try:
+                got = view.get([record_key(vid) for vid in ids])
+            except rados_shared.Raced:
+                continue
+            leases, ops = {}, _Ops()
+            for vid in ids:
+                rec = parse_record(got.get(record_key(vid)))
+                epoch = int(rec.get("epoch", 0)) + 1 if rec else 1
+                leases[vid] = Lease(vid, owner, epoch)
+                ops.sets[record_key(vid)] = json.dumps(
+                    {"owner": owner, "epoch": epoch, "cookie": cookies[vid], **me}
+                ).encode()
+            try:
+                self._operate_records(view.version, ops, [(vid, cookies[vid]) for vid in ids])
+            except rados_shared.Raced:
+                continue
+            return leases
+        raise OSError(errno.EIO, f"metadata lease record: other commits landed first {COMMIT_ATTEMPTS} times")
+
+    def _operate_records(self, version: bytes | None, ops: _Ops, locks: list[tuple[int, str]]) -> None:
+        before = int(version) if version else 0
+        sets = {**ops.sets, rados_shared.VERSION_KEY: rados_shared.version_value(before + 1).encode()}
+        try:
+            with rados.WriteOpCtx() as op:
+                op.omap_cmp(rados_shared.VERSION_KEY, (version or b"").decode(), rados.LIBRADOS_CMPXATTR_OP_EQ)
+                for vid, cookie in locks:
+                    op.execute("lock", "assert_locked", cls_lock.assert_locked_args(volume_lock(vid), cookie))
+                self.io.set_omap(op, tuple(sets), tuple(sets.values()))
+                self.io.operate_write_op(op, self.obj)
+        except rados.Error as exc:
+            if rados_errno(exc) == errno.ECANCELED:
+                raise rados_shared.Raced from None
+            raise as_oserror(exc, "metadata lease record") from None
+
+    def release_volume(self, lease: Lease) -> None:
+        self.release_volumes([lease])
+
+    def release_volumes(self, leases: Sequence[Lease]) -> None:
+        """Empty each record (guarded by the lock, so a lease taken since is left
+        alone), then unlock; the locks go whatever happens."""
+        store = self.leases()
+        mine = {
+            lease.volume_id: store.held[lease.volume_id][1]
+            for lease in leases
+            if store.held.get(lease.volume_id, (None,))[0] == lease
+        }
+        try:
+            if mine:
+                self._empty_records(mine)
+        finally:
+            for vid, cookie in mine.items():
+                del store.held[vid]
+                store.unlock(vid, cookie)
+
+    def _empty_records(self, cookies: dict[int, str]) -> None:
+        for _attempt in range(COMMIT_ATTEMPTS):
+            view = rados_shared.View(self._versioned_get, self._versioned_items)
+            try:
+                got = view.get([record_key(vid) for vid in cookies])
+            except rados_shared.Raced:
+                continue
+            ops = _Ops()
+            for vid, cookie in cookies.items():
+                rec = parse_record(got.get(record_key(vid)))
+                if rec is not None and rec.get("cookie") == cookie:
+                    ops.sets[record_key(vid)] = json.dumps({**rec, "owner": ""}).encode()
+            try:
+                self._operate_records(view.version, ops, list(cookies.items()))
+            except rados_shared.Raced:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EBUSY:
+                    return  # a lock another took since: its record is the taker's now
+                raise
+            return
+        raise OSError(errno.EIO, f"metadata lease record: other commits landed first {COMMIT_ATTEMPTS} times")
+
+    def volume_holder(self, volume_id: int) -> str | None:
+        store = self.leases()
+        held = store.held.get(volume_id)
+        if held is not None:
+            return held[0].owner
+        rec = self._record(volume_id)
+        return str(rec["owner"]) if rec is not None and store.live_record(volume_id, rec) else None
+
+    def lease_live(self, volume_id: int, epoch: int) -> bool:
+        store = self.leases()
+        held = store.held.get(volume_id)
+        if held is not None:
+            return held[0].epoch == epoch
+        rec = self._record(volume_id)
+        return rec is not None and int(rec.get("epoch", -1)) == epoch and store.live_record(volume_id, rec)
+
+    def recorded_holders(self) -> dict[int, str]:
+        out = {}
+        for k, v in self.items("o."):
+            rec = parse_record(v)
+            if rec and rec.get("owner"):
+                out[int(k[2:])] = str(rec["owner"])
+        return out
+
+    def pool_lock(self) -> contextlib.AbstractContextManager[None]:
+        return self.leases().pool_step()
+
+    def grants(self) -> list[Grant]:
+        return [rados_shared.parse_grant(k) for k, _v in self.items(rados_shared.GRANT_PREFIX)]
+
+    def orphans(self) -> list[int]:
+        return sorted(int(k[2:]) for k, v in self.items("q.") if int(v) == 0)
+
     # ----- checking and closing ------------------------------------------------------
 
     def integrity_problems(self) -> list[str]:
@@ -448,4 +777,11 @@ class RadosMetadata(MetadataStore):
         return problems
 
     def close(self) -> None:
-        pass  # the connection is the process's
+        """Like a process's end: the leases this store object holds are given up (the
+        connection is the process's, and stays)."""
+        if self._leases is None:
+            return
+        held = [lease for lease, _cookie in self._leases.held.values()]
+        with contextlib.suppress(OSError, ThinblockError):
+            self.release_volumes(held)
+        self._leases.close()

@@ -1,0 +1,224 @@
+"""Per-volume leases on a RADOS pool served per volume (meta/base.py's ownership
+contract, issue 23's first step): the locks, the records naming their holders,
+and the thread that renews them.
+
+- A volume's lease is the exclusive cls lock `volume.<id>` on the metadata
+  object, taken with a fresh cookie and a lease of lease_s() seconds, renewed
+  every third of that. RADOS lets it lapse when its holder stops renewing (it
+  died, stalled, or lost the cluster), and then any other client may take it.
+- The omap key `o.<id>` records who holds it: owner, epoch, cookie, and the Ceph
+  client (address, instance). A holder that lets go cleanly empties the owner
+  and keeps the epoch; the next claim takes the epoch above.
+- A claim that finds the record still naming a holder (it never let go)
+  blocklists that holder's client before writing anything: a stalled holder
+  that wakes up can then write nothing at all, data or metadata. One client
+  serves all of a process's volumes for now, so this fences the whole process,
+  which has lost every lease by then anyway (one thread renews them all).
+- Every commit under a lease asserts, inside its WriteOp, that the lock still
+  lists the lease's cookie (meta/rados.py): nothing lands once another took it.
+- Pool-level steps take the exclusive cls lock `pool-step` the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from thinblock.bindings import RADOS_POOLS, require
+from thinblock.ceph import cls_lock
+from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, rados_errno
+from thinblock.errors import ThinblockError
+from thinblock.meta.base import Lease
+from thinblock.sizes import env_seconds
+
+rados = require("rados", feature=RADOS_POOLS)
+
+log = logging.getLogger("thinblock.rados")
+
+POOL_STEP_LOCK = "pool-step"
+# A lock whose expiry is this close to now still counts as held: the OSD's clock
+# decides when another may take it, and hosts' clocks differ a little.
+CLOCK_MARGIN_S = 1.0
+BLOCKLIST_S = 3600  # long enough for the fenced process to notice and give up
+
+
+def lease_s() -> int:
+    """The lease, in whole seconds (THINBLOCK_RADOS_LEASE_S, default 15, 1 to 3600)."""
+    return max(1, round(env_seconds("THINBLOCK_RADOS_LEASE_S", 15.0, 1.0, 3600.0)))
+
+
+def volume_lock(volume_id: int) -> str:
+    return f"volume.{volume_id}"
+
+
+def record_key(volume_id: int) -> str:
+    return f"o.{volume_id:012d}"
+
+
+def parse_record(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        got = json.loads(raw)
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
+
+
+class LockRenewer:
+    """One thread renewing every lock a store holds, until it is stopped. A lock it
+    cannot renew because another took it (or this client was fenced) is dropped
+    from `held`, and `on_lost` is told."""
+
+    def __init__(self, io: Any, obj: str, label: str) -> None:
+        self.io, self.obj, self.label = io, obj, label
+        self.held: dict[str, tuple[str, str]] = {}  # lock name -> (cookie, description)
+        self.lost: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, name: str, cookie: str, desc: str) -> None:
+        with self._lock:
+            self.held[name] = (cookie, desc)
+            self.lost.discard(name)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="thinblock-leases", daemon=True)
+                self._thread.start()
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            self.held.pop(name, None)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(lease_s() / 3):
+            with self._lock:
+                held = list(self.held.items())
+            for name, (cookie, desc) in held:
+                try:
+                    self.io.lock_exclusive(self.obj, name, cookie, desc=desc, duration=lease_s(), flags=1)
+                except rados.Error as exc:
+                    if self._stop.is_set():
+                        return
+                    if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
+                        with self._lock:
+                            if self.held.get(name, (None,))[0] == cookie:
+                                del self.held[name]
+                                self.lost.add(name)
+                        log.error("%s: lost the lease %s: %s", self.label, name, as_oserror(exc, "lock").strerror)
+                    else:
+                        log.warning("%s: renewing the lease %s failed: %s", self.label, name, exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class VolumeLeases:
+    """The per-volume lease verbs of a RADOS metadata store (one per store object)."""
+
+    def __init__(self, cluster: Cluster, io: Any, obj: str) -> None:
+        self.cluster, self.io, self.obj = cluster, io, obj
+        self.held: dict[int, tuple[Lease, str]] = {}  # volume id -> (lease, cookie)
+        self.renewer = LockRenewer(io, obj, f"metadata {obj}")
+        self._step_cookie = uuid.uuid4().hex
+        self._step_lock = threading.RLock()
+        self._step_depth = 0
+
+    # ----- reading --------------------------------------------------------------------
+
+    def lockers(self, name: str) -> tuple[list[cls_lock.Locker], int]:
+        try:
+            _ret, out = self.io.execute(self.obj, "lock", "get_info", cls_lock.get_info_args(name))
+            return cls_lock.lock_info(out)
+        except rados.ObjectNotFound:
+            return [], 0
+        except rados.Error as exc:
+            raise as_oserror(exc, "lock info") from None
+        except Exception as exc:  # struct.error: a reply this thinblock cannot read
+            raise ThinblockError(f"cannot read the lock {name} of {self.obj}: {exc}") from None
+
+    def locked_by(self, name: str, cookie: str) -> bool:
+        """Whether the lock lists this cookie with a lease not yet lapsed."""
+        now = time.time()
+        lockers, _kind = self.lockers(name)
+        return any(lk.cookie == cookie and (lk.expires == 0 or lk.expires + CLOCK_MARGIN_S > now) for lk in lockers)
+
+    def live_record(self, volume_id: int, record: dict[str, Any] | None) -> bool:
+        """Whether a record's holder still holds the volume's lock (read from RADOS)."""
+        if not record or not record.get("owner"):
+            return False
+        mine = self.held.get(volume_id)
+        if mine is not None:
+            return mine[1] == record.get("cookie")
+        return self.locked_by(volume_lock(volume_id), str(record.get("cookie")))
+
+    # ----- taking and giving up --------------------------------------------------------
+
+    def lock(self, volume_id: int, desc: str) -> str:
+        """Take the volume's lock with a new cookie; rados.ObjectBusy if it is held."""
+        cookie = uuid.uuid4().hex
+        self.io.lock_exclusive(self.obj, volume_lock(volume_id), cookie, desc=desc, duration=lease_s())
+        return cookie
+
+    def unlock(self, volume_id: int, cookie: str) -> None:
+        self.renewer.drop(volume_lock(volume_id))
+        with contextlib.suppress(rados.Error):
+            self.io.unlock(self.obj, volume_lock(volume_id), cookie)
+
+    def me(self) -> dict[str, Any]:
+        return {"addr": self.cluster.address, "instance": self.cluster.instance_id}
+
+    def fence(self, record: dict[str, Any], why: str) -> None:
+        """Blocklist the client a record names, unless it is this process's own."""
+        addr = record.get("addr")
+        if not addr or addr == self.cluster.address:
+            return
+        log.warning("metadata %s: fencing %s (Ceph client %s): %s", self.obj, record.get("owner"), addr, why)
+        try:
+            self.cluster.blocklist(str(addr), BLOCKLIST_S)
+        except rados.Error as exc:
+            raise as_oserror(exc, "blocklist") from None
+
+    # ----- the pool-level step lock ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def pool_step(self) -> Iterator[None]:
+        with self._step_lock:
+            if self._step_depth == 0:
+                self._take_step_lock()
+            self._step_depth += 1
+            try:
+                yield
+            finally:
+                self._step_depth -= 1
+                if self._step_depth == 0:
+                    self.renewer.drop(POOL_STEP_LOCK)
+                    with contextlib.suppress(rados.Error):
+                        self.io.unlock(self.obj, POOL_STEP_LOCK, self._step_cookie)
+
+    def _take_step_lock(self) -> None:
+        pause = 0.005
+        while True:
+            try:
+                self.io.lock_exclusive(
+                    self.obj, POOL_STEP_LOCK, self._step_cookie, desc="pool step", duration=lease_s()
+                )
+            except rados.ObjectBusy:
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)
+                continue
+            except rados.Error as exc:
+                raise as_oserror(exc, "pool-level lock") from None
+            self.renewer.add(POOL_STEP_LOCK, self._step_cookie, "pool step")
+            return
+
+    def close(self) -> None:
+        self.renewer.stop()
