@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ import nbd
 import pytest
 
 from tests.cli import ROOT, thinblock
+from tests.conftest import new_rados_locator
 from tests.nbd_server import Server, listed_exports
 from tests.test_commands import listing, until
 
@@ -38,6 +40,19 @@ def _serve(pool: str, tmp: Path, *names: str) -> Server:
     for name in names:
         args += ["--volume", name]
     return Server(pool, *args, "--socket", str(work / "nbd.sock"), workdir=work)
+
+
+def _serve_once_free(pool: str, tmp: Path, name: str) -> Server:
+    """_serve, tried again while the volume is still held by a lease that has not
+    lapsed yet (RADOS; a minute at most)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return _serve(pool, tmp, name)
+        except RuntimeError as exc:
+            if "is served by" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _stop(server: Server) -> None:
@@ -66,8 +81,18 @@ def _handle(server: Server, name: str) -> nbd.NBD:
     return h
 
 
-def _pool(tmp: Path, size: str, volumes: dict[str, str]) -> str:
-    pool = str(tmp / "pool")
+@pytest.fixture(params=["directory", "rados"])
+def place(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the pool of a test run on both backends lives: a directory, or a Ceph pool
+    (a lease of 3 s there: an owner killed loses its volumes once it lapses)."""
+    if request.param == "directory":
+        return str(tmp_path / "pool")
+    monkeypatch.setenv("THINBLOCK_RADOS_LEASE_S", "3")
+    return new_rados_locator(request, "owners")
+
+
+def _pool(tmp: Path, size: str, volumes: dict[str, str], place: str | None = None) -> str:
+    pool = place or str(tmp / "pool")
     thinblock("pool", "create", pool, "--size", size)
     for name, vsize in volumes.items():
         thinblock("volume", "create", pool, name, "--size", vsize)
@@ -144,8 +169,8 @@ def _in_threads(*jobs: tuple[Writer, int]) -> None:
         raise errors[0]
 
 
-def test_two_owners_write_snapshot_through_the_owner_and_a_third_serves_the_clone(tmp_path: Path) -> None:
-    pool = _pool(tmp_path, "256M", {"a": "48M", "b": "48M"})
+def test_two_owners_write_snapshot_through_the_owner_and_a_third_serves_the_clone(tmp_path: Path, place: str) -> None:
+    pool = _pool(tmp_path, "256M", {"a": "48M", "b": "48M"}, place)
     sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
     servers = [sa, sb]
     try:
@@ -188,8 +213,8 @@ def test_two_owners_write_snapshot_through_the_owner_and_a_third_serves_the_clon
     thinblock("pool", "check", pool)
 
 
-def test_a_volume_is_served_by_one_owner_and_others_are_told_who(tmp_path: Path) -> None:
-    pool = _pool(tmp_path, "64M", {"a": "16M", "b": "16M"})
+def test_a_volume_is_served_by_one_owner_and_others_are_told_who(tmp_path: Path, place: str) -> None:
+    pool = _pool(tmp_path, "64M", {"a": "16M", "b": "16M"}, place)
     sa = _serve(pool, tmp_path, "a")
     try:
         again = thinblock("serve", pool, "--volume", "a", "--socket", str(tmp_path / "x.sock"), check=False)
@@ -221,8 +246,10 @@ def test_a_volume_is_served_by_one_owner_and_others_are_told_who(tmp_path: Path)
     thinblock("pool", "check", pool)
 
 
-def test_sigkill_of_one_owner_leaves_the_others_serving_and_its_flushed_bytes_intact(tmp_path: Path) -> None:
-    pool = _pool(tmp_path, "128M", {"a": "32M", "b": "32M"})
+def test_sigkill_of_one_owner_leaves_the_others_serving_and_its_flushed_bytes_intact(
+    tmp_path: Path, place: str
+) -> None:
+    pool = _pool(tmp_path, "128M", {"a": "32M", "b": "32M"}, place)
     sa, sb = _serve(pool, tmp_path, "a"), _serve(pool, tmp_path, "b")
     wa, wb = Writer(sa, "a", 32 * MiB, 11), Writer(sb, "b", 32 * MiB, 12)
     try:
@@ -237,8 +264,9 @@ def test_sigkill_of_one_owner_leaves_the_others_serving_and_its_flushed_bytes_in
         # a's owner never notices.
         wa.run(60)
         wa.check()
-        # The next server of b takes its lease at once, and serves every flushed byte.
-        sb2 = _serve(pool, tmp_path, "b")
+        # The next server of b takes its lease (at once on a directory, once the lease
+        # lapsed on Ceph, fencing the dead owner's client), and serves every flushed byte.
+        sb2 = _serve_once_free(pool, tmp_path, "b")
         try:
             h = _handle(sb2, "b")
             got = h.pread(32 * MiB, 0)
@@ -406,8 +434,8 @@ def _write_until_it_fits(h: nbd.NBD, length: int) -> int:
     raise AssertionError("the space a trimmed never reached the other owner")
 
 
-def test_takeover_hands_one_volume_over_with_a_client_connected(tmp_path: Path) -> None:
-    pool = _pool(tmp_path, "128M", {"a": "32M", "b": "32M"})
+def test_takeover_hands_one_volume_over_with_a_client_connected(tmp_path: Path, place: str) -> None:
+    pool = _pool(tmp_path, "128M", {"a": "32M", "b": "32M"}, place)
     first = _serve(pool, tmp_path, "a", "b")
     second: Server | None = None
     try:
