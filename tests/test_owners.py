@@ -10,9 +10,11 @@ Seeded writers, so every run does the same requests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -791,3 +793,57 @@ def test_a_claiming_server_leaves_a_volume_it_handed_over_to_its_taker(tmp_path:
                 _stop(taker)
         finally:
             _stop(rest)
+
+
+# ----- Ceph: fencing one volume's owner, not the others -----------------------------------------
+
+
+def _worker_pid(server: Server, name: str) -> int:
+    found = re.search(rf"worker \d+ \(pid (\d+)\) serves {name}\b", server.log.read_text())
+    assert found, server.log.read_text()
+    return int(found.group(1))
+
+
+def test_a_stalled_ceph_owner_loses_one_volume_to_a_takeover_and_keeps_serving_the_other(
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve --volume a --volume b on a Ceph pool runs a worker with a Ceph client of
+    its own per volume. a's worker is stopped (SIGSTOP) and a taken over: the taker
+    fences that worker's client alone. b's I/O never fails. When a's worker resumes,
+    its write to a fails and changes nothing, it stops serving a with a log line and
+    no traceback, and is not restarted; b is served on."""
+    monkeypatch.setenv("THINBLOCK_RADOS_LEASE_S", "3")
+    pool = _pool(tmp_path, "128M", {"a": "32M", "b": "32M"}, new_rados_locator(request, "stall"))
+    first = _serve(pool, tmp_path, "a", "b")
+    taker: Server | None = None
+    stalled = _worker_pid(first, "a")
+    try:
+        wa, wb = Writer(first, "a", 32 * MiB, 21), Writer(first, "b", 32 * MiB, 22)
+        _in_threads((wa, 60), (wb, 60))  # each ends with a flush
+        os.kill(stalled, signal.SIGSTOP)
+        late = wa.h.aio_pwrite(b"Z" * (64 << 10), 0)  # waits in the stopped worker's socket
+        work = tmp_path / "taker"
+        work.mkdir()
+        taker = Server(pool, "--volume", "a", "--takeover", "--socket", str(work / "nbd.sock"), workdir=work)
+        log = taker.log.read_text()
+        assert "fencing it off" in log and "fenced" in log, log
+        wb.run(40)  # b's worker was not fenced
+        wb.check()
+        wa.check(taker)  # every flushed byte of a
+        os.kill(stalled, signal.SIGCONT)
+        with pytest.raises(nbd.Error):
+            while not wa.h.aio_command_completed(late):
+                wa.h.poll(1000)
+        wa.check(taker)  # the late write changed nothing
+        until(lambda: "not restarting it" in first.log.read_text(), what="the fenced worker's end")
+        text = first.log.read_text()
+        assert "volume a: its lease is lost" in text and "Traceback" not in text, text
+        wb.run(40)
+        wb.check()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stalled, signal.SIGCONT)
+        if taker is not None:
+            _stop(taker)
+        _stop(first)
+    thinblock("pool", "check", pool)

@@ -1,5 +1,5 @@
 """Handing a volume over between servers per volume (`serve POOL --volume NAME
---takeover`), on a directory pool.
+--takeover`).
 
 The taker asks the owner, through the owner's control socket, to release the
 volume: the owner hangs up that volume's NBD clients (their in-flight requests
@@ -8,7 +8,9 @@ finish and are answered), commits, gives its grants back and releases the lease
 lease as any server does. A directory pool's lease is a lock that dies with its
 process, so an owner that died has released it already; one that is alive but
 does not answer cannot be fenced off (a stalled process still holds its lock):
-the taker then says so and names it.
+the taker then says so and names it. On Ceph the taker fences such an owner
+off instead (meta fence_volume: its client is blocklisted, its lock broken),
+and one whose control socket is on no path of this host (another host) too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def take_over(location: Location, names: list[str]) -> None:
     try:
         rows = {row.name: row for row in meta.volumes()}
         asks: list[tuple[str, str, str]] = []  # (volume, holder, its control socket)
+        fences: list[tuple[str, int, str, str]] = []  # (volume, id, holder, why it is fenced, not asked)
         answering: set[str] = set()
         for name in dict.fromkeys(names):
             row = rows.get(name)
@@ -50,6 +53,9 @@ def take_over(location: Location, names: list[str]) -> None:
                 )
             sock = owner_socket(location, holder)
             if sock is None or not os.path.exists(sock):
+                if location.can_fence:
+                    fences.append((name, row.id, holder, "it offers no control socket on this host"))
+                    continue
                 raise PoolBusyError(f"volume {name} is served by {holder}, which offers no control socket here")
             if sock not in answering:
                 try:
@@ -57,6 +63,9 @@ def take_over(location: Location, names: list[str]) -> None:
                     # first, so that it is named at once, not after the hand-over's timeout.
                     _answers(sock)
                 except ThinblockError as exc:
+                    if location.can_fence:
+                        fences.append((name, row.id, holder, f"it does not answer ({exc})"))
+                        continue
                     raise PoolBusyError(
                         f"volume {name} is served by {holder}, which does not answer ({exc}); on a directory pool"
                         f" a live process cannot be fenced off: stop it (kill {owner_pid(holder)}), then serve the"
@@ -64,6 +73,17 @@ def take_over(location: Location, names: list[str]) -> None:
                     ) from None
                 answering.add(sock)
             asks.append((name, holder, sock))
+        for name, vid, holder, why in fences:
+            started = time.monotonic()
+            log.warning("takeover of volume %s: %s is its owner, and %s: fencing it off", name, holder, why)
+            meta.fence_volume(vid)
+            log.warning(
+                "takeover of volume %s: fenced %s off in %.3f s (what it acknowledged but never flushed is lost,"
+                " as after a crash)",
+                name,
+                holder,
+                time.monotonic() - started,
+            )
         for name, holder, sock in asks:
             started = time.monotonic()
             log.info("takeover of volume %s: asking %s to hand it over", name, holder)

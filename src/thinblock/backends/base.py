@@ -35,6 +35,11 @@ class Location(ABC):
 
     name: str
     takes_object_size = False  # whether the data store is made of objects of a chosen size
+    # Whether fencing an owner off (a Ceph blocklist entry covers a client instance)
+    # reaches its whole process: then each volume served per volume gets a process of
+    # its own (serve runs a worker per volume), so fencing one fences nothing else.
+    fences_per_process = False
+    can_fence = False  # whether a live owner that does not answer can be fenced off (meta fence_volume)
 
     def key(self) -> str:
         """The pool's identity on this host (runtime state is filed under it)."""

@@ -245,6 +245,8 @@ class RadosLocation(Location):
     """`rados:CEPHPOOL/NAME`. The cluster is whatever CEPH_CONF / CEPH_ID name."""
 
     takes_object_size = True
+    fences_per_process = True
+    can_fence = True
 
     def __init__(self, rest: str) -> None:
         self.name = f"rados:{rest}"
@@ -259,10 +261,11 @@ class RadosLocation(Location):
         self.held_epoch: int | None = None
         self.shared_epoch: int | None = None  # the pool epoch while served per volume (own_shared)
         self._cluster: Cluster | None = None
+        self._cluster_pid = 0
 
     def cluster(self) -> Cluster:
-        if self._cluster is None:
-            self._cluster = connect()
+        if self._cluster is None or self._cluster_pid != os.getpid():  # a forked worker connects anew
+            self._cluster, self._cluster_pid = connect(), os.getpid()
         return self._cluster
 
     def _io(self) -> Any:

@@ -177,7 +177,7 @@ def write_op_zero(cluster: Cluster, op: Any, offset: int, length: int) -> None:
         op.zero(offset, length)
 
 
-_CLUSTERS: dict[tuple[str | None, str | None], Cluster] = {}
+_CLUSTERS: dict[tuple[str | None, str | None, int], Cluster] = {}
 _CLUSTERS_LOCK = threading.Lock()
 
 
@@ -185,7 +185,9 @@ def connect(conffile: str | None = None, client_id: str | None = None) -> Cluste
     """The process's connection for this configuration (made on first use)."""
     conffile = conffile or os.environ.get("CEPH_CONF") or None
     client_id = client_id or os.environ.get("CEPH_ID") or None
-    key = (conffile, client_id)
+    # A forked child (a worker of serve --workers) makes its own: librados' threads
+    # do not survive a fork, and a client of its own is what fencing one worker needs.
+    key = (conffile, client_id, os.getpid())
     with _CLUSTERS_LOCK:
         cluster = _CLUSTERS.get(key)
         if cluster is None:
@@ -199,7 +201,7 @@ def disconnect_all() -> None:
     called without an active exception", seen once at the end of a `pool repair`),
     as its threads are torn down by exit rather than joined."""
     with _CLUSTERS_LOCK:
-        clusters = list(_CLUSTERS.values())
+        clusters = [c for key, c in _CLUSTERS.items() if key[2] == os.getpid()]  # a parent's are not ours to shut
         _CLUSTERS.clear()
     for cluster in clusters:
         try:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,6 +283,19 @@ class MetadataStore(ABC):
         one read: a hint for listings of thousands (a holder that died since is still
         named; volume_holder says who lives)."""
         raise self._one_owner()
+
+    def fence_volume(self, volume_id: int) -> str:
+        """Take the volume's lease from a holder that does not answer (serve --takeover):
+        fence it off so that it can write nothing more, and free the lease for a claim;
+        returns who was fenced. A store whose live holder cannot be fenced refuses."""
+        raise ThinblockError(f"{type(self).__name__} cannot fence a live holder of a volume off")
+
+    def watch_leases(self, lost: Callable[[int, str], None]) -> None:
+        """Have lost(volume id, why) called (from another thread) when a lease this store
+        holds is lost while held: on RADOS, once another took it after it lapsed, or this
+        client was fenced off. A store whose leases last as long as their process (an
+        OFD lock) never calls it."""
+        return
 
     def pool_lock(self) -> contextlib.AbstractContextManager[None]:
         """Held for one pool-level step: one at a time across every owner and process.

@@ -751,6 +751,40 @@ class RadosMetadata(MetadataStore):
                 out[int(k[2:])] = str(rec["owner"])
         return out
 
+    def fence_volume(self, volume_id: int) -> str:
+        """Blocklist the client the volume's record names (one process per volume on
+        Ceph: nothing else of it), then break its lock, so the next claim takes it."""
+        store = self.leases()
+        rec = self._record(volume_id)
+        if rec is None or not rec.get("owner"):
+            return "nobody"
+        store.fence(rec, f"serve --takeover of volume {volume_id}")
+        lockers, _kind = store.lockers(volume_lock(volume_id))
+        for locker in lockers:
+            try:
+                self.io.execute(
+                    self.obj,
+                    "lock",
+                    "break_lock",
+                    cls_lock.break_lock_args(volume_lock(volume_id), locker.instance, locker.cookie),
+                )
+            except rados.ObjectNotFound:
+                pass  # broken meanwhile (its lease lapsed, and another took it)
+            except rados.Error as exc:
+                raise as_oserror(exc, f"breaking the lock of volume {volume_id}") from None
+        return str(rec["owner"])
+
+    def watch_leases(self, lost: Callable[[int, str], None]) -> None:
+        store = self.leases()
+
+        def on_lost(name: str, why: str) -> None:
+            if name.startswith("volume."):
+                vid = int(name.removeprefix("volume."))
+                store.held.pop(vid, None)
+                lost(vid, why)
+
+        store.renewer.on_lost = on_lost
+
     def pool_lock(self) -> contextlib.AbstractContextManager[None]:
         return self.leases().pool_step()
 

@@ -549,6 +549,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
         )
     if (runtime := location.runtime_path()) is not None:
         require_socket_room(runtime, location.shorter_runtime_path)
+    if spec is None and volumes and location.fences_per_process and args.workers < len(set(volumes)):
+        # A blocklist entry fences a whole Ceph client, so each volume gets a worker
+        # with a client of its own: a takeover that fences one fences nothing else.
+        log.info(
+            "pool %s: %d volumes, one worker process each (fencing one owner must not reach the others)",
+            args.pool,
+            len(set(volumes)),
+        )
+        args.workers = len(set(volumes))
     if args.takeover and not activated:
         # Checked before anything is taken: a taker that then could not listen would
         # leave the volume served by nobody.
@@ -633,6 +642,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     bound = (tcp[0], server.listen_tcp(*tcp))
             host = MountHost(pool)
             handed_all: list[str] = []  # filled when it stops itself, having handed everything over
+            lost: list[str] = []  # volumes whose lease another took (Ceph): it stops serving then
+            if pool.owner is not None:
+
+                def lease_lost(vid: int, why: str) -> None:
+                    vol = pool.volume_by_id(vid)
+                    name = vol.row.name if vol is not None else f"#{vid}"
+                    log.error(
+                        "volume %s: its lease is lost (%s); it is served elsewhere now: closing its clients and"
+                        " stopping, committing nothing more",
+                        name,
+                        why,
+                    )
+                    lost.append(name)
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+                pool.meta.watch_leases(lease_lost)
             where = f"the control socket of pool {args.pool}"
             if pool.owner is None:
                 control = ControlServer(pool, {"fuse_mount": host.mount})
@@ -696,7 +721,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 systemd.notify("RELOADING=1", "STATUS=reloading --tls-authz")
                 server.reload_authz()
                 systemd.notify("READY=1", f"STATUS={status}")
-            why = "its last volume handed over" if handed_all else signal.Signals(signum).name
+            why = (
+                f"the loss of the lease of {', '.join(lost)}"
+                if lost
+                else "its last volume handed over"
+                if handed_all
+                else signal.Signals(signum).name
+            )
             systemd.notify("STOPPING=1", "STATUS=stopping: finishing requests and committing")
             print("stopping: finishing requests and committing", flush=True)
         finally:
