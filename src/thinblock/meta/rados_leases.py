@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from thinblock.bindings import RADOS_POOLS, require
@@ -80,6 +80,7 @@ class LockRenewer:
         self.io, self.obj, self.label = io, obj, label
         self.held: dict[str, tuple[str, str]] = {}  # lock name -> (cookie, description)
         self.lost: set[str] = set()
+        self.on_lost: Callable[[str, str], None] | None = None  # (lock name, why)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,10 +109,18 @@ class LockRenewer:
                         return
                     if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
                         with self._lock:
-                            if self.held.get(name, (None,))[0] == cookie:
-                                del self.held[name]
-                                self.lost.add(name)
-                        log.error("%s: lost the lease %s: %s", self.label, name, as_oserror(exc, "lock").strerror)
+                            if self.held.get(name, (None,))[0] != cookie:
+                                continue  # given up meanwhile
+                            del self.held[name]
+                            self.lost.add(name)
+                        why = (
+                            "this Ceph client was fenced off (blocklisted)"
+                            if rados_errno(exc) == BLOCKLISTED
+                            else "another client took it after it lapsed"
+                        )
+                        log.error("%s: lost the lease %s: %s", self.label, name, why)
+                        if self.on_lost is not None:
+                            self.on_lost(name, why)
                     else:
                         log.warning("%s: renewing the lease %s failed: %s", self.label, name, exc)
 
