@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from thinblock.admin.control import (
     ControlClient,
@@ -33,6 +33,9 @@ from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.progress import ProgressFn, no_progress
 from thinblock.runtime import CONTROL_SOCKET
 from thinblock.sizes import env_seconds
+
+if TYPE_CHECKING:
+    from thinblock.admin.notify import NotifyClient
 
 log = logging.getLogger("thinblock.admin")
 
@@ -95,26 +98,36 @@ class SharedAdmin:
         self.pool = pool
         self.timeout_s = timeout_s
 
-    def _owner_socket(self, name: str | None) -> str | None:
+    def _owner_socket(self, name: str | None) -> str | int | None:
         """The control socket of the server owning name's volume (for a snapshot, the
-        volume it was taken of); None when nobody holds it, or there is no such name."""
+        volume it was taken of), or that volume's id when its server is on another host
+        of a pool whose owners take requests by watch/notify; None when nobody holds it,
+        or there is no such name."""
         vol = self.pool.visible_volume(name) if name is not None else None
         if vol is None:
             return None
         vid = self.pool.base_volume_id(vol)
         holder = self.pool.meta.volume_holder(vid) if vid is not None else None
-        if holder is None:
+        if holder is None or vid is None:
             return None
         sock = owner_socket(self.pool.location, holder)
+        if self.pool.location.remote_owners and (sock is None or not os.path.exists(sock)):
+            return vid
         if sock is None:
             raise PoolBusyError(f"{vol.row.kind} {vol.name} is served by {holder}, which this host cannot reach")
         return sock
 
     @contextlib.contextmanager
-    def _owner(self, sock: str, name: str | None) -> Iterator[ControlClient]:
-        """A client of the control socket of the server owning name."""
+    def _owner(self, target: str | int, name: str | None) -> Iterator[ControlClient | NotifyClient]:
+        """A client of the server owning name: its control socket, or a notify of its
+        volume's watch object (another host's server)."""
+        if isinstance(target, int):
+            from thinblock.admin.notify import NotifyClient
+
+            yield NotifyClient(self.pool.location, self.pool.meta.superblock(), target, self.timeout_s)  # type: ignore[arg-type]
+            return
         try:
-            client = ControlClient(sock, self.timeout_s)
+            client = ControlClient(target, self.timeout_s)
         except ThinblockError as exc:
             raise PoolBusyError(f"the server owning {name} does not answer: {exc}") from None
         try:
@@ -189,8 +202,14 @@ class SharedAdmin:
         process's from the start, core/owner.py), which gives its leases up at the end."""
         name = str(args.get("name"))
         target = self._owner_socket(name)
+        if isinstance(target, int):
+            raise PoolBusyError(
+                f"{name} is served on another host: a job (import, export, copy) runs at its server, through its"
+                " control socket; run it on that host"
+            )
         if target is not None:
             with self._owner(target, name) as client:
+                assert isinstance(client, ControlClient)
                 yield client
             return
         vol = self.pool.visible_volume(name)

@@ -159,6 +159,14 @@ class ControlServer:
                 return
             idle_since = time.monotonic()
 
+    def answer(self, line: bytes) -> tuple[dict[str, Any], Callable[[], None] | None]:
+        """One request that came another way (a notify from another host,
+        admin/notify.py): the reply, and what to run once it is delivered. Jobs, which
+        stream progress and take files, come only through the socket."""
+        reply = self._handle(line, [], _NoJobs())
+        after, self._local.after = getattr(self._local, "after", None), None
+        return reply, after
+
     def after_reply(self, action: Callable[[], None]) -> None:
         """Run action once the reply to the request being handled (in this thread) is
         sent: a server that stops because of a request answers it first."""
@@ -173,7 +181,7 @@ class ControlServer:
             while self._connections:
                 self._served.wait(0.5)
 
-    def _handle(self, line: bytes, fds: list[int], sender: _Sender) -> dict[str, Any]:
+    def _handle(self, line: bytes, fds: list[int], sender: _Sender | _NoJobs) -> dict[str, Any]:
         try:
             if len(line) > MAX_LINE or not line.endswith(b"\n"):
                 raise ThinblockError("control request too long or not terminated by a newline")
@@ -272,6 +280,21 @@ class _Requests:
 
 class JobCancelled(ThinblockError):
     """The command that asked for a job went away: the job stops, as after a failure."""
+
+
+class _NoJobs:
+    """The sender of a request that came without a connection: it runs no job."""
+
+    @contextlib.contextmanager
+    def heartbeat(self) -> Iterator[None]:
+        raise ThinblockError("a job (import, export, copy) is run through the owner's control socket only")
+        yield  # pragma: no cover
+
+    def progress(self, done: int, total: int) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
 
 
 class _Sender:

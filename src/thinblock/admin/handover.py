@@ -18,12 +18,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from thinblock.admin.control import ControlClient, NoAnswer, control_timeout_s, owner_socket
 from thinblock.backends import Location
 from thinblock.core.owner import ATTACH_PURPOSE, SERVE_PURPOSE, owner_pid
 from thinblock.core.registry import STAGING_PREFIX
 from thinblock.errors import PoolBusyError, ThinblockError
+
+if TYPE_CHECKING:
+    from thinblock.admin.notify import NotifyClient
 
 log = logging.getLogger("thinblock.serve")
 
@@ -37,6 +41,7 @@ def take_over(location: Location, names: list[str]) -> None:
         rows = {row.name: row for row in meta.volumes()}
         asks: list[tuple[str, str, str]] = []  # (volume, holder, its control socket)
         fences: list[tuple[str, int, str, str]] = []  # (volume, id, holder, why it is fenced, not asked)
+        remote: list[tuple[str, int, str]] = []  # (volume, id, holder) of owners on other hosts
         answering: set[str] = set()
         for name in dict.fromkeys(names):
             row = rows.get(name)
@@ -53,8 +58,8 @@ def take_over(location: Location, names: list[str]) -> None:
                 )
             sock = owner_socket(location, holder)
             if sock is None or not os.path.exists(sock):
-                if location.can_fence:
-                    fences.append((name, row.id, holder, "it offers no control socket on this host"))
+                if location.remote_owners:  # on another host: asked by watch/notify, fenced if silent
+                    remote.append((name, row.id, holder))
                     continue
                 raise PoolBusyError(f"volume {name} is served by {holder}, which offers no control socket here")
             if sock not in answering:
@@ -73,6 +78,28 @@ def take_over(location: Location, names: list[str]) -> None:
                     ) from None
                 answering.add(sock)
             asks.append((name, holder, sock))
+        for name, vid, holder in remote:
+            # Here, not at the top: only a pool in Ceph has owners on other hosts, and
+            # python3-rados may be missing where no pool is.
+            from thinblock.admin.notify import NoAnswer as NoNotifyAnswer
+            from thinblock.admin.notify import NotifyClient
+
+            started = time.monotonic()
+            log.info("takeover of volume %s: asking %s (another host) to hand it over, by notify", name, holder)
+            try:
+                _notify_answers(NotifyClient(location, meta.superblock(), vid, PROBE_TIMEOUT_S))  # type: ignore[arg-type]
+                done = NotifyClient(location, meta.superblock(), vid, control_timeout_s()).call(  # type: ignore[arg-type]
+                    "volume_release", name=name
+                )
+            except NoNotifyAnswer as exc:
+                fences.append((name, vid, holder, f"it does not answer ({exc})"))
+                continue
+            log.info(
+                "takeover of volume %s: handed over in %.3f s (%s client(s) closed)",
+                name,
+                time.monotonic() - started,
+                done.get("clients_closed") if isinstance(done, dict) else "?",
+            )
         for name, vid, holder, why in fences:
             started = time.monotonic()
             log.warning("takeover of volume %s: %s is its owner, and %s: fencing it off", name, holder, why)
@@ -103,6 +130,18 @@ def take_over(location: Location, names: list[str]) -> None:
 
 
 PROBE_TIMEOUT_S = 5.0  # how long an owner may take to answer a question before a takeover
+
+
+def _notify_answers(client: NotifyClient) -> None:
+    """NoAnswer unless the owner answers a cheap question by notify (any answer)."""
+    from thinblock.admin.notify import NoAnswer as NoNotifyAnswer
+
+    try:
+        client.call("open_clients")
+    except NoNotifyAnswer:
+        raise
+    except ThinblockError:
+        pass
 
 
 def _answers(sock: str) -> None:

@@ -40,6 +40,9 @@ class Location(ABC):
     # its own (serve runs a worker per volume), so fencing one fences nothing else.
     fences_per_process = False
     can_fence = False  # whether a live owner that does not answer can be fenced off (meta fence_volume)
+    # Whether owners per volume may be on other hosts: requests reach them by RADOS
+    # watch/notify (admin/notify.py) where no control socket of theirs is on this host.
+    remote_owners = False
 
     def key(self) -> str:
         """The pool's identity on this host (runtime state is filed under it)."""

@@ -247,6 +247,7 @@ class RadosLocation(Location):
     takes_object_size = True
     fences_per_process = True
     can_fence = True
+    remote_owners = True
 
     def __init__(self, rest: str) -> None:
         self.name = f"rados:{rest}"

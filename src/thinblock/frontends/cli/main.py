@@ -643,6 +643,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             host = MountHost(pool)
             handed_all: list[str] = []  # filled when it stops itself, having handed everything over
             lost: list[str] = []  # volumes whose lease another took (Ceph): it stops serving then
+            lost_why: list[str] = []
             if pool.owner is not None:
 
                 def lease_lost(vid: int, why: str) -> None:
@@ -655,10 +656,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
                         why,
                     )
                     lost.append(name)
+                    lost_why.append(why)
                     os.kill(os.getpid(), signal.SIGTERM)
 
                 pool.meta.watch_leases(lease_lost)
             where = f"the control socket of pool {args.pool}"
+            watches = None
             if pool.owner is None:
                 control = ControlServer(pool, {"fuse_mount": host.mount})
             else:  # an owner per volume hosts the mounts of its own volumes (fuse/host.py)
@@ -685,6 +688,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     return {"name": name, "clients_closed": closed}
 
                 control = ControlServer(pool, {**_owner_verbs(pool, release), "fuse_mount": host.mount})
+                if pool.location.remote_owners:  # commands on other hosts reach it by watch/notify
+                    from thinblock.admin.notify import VolumeWatches
+
+                    watches = VolumeWatches(pool, control)
         except OSError as exc:
             server.close()
             raise ThinblockError(f"cannot listen on {where}: {exc.strerror or exc}") from None
@@ -734,6 +741,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             if why == "an error":
                 systemd.notify("STOPPING=1", "STATUS=stopping after an error: finishing requests and committing")
             with timed(log, f"stopping on {why}") as step:
+                if watches is not None:
+                    watches.close(fenced=any("fenced" in why for why in lost_why))
                 control.close()
                 # Writes held by the wait policy fail first, through the FUSE mounts too:
                 # a writer held there keeps its loop device, and so the mount, busy.

@@ -1,0 +1,191 @@
+"""Requests to the owner of a volume on another host, over RADOS watch/notify (as
+rbd's exclusive-lock owner takes requests on its image's header object).
+
+A server per volume on a Ceph pool watches one object per volume it owns,
+`thinblock_data.<rados_id>.watch.<volume id>` (under the pool's data prefix, so
+`pool remove` takes it with the data). A command on any host that wants that
+volume changed (a snapshot, a resize, a rollback, a handover) notifies it with
+the request; the owner runs it as it runs one from its control socket
+(admin/control.py) and writes the answer to a reply object the asker named,
+before it acknowledges. The Python binding's notify returns no payload, hence
+the reply object. A notify that times out, or that no watcher acknowledged
+(nobody watches: its owner is gone), is "no answer".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import threading
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from thinblock.bindings import RADOS_POOLS, require
+from thinblock.ceph.cluster import as_oserror
+from thinblock.errors import ThinblockError
+
+if TYPE_CHECKING:
+    from thinblock.admin.control import ControlServer
+    from thinblock.backends.rados import RadosLocation
+    from thinblock.core.pool import Pool
+
+rados = require("rados", feature=RADOS_POOLS)
+
+log = logging.getLogger("thinblock.control")
+
+SYNC_S = 1.0  # how often the watches follow the volumes this process owns
+MAX_REQUEST = 1 << 16
+
+# Watches whose close failed (a fenced client gets ESHUTDOWN). The binding's Watch
+# tries to unwatch again when it is freed, and a second unwatch of one watch
+# corrupts librados' heap (seen here: "malloc(): unsorted double linked list
+# corrupted", SIGABRT): so they are never freed while the connection lives, and
+# what their freeing at exit raises (the connection is shut by then) is dropped.
+_UNCLOSED: list[Any] = []
+
+
+def _quiet_watch_dealloc(unraisable: Any) -> None:
+    if type(unraisable.object).__name__ == "Watch" or "Watch.__dealloc__" in str(unraisable.object):
+        log.debug("a watch freed after its connection ended: %s", unraisable.exc_value)
+        return
+    _previous_hook(unraisable)
+
+
+_previous_hook = sys.unraisablehook
+sys.unraisablehook = _quiet_watch_dealloc
+
+
+def watch_object(location: RadosLocation, superblock: dict[str, Any], volume_id: int) -> str:
+    return f"{location.data_prefix(superblock)}.watch.{volume_id}"
+
+
+class NoAnswer(ThinblockError):
+    """The owner did not answer in time, or nobody watches the volume."""
+
+
+class NotifyClient:
+    """A ControlClient's `call`, to the owner of one volume through watch/notify."""
+
+    def __init__(self, location: RadosLocation, superblock: dict[str, Any], volume_id: int, timeout_s: float) -> None:
+        self.location = location
+        self.io = location.cluster().ioctx(location.ceph_pool)
+        self.obj = watch_object(location, superblock, volume_id)
+        self.reply_prefix = f"{location.data_prefix(superblock)}.reply."
+        self.timeout_s = timeout_s
+
+    def call(self, verb: str, **args: Any) -> Any:
+        reply = f"{self.reply_prefix}{uuid.uuid4().hex}"
+        message = json.dumps({"verb": verb, "args": args, "reply": reply})
+        try:
+            self.io.notify(self.obj, message, int(self.timeout_s * 1000))
+        except rados.ObjectNotFound:
+            raise NoAnswer(f"nobody watches {self.obj}: its owner does not serve it") from None
+        except rados.Error as exc:
+            with contextlib.suppress(rados.Error):
+                self.io.remove_object(reply)
+            raise NoAnswer(
+                f"its owner did not answer within {self.timeout_s:g} s ({as_oserror(exc, 'notify').strerror})"
+            ) from None
+        try:
+            raw = self.io.read(reply, MAX_REQUEST * 4, 0)
+        except rados.ObjectNotFound:
+            raise NoAnswer("no owner answered (nobody watches the volume, or its owner gave it up)") from None
+        except rados.Error as exc:
+            raise ThinblockError(f"cannot read the owner's answer: {as_oserror(exc, 'read').strerror}") from None
+        finally:
+            with contextlib.suppress(rados.Error):
+                self.io.remove_object(reply)
+        answer = json.loads(raw)
+        if "error" in answer:
+            raise ThinblockError(str(answer["error"]))
+        return answer.get("ok")
+
+    def close(self) -> None:
+        pass
+
+
+class VolumeWatches:
+    """The watches of one server per volume on a Ceph pool: one per volume it owns,
+    kept in step with them by a thread, each answering with the control server's verbs."""
+
+    def __init__(self, pool: Pool, control: ControlServer) -> None:
+        from thinblock.backends.rados import RadosLocation
+
+        assert isinstance(pool.location, RadosLocation)
+        self.pool = pool
+        self.control = control
+        self.location = pool.location
+        self.io = self.location.cluster().ioctx(self.location.ceph_pool)
+        self.superblock = pool.meta.superblock()
+        self.watches: dict[int, Any] = {}  # volume id -> rados Watch
+        self._stop = threading.Event()
+        self.sync()
+        self._thread = threading.Thread(target=self._loop, name="thinblock-watches", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SYNC_S):
+            try:
+                self.sync()
+            except Exception as exc:  # a thread of its own: one failed round is logged, the next tries again
+                log.warning("watches of pool %s: %s", self.location.name, exc)
+
+    def sync(self) -> None:
+        owner = self.pool.owner
+        wanted = owner.owned_ids() if owner is not None else set()
+        for vid in sorted(set(self.watches) - wanted):
+            self._unwatch(vid)
+        for vid in sorted(wanted - set(self.watches)):
+            obj = watch_object(self.location, self.superblock, vid)
+            try:
+                with rados.WriteOpCtx() as op:
+                    op.new(rados.LIBRADOS_CREATE_IDEMPOTENT)
+                    self.io.operate_write_op(op, obj)
+                self.watches[vid] = self.io.watch(
+                    obj,
+                    lambda notify_id, notifier_id, watch_id, data, vid=vid: self._request(vid, data),
+                    lambda error, vid=vid: log.warning(
+                        "the watch of volume %d on pool %s failed (%d)", vid, self.location.name, error
+                    ),
+                )
+            except rados.Error as exc:
+                log.warning("cannot watch volume %d of pool %s: %s", vid, self.location.name, exc)
+
+    def _unwatch(self, vid: int, *, fenced: bool = False) -> None:
+        watch = self.watches.pop(vid)
+        if fenced:  # its unwatch would fail: never close it (_UNCLOSED says why)
+            _UNCLOSED.append(watch)
+            return
+        try:
+            watch.close()
+        except rados.Error:
+            _UNCLOSED.append(watch)
+
+    def _request(self, vid: int, data: bytes) -> None:
+        """A request for volume vid (librados' callback thread): run it, write the answer,
+        and return, which acknowledges the notify."""
+        try:
+            request = json.loads(data)
+            reply = str(request["reply"])
+            if not reply.startswith(f"{self.location.data_prefix(self.superblock)}.reply."):
+                raise ValueError("a reply object outside this pool")
+            line = json.dumps({"verb": request["verb"], "args": request.get("args") or {}}).encode() + b"\n"
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("watch of volume %d: a request that is not one (%s)", vid, exc)
+            return
+        answer, after = self.control.answer(line)
+        try:
+            self.io.write_full(reply, json.dumps(answer).encode())
+        except rados.Error as exc:
+            log.warning("watch of volume %d: cannot write the answer: %s", vid, exc)
+        if after is not None:
+            after()
+
+    def close(self, *, fenced: bool = False) -> None:
+        """Stop watching; fenced: this client was blocklisted, and is not asked to."""
+        self._stop.set()
+        self._thread.join()
+        for vid in list(self.watches):
+            self._unwatch(vid, fenced=fenced)
