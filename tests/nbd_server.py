@@ -23,7 +23,8 @@ class Server:
     """`thinblock serve POOL ...` as a child process; exports[name] -> URIs. Its log
     and socket go to workdir (default: the pool directory)."""
 
-    def __init__(self, pool: str, *extra: str, workdir: Path | None = None) -> None:
+    def __init__(self, pool: str, *extra: str, workdir: Path | None = None, host: list[str] | None = None) -> None:
+        """host: a command prefix that runs the server as on another host (tests/hosts.py)."""
         self.pool = pool
         work = workdir or Path(pool)
         self.log = work / "serve.log"
@@ -33,7 +34,7 @@ class Server:
             self.socket = str((work / "nbd.sock").resolve())
             extra = ("--socket", self.socket, *extra)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "thinblock", "serve", pool, *extra],
+            [*(host or []), sys.executable, "-m", "thinblock", "serve", pool, *extra],
             stdout=subprocess.PIPE,
             stderr=open(self.log, "w"),  # noqa: SIM115
             text=True,

@@ -29,6 +29,7 @@ import pytest
 
 from tests.cli import ROOT, thinblock
 from tests.conftest import new_rados_locator
+from tests.hosts import other_host, thinblock_on
 from tests.nbd_server import Server, listed_exports
 from tests.test_commands import listing, until
 
@@ -843,6 +844,58 @@ def test_a_stalled_ceph_owner_loses_one_volume_to_a_takeover_and_keeps_serving_t
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stalled, signal.SIGCONT)
+        if taker is not None:
+            _stop(taker)
+        _stop(first)
+    thinblock("pool", "check", pool)
+
+
+def test_a_takeover_from_another_host_asks_the_owner_by_notify_and_keeps_every_acknowledged_write(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The owner of a and b serves on this host; a command and a taker on another host
+    (tests/hosts.py) reach it by RADOS watch/notify, not a control socket: a snapshot
+    of a goes to the owner, then `serve --volume a --takeover` there has the owner hand
+    a over (drain, commit, release) with nothing fenced: every acknowledged write,
+    never flushed, is read back from the taker, and b is served on."""
+    pool = _pool(tmp_path, "128M", {"a": "32M", "b": "32M"}, new_rados_locator(request, "handover"))
+    first = _serve(pool, tmp_path, "a", "b")
+    taker: Server | None = None
+    try:
+        ha, hb = _handle(first, "a"), _handle(first, "b")
+        acked = random.Random(7).randbytes(4 * MiB)
+        ha.pwrite(acked, 0)  # acknowledged, never flushed
+        hb.pwrite(b"b" * MiB, 0)
+        thinblock_on(other_host("other"), "snapshot", "create", pool, "a", "s1")
+        assert 'control: snapshot_create {"volume": "a", "name": "s1"}' in first.log.read_text()
+        work = tmp_path / "taker"
+        work.mkdir()
+        started = time.monotonic()
+        taker = Server(
+            pool,
+            "--volume",
+            "a",
+            "--takeover",
+            "--socket",
+            str(work / "nbd.sock"),
+            workdir=work,
+            host=other_host("other"),
+        )
+        h2 = _handle(taker, "a")
+        assert h2.pread(4 * MiB, 0) == acked
+        print(f"gap from --takeover to the first read served: {time.monotonic() - started:.3f} s")
+        log = taker.log.read_text()
+        assert "by notify" in log and "handed over in" in log and "fenc" not in log, log
+        with pytest.raises(nbd.Error):
+            ha.pread(4096, 0)
+        hb.pwrite(b"B" * MiB, MiB)
+        hb.flush()
+        assert hb.pread(2 * MiB, 0) == b"b" * MiB + b"B" * MiB
+        snap = _handle(taker, "s1")  # the snapshot went with its volume
+        assert snap.pread(4 * MiB, 0) == acked
+        h2.shutdown()
+        hb.shutdown()
+    finally:
         if taker is not None:
             _stop(taker)
         _stop(first)
