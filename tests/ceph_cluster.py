@@ -34,22 +34,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_IN: list[str] = []  # the command prefix of the cluster being started: `ip netns exec NS`, or nothing
+
+
 def _run(*args: str, input: str | None = None) -> str:
+    args = (*_IN, *args)
     proc = subprocess.run(args, capture_output=True, text=True, input=input, timeout=TIMEOUT, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
     return proc.stdout
 
 
-def _conf(d: Path, fsid: str, port: int, block_bytes: int) -> str:
+def _conf(d: Path, fsid: str, port: int, block_bytes: int, addr: str, network: str) -> str:
     return f"""[global]
 fsid = {fsid}
-mon host = v2:127.0.0.1:{port}
+mon host = v2:{addr}:{port}
 ms bind msgr1 = false
-public addr = 127.0.0.1
-cluster addr = 127.0.0.1
-public network = 127.0.0.0/8
-cluster network = 127.0.0.0/8
+public addr = {addr}
+cluster addr = {addr}
+public network = {network}
+cluster network = {network}
 auth cluster required = cephx
 auth service required = cephx
 auth client required = cephx
@@ -90,16 +94,30 @@ mon data = {d}/mon.a
 """
 
 
-def start(directory: str, block_bytes: int = 8 << 30) -> str:
+def start(directory: str, block_bytes: int = 8 << 30, *, netns: str | None = None, addr: str = "127.0.0.1") -> str:
     """Start the cluster in directory (made if missing); returns its ceph.conf path.
-    block_bytes: the OSD's sparse bluestore file (it never shrinks)."""
+    block_bytes: the OSD's sparse bluestore file (it never shrinks). netns: run it in
+    that network namespace (made by the test, tests/netns.py), listening on addr
+    there, which the test routes its hosts to (then block_bytes is small, and the
+    pool is as here)."""
+    global _IN
+    _IN = ["ip", "netns", "exec", netns] if netns else []
+    try:
+        return _start(directory, block_bytes, addr)
+    finally:
+        _IN = []
+
+
+def _start(directory: str, block_bytes: int, addr: str) -> str:
     d = Path(directory).resolve()
     d.mkdir(parents=True, exist_ok=True)
     if any(d.iterdir()):
         raise RuntimeError(f"{d} is not empty: a cluster starts in a fresh directory")
-    fsid, port = str(uuid.uuid4()), _free_port()
+    fsid = str(uuid.uuid4())
+    port = _free_port() if not _IN else 3300  # a namespace of its own has every port free
+    network = "127.0.0.0/8" if addr == "127.0.0.1" else f"{addr}/32"
     conf = d / "ceph.conf"
-    conf.write_text(_conf(d, fsid, port, block_bytes))
+    conf.write_text(_conf(d, fsid, port, block_bytes, addr, network))
     c = ["-c", str(conf)]
     keyring = str(d / "keyring")
     _run("ceph-authtool", "--create-keyring", keyring, "--gen-key", "-n", "mon.", "--cap", "mon", "allow *")
@@ -107,7 +125,7 @@ def start(directory: str, block_bytes: int = 8 << 30) -> str:
         "ceph-authtool", keyring, "--gen-key", "-n", "client.admin",
         "--cap", "mon", "allow *", "--cap", "osd", "allow *", "--cap", "mgr", "allow *",
     )  # fmt: skip
-    _run("monmaptool", "--create", "--addv", "a", f"[v2:127.0.0.1:{port}]", "--fsid", fsid, str(d / "monmap"))
+    _run("monmaptool", "--create", "--addv", "a", f"[v2:{addr}:{port}]", "--fsid", fsid, str(d / "monmap"))
     _run("ceph-mon", *c, "--mkfs", "-i", "a", "--monmap", str(d / "monmap"), "--keyring", keyring)
     _run("ceph-mon", *c, "-i", "a")
     _record(d, "mon.a")

@@ -20,13 +20,16 @@ def other_host(name: str) -> list[str]:
     return ["unshare", "--uts", "--", "sh", "-c", f'hostname {name} && exec "$@"', "sh"]
 
 
-def thinblock_on(host: list[str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """`python -m thinblock ARGS` run with that prefix; never a traceback, exit 0 when check."""
+def thinblock_on(
+    host: list[str], *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m thinblock ARGS` run with that prefix (and env added to this process's
+    variables); never a traceback, exit 0 when check."""
     proc = subprocess.run(
         [*host, sys.executable, "-m", "thinblock", *args],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT / "src")},
         timeout=300,
     )
     assert "Traceback" not in proc.stderr, proc.stderr

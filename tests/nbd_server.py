@@ -23,8 +23,16 @@ class Server:
     """`thinblock serve POOL ...` as a child process; exports[name] -> URIs. Its log
     and socket go to workdir (default: the pool directory)."""
 
-    def __init__(self, pool: str, *extra: str, workdir: Path | None = None, host: list[str] | None = None) -> None:
-        """host: a command prefix that runs the server as on another host (tests/hosts.py)."""
+    def __init__(
+        self,
+        pool: str,
+        *extra: str,
+        workdir: Path | None = None,
+        host: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """host: a command prefix that runs the server as on another host (tests/hosts.py,
+        tests/netns.py); env: variables set for it beside this process's."""
         self.pool = pool
         work = workdir or Path(pool)
         self.log = work / "serve.log"
@@ -38,7 +46,7 @@ class Server:
             stdout=subprocess.PIPE,
             stderr=open(self.log, "w"),  # noqa: SIM115
             text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT / "src")},
         )
         self.uris: list[str] = []
         self.metrics_url: str | None = None  # with --metrics: where /metrics is served

@@ -44,6 +44,11 @@ class CorruptionError(ThinblockError):
     """The metadata is not in a state thinblock ever writes."""
 
 
+class LeasesLost(ThinblockError):
+    """A server per volume stopped because another took the lease of a volume it served
+    (on Ceph: after its lease lapsed, or by fencing it off). Its worker is not restarted."""
+
+
 class PoolBusyError(ThinblockError):
     """Another process holds the pool open for writing."""
 

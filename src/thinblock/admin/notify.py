@@ -183,9 +183,12 @@ class VolumeWatches:
         if after is not None:
             after()
 
-    def close(self, *, fenced: bool = False) -> None:
-        """Stop watching; fenced: this client was blocklisted, and is not asked to."""
+    def close(self, *, abandon: bool = False) -> None:
+        """Stop watching. abandon: this server lost a lease (its client may be fenced, or
+        the cluster out of reach): nothing is asked of the cluster, and nothing waited
+        for; the watches lapse with the connection."""
         self._stop.set()
-        self._thread.join()
+        if not abandon:
+            self._thread.join()
         for vid in list(self.watches):
-            self._unwatch(vid, fenced=fenced)
+            self._unwatch(vid, fenced=abandon)

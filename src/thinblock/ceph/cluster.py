@@ -55,7 +55,9 @@ def errno_error(code: int, what: str) -> OSError:
     if code in (errno.EDQUOT, errno.ENOSPC):
         return OSError(errno.ENOSPC, f"{what}: the Ceph pool is full or over its quota")
     if code == BLOCKLISTED:
-        return OSError(errno.EIO, f"{what}: this client was fenced off (blocklisted); another host took the pool over")
+        return OSError(
+            errno.EIO, f"{what}: this client was fenced off (blocklisted); another owner took over what it held"
+        )
     if code == errno.ETIMEDOUT:
         return OSError(errno.EIO, f"{what}: the Ceph cluster did not answer within {OP_TIMEOUT_S} s")
     return OSError(code, f"{what}: {os.strerror(code)}")

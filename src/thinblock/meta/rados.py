@@ -617,12 +617,13 @@ class RadosMetadata(MetadataStore):
         leases = self.leases()
         ids = list(dict.fromkeys(volume_ids))
         cookies: dict[int, str] = {}
+        taken_at: dict[int, float] = {}
         try:
             for vid in ids:
                 try:
                     if vid in leases.held:
                         raise rados.ObjectBusy("held by this store")
-                    cookies[vid] = leases.lock(vid, owner)
+                    cookies[vid], taken_at[vid] = leases.lock(vid, owner)
                 except rados.ObjectBusy:
                     rec = self._record(vid)
                     holder = rec.get("owner") if rec and rec.get("owner") else "another client (unknown)"
@@ -639,7 +640,7 @@ class RadosMetadata(MetadataStore):
             raise
         for vid, lease in got.items():
             leases.held[vid] = (lease, cookies[vid])
-            leases.renewer.add(volume_lock(vid), cookies[vid], owner)
+            leases.renewer.add(volume_lock(vid), cookies[vid], owner, taken_at=taken_at[vid])
         return got
 
     def _records(self, ids: list[int]) -> dict[int, dict[str, Any] | None]:

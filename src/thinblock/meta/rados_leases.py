@@ -72,62 +72,97 @@ def parse_record(raw: bytes | None) -> dict[str, Any] | None:
 
 
 class LockRenewer:
-    """One thread renewing every lock a store holds, until it is stopped. A lock it
-    cannot renew because another took it (or this client was fenced) is dropped
-    from `held`, and `on_lost` is told."""
+    """One thread renewing every lock a store holds, until it is stopped, and a
+    watchdog. A lock is lost when another took it, when this client was fenced, or
+    when it could not be renewed for a whole lease (the cluster out of reach: it may
+    have lapsed, and been taken, already): it is dropped from `held`, and `on_lost`
+    is told, so that its holder stops acting on it at once."""
 
     def __init__(self, io: Any, obj: str, label: str) -> None:
         self.io, self.obj, self.label = io, obj, label
         self.held: dict[str, tuple[str, str]] = {}  # lock name -> (cookie, description)
+        # lock name -> when the last request that took or renewed it was sent (monotonic):
+        # its lease ends no sooner than a lease after that, by the OSD's reckoning.
+        self.renewed: dict[str, float] = {}
         self.lost: set[str] = set()
         self.on_lost: Callable[[str, str], None] | None = None  # (lock name, why)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
-    def add(self, name: str, cookie: str, desc: str) -> None:
+    def add(self, name: str, cookie: str, desc: str, *, taken_at: float | None = None) -> None:
         with self._lock:
             self.held[name] = (cookie, desc)
+            self.renewed[name] = time.monotonic() if taken_at is None else taken_at
             self.lost.discard(name)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="thinblock-leases", daemon=True)
-                self._thread.start()
+            if not self._threads:
+                for target, what in ((self._loop, "leases"), (self._watchdog, "lease-watchdog")):
+                    thread = threading.Thread(target=target, name=f"thinblock-{what}", daemon=True)
+                    thread.start()
+                    self._threads.append(thread)
 
     def drop(self, name: str) -> None:
         with self._lock:
             self.held.pop(name, None)
+
+    def _lose(self, name: str, cookie: str, why: str) -> None:
+        with self._lock:
+            if self.held.get(name, (None,))[0] != cookie:
+                return  # given up, or lost, meanwhile
+            del self.held[name]
+            self.lost.add(name)
+        log.error("%s: lost the lease %s: %s", self.label, name, why)
+        if self.on_lost is not None:
+            self.on_lost(name, why)
 
     def _loop(self) -> None:
         while not self._stop.wait(lease_s() / 3):
             with self._lock:
                 held = list(self.held.items())
             for name, (cookie, desc) in held:
+                sent = time.monotonic()
                 try:
                     self.io.lock_exclusive(self.obj, name, cookie, desc=desc, duration=lease_s(), flags=1)
                 except rados.Error as exc:
                     if self._stop.is_set():
                         return
                     if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
-                        with self._lock:
-                            if self.held.get(name, (None,))[0] != cookie:
-                                continue  # given up meanwhile
-                            del self.held[name]
-                            self.lost.add(name)
-                        why = (
+                        fenced = rados_errno(exc) == BLOCKLISTED
+                        self._lose(
+                            name,
+                            cookie,
                             "this Ceph client was fenced off (blocklisted)"
-                            if rados_errno(exc) == BLOCKLISTED
-                            else "another client took it after it lapsed"
+                            if fenced
+                            else "another client took it after it lapsed",
                         )
-                        log.error("%s: lost the lease %s: %s", self.label, name, why)
-                        if self.on_lost is not None:
-                            self.on_lost(name, why)
                     else:
                         log.warning("%s: renewing the lease %s failed: %s", self.label, name, exc)
+                    continue
+                with self._lock:
+                    if self.held.get(name, (None,))[0] == cookie:
+                        self.renewed[name] = sent
+
+    def _watchdog(self) -> None:
+        """A renewal may block for the op timeout while the cluster is out of reach: this
+        thread alone says when a lease has run out unrenewed."""
+        while not self._stop.wait(min(0.25, lease_s() / 6)):
+            now = time.monotonic()
+            with self._lock:
+                overdue = [
+                    (name, cookie) for name, (cookie, _d) in self.held.items() if now - self.renewed[name] >= lease_s()
+                ]
+            for name, cookie in overdue:
+                self._lose(
+                    name,
+                    cookie,
+                    f"it could not be renewed for its whole {lease_s()} s lease (the cluster is out of reach):"
+                    " another may hold it now",
+                )
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
 
 class VolumeLeases:
@@ -171,11 +206,13 @@ class VolumeLeases:
 
     # ----- taking and giving up --------------------------------------------------------
 
-    def lock(self, volume_id: int, desc: str) -> str:
-        """Take the volume's lock with a new cookie; rados.ObjectBusy if it is held."""
+    def lock(self, volume_id: int, desc: str) -> tuple[str, float]:
+        """Take the volume's lock with a new cookie; rados.ObjectBusy if it is held.
+        Returns the cookie and when the request was sent (monotonic)."""
         cookie = uuid.uuid4().hex
+        sent = time.monotonic()
         self.io.lock_exclusive(self.obj, volume_lock(volume_id), cookie, desc=desc, duration=lease_s())
-        return cookie
+        return cookie, sent
 
     def unlock(self, volume_id: int, cookie: str) -> None:
         self.renewer.drop(volume_lock(volume_id))
@@ -216,6 +253,7 @@ class VolumeLeases:
     def _take_step_lock(self) -> None:
         pause = 0.005
         while True:
+            sent = time.monotonic()
             try:
                 self.io.lock_exclusive(
                     self.obj, POOL_STEP_LOCK, self._step_cookie, desc="pool step", duration=lease_s()
@@ -226,7 +264,7 @@ class VolumeLeases:
                 continue
             except rados.Error as exc:
                 raise as_oserror(exc, "pool-level lock") from None
-            self.renewer.add(POOL_STEP_LOCK, self._step_cookie, "pool step")
+            self.renewer.add(POOL_STEP_LOCK, self._step_cookie, "pool step", taken_at=sent)
             return
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from thinblock.core.owner import ATTACH_PURPOSE, SERVE_PURPOSE
 from thinblock.core.pool import DEFAULT_BLOCK_SIZE, Pool
 from thinblock.core.pool_settings import follow_pool
 from thinblock.core.space_policy import parse_autogrow, parse_low_water, parse_when_full
-from thinblock.errors import OpError, OutputClosed, PoolBusyError, ThinblockError
+from thinblock.errors import LeasesLost, OpError, OutputClosed, PoolBusyError, ThinblockError, UncleanCloseError
 from thinblock.frontends.cli import config, maps, transfer
 from thinblock.frontends.cli.common import UsageError, admin_call
 from thinblock.frontends.cli.common import emit as _emit
@@ -742,7 +742,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 systemd.notify("STOPPING=1", "STATUS=stopping after an error: finishing requests and committing")
             with timed(log, f"stopping on {why}") as step:
                 if watches is not None:
-                    watches.close(fenced=any("fenced" in why for why in lost_why))
+                    # A lost lease: the cluster may be out of reach, or this client fenced;
+                    # its watches are left to lapse rather than waited on.
+                    watches.close(abandon=bool(lost))
                 control.close()
                 # Writes held by the wait policy fail first, through the FUSE mounts too:
                 # a writer held there keeps its loop device, and so the mount, busy.
@@ -755,8 +757,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 step.mark("connections drained")
                 if metrics is not None:
                     metrics.close()
-                pool.close()
+                try:
+                    pool.close()
+                except UncleanCloseError as exc:
+                    if not lost:
+                        raise
+                    # Its lease is another's: what it did not commit is that owner's to
+                    # recover, as after a crash; the loss is what this server reports.
+                    log.warning("%s", exc)
                 step.mark("final commit done, pool closed")
+    if lost:
+        raise LeasesLost(
+            f"stopped serving {', '.join(lost)}: its lease was lost ({'; '.join(dict.fromkeys(lost_why))});"
+            " another server holds it now"
+        )
     print("stopped", flush=True)
 
 

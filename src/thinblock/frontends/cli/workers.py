@@ -36,13 +36,14 @@ from thinblock import systemd
 from thinblock.admin.handover import take_over, unheld_volumes, volumes_to_serve
 from thinblock.backends import Location
 from thinblock.core.registry import STAGING_PREFIX, base_row_id
-from thinblock.errors import ThinblockError
+from thinblock.errors import LeasesLost, ThinblockError
 from thinblock.listen import LISTEN_BACKLOG, bind_tcp, bind_unix, remove_socket
 from thinblock.sizes import env_seconds
 
 log = logging.getLogger("thinblock.serve")
 
 RESTARTS = 3
+LEASES_LOST_EXIT = 75  # a worker's exit status when it stopped because its leases were taken (not restarted)
 RESTART_PAUSE_S = 0.25  # the first pause before restarting a worker that died again (doubles, up to 2 s)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_WINDOW_S = 60.0
@@ -176,6 +177,9 @@ class Supervisor:
                 try:
                     self.run_worker(spec, worker.volumes)
                     code = 0
+                except LeasesLost as exc:
+                    log.error("worker %d: %s", worker.index, exc)
+                    code = LEASES_LOST_EXIT
                 except (ThinblockError, OSError) as exc:
                     spec.report(f"error: {exc}")
                     log.error("worker %d: %s", worker.index, exc)
@@ -234,6 +238,14 @@ class Supervisor:
             if worker is None:
                 continue
             worker.pid = 0
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == LEASES_LOST_EXIT:
+                worker.given_up = True  # another server holds its volumes now: nothing to take back
+                log.warning(
+                    "worker %d stopped: another server took %s over; not restarting it",
+                    worker.index,
+                    ", ".join(worker.volumes),
+                )
+                continue
             how = (
                 f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
                 if os.WIFSIGNALED(status)
