@@ -1,7 +1,7 @@
 """RADOS benchmark: thinblock serving a pool in Ceph vs qemu-nbd serving an RBD image
 on the same single-node cluster, side by side in one run.
 
-    .venv/bin/python bench/bench_rados.py [--rounds 2] [--quick] [--json]
+    .venv/bin/python bench/bench_rados.py [--rounds 2] [--quick] [--json] [--owners]
 
 It starts its own cluster (tests/ceph_cluster.py, 1 mon, 1 mgr, 1 bluestore OSD
 on a sparse file) and stops it at the end. Each round runs both peers, and the
@@ -11,6 +11,10 @@ second round runs them in the other order (the machine is noisy). Rows:
 - 1 GiB of literal zero WRITEs to fresh space (then flush): time, and the RADOS
   objects and bytes the peer's image holds afterwards;
 - WRITE_ZEROES with NO_HOLE over 8 GiB (both allocate: the OSD writes the zeros);
+- with --owners, instead (issue 23): two volumes of one pool, each served by its
+  own `serve --volume` process, against two RBD images each served by its own
+  qemu-nbd: fio with a job per export (sequential 1 MiB write at iodepth 16,
+  4 KiB random write at iodepth 32), summed; then the same on one volume;
 - thinblock only: `thinblock mkfs` of 10 GiB and 100 GiB volumes, ext4 and xfs,
   through attach (FUSE + loop) on the RADOS pool. There is no rbd or nbd kernel
   module here, so the peer figures for mkfs are the seed's (mkfs on an rbd image:
@@ -20,6 +24,7 @@ second round runs them in the other order (the machine is noisy). Rows:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -194,6 +199,86 @@ def io_rows(uri: str, quick: bool) -> dict[str, float]:
     return r
 
 
+def fio_jobs(uris: list[str], rw: str, bs: str, iodepth: int, size: str, runtime: int | None = None) -> dict[str, Any]:
+    """One fio run with a job per URI (each its own connection and export), summed."""
+    cmd = [
+        "fio", "--ioengine=nbd", f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--size={size}",
+        "--output-format=json", "--group_reporting",
+    ]  # fmt: skip
+    if runtime:
+        cmd += [f"--runtime={runtime}", "--time_based"]
+    for n, uri in enumerate(uris):
+        cmd += [f"--name=job{n}", f"--uri={uri}"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{") :])["jobs"][0]
+    side = job["write"] if "write" in rw else job["read"]
+    return {"MiBps": side["bw_bytes"] / MiB, "iops": side["iops"]}
+
+
+class ThinblockOwners:
+    """thinblock: one pool in Ceph, a volume per owner, each served by its own
+    `serve --volume` process (its own Ceph clients), as on two hosts."""
+
+    name = "thinblock-owners"
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+        self.n = 0
+
+    @contextmanager
+    def start(self, count: int) -> Iterator[list[str]]:
+        self.n += 1
+        locator = f"rados:{CEPH_POOL}/own{self.n}"
+        tb("pool", "create", locator, "--size", "40G")
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        procs, uris = [], []
+        try:
+            for v in range(count):
+                tb("volume", "create", locator, f"v{v}", "--size", EXPORT)
+                sock = str(self.scratch / f"own{self.n}-{v}.sock")
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "thinblock", "serve", locator, "--volume", f"v{v}", "--socket", sock],
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+                wait_for(sock, procs[-1])
+                uris.append(f"nbd+unix:///v{v}?socket={sock}")
+            yield uris
+        finally:
+            for proc in procs:
+                _stop(proc)
+            ThinblockRados.remove_all()
+
+
+class QemuNbdImages:
+    """qemu-nbd: an RBD image per export, each served by its own qemu-nbd."""
+
+    name = "qemu-nbd-rbd-images"
+
+    def __init__(self, scratch: Path) -> None:
+        self.one = QemuNbdRbd(scratch)
+
+    @contextmanager
+    def start(self, count: int) -> Iterator[list[str]]:
+        with contextlib.ExitStack() as stack:
+            yield [stack.enter_context(self.one.start())[0] for _ in range(count)]
+
+
+def owner_rows(peer: ThinblockOwners | QemuNbdImages, quick: bool) -> dict[str, float]:
+    seq, runtime = ("256M", 3) if quick else ("2G", 10)
+    r: dict[str, float] = {}
+    with peer.start(2) as uris:
+        r["two_volumes_seq_write_1M_qd16_MiBps"] = fio_jobs(uris, "write", "1M", 16, seq)["MiBps"]
+        r["two_volumes_randwrite_4k_qd32_iops"] = fio_jobs(uris, "randwrite", "4k", 32, EXPORT, runtime)["iops"]
+    with peer.start(1) as uris:
+        r["one_volume_seq_write_1M_qd16_MiBps"] = fio_jobs(uris, "write", "1M", 16, seq)["MiBps"]
+        r["one_volume_randwrite_4k_qd32_iops"] = fio_jobs(uris, "randwrite", "4k", 32, EXPORT, runtime)["iops"]
+    return r
+
+
 def mkfs_rows() -> dict[str, float]:
     """thinblock mkfs through attach on a RADOS pool (the command's own timing of mkfs)."""
     locator = f"rados:{CEPH_POOL}/mkfs"
@@ -224,6 +309,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds; each other one reverses the peer order")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument(
+        "--owners",
+        action="store_true",
+        help="instead: servers per volume (a process per volume) against a qemu-nbd per RBD image, on two volumes and one",
+    )
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="tb-rados-bench-", dir=args.dir))
     progress("starting a Ceph cluster")
@@ -233,8 +323,18 @@ def main() -> None:
         ceph("osd", "pool", "create", CEPH_POOL, "32")
         ceph("osd", "pool", "set", CEPH_POOL, "size", "1", "--yes-i-really-mean-it")
         ceph("osd", "pool", "application", "enable", CEPH_POOL, "rbd")
+        if args.owners:
+            owners: list[ThinblockOwners | QemuNbdImages] = [ThinblockOwners(scratch), QemuNbdImages(scratch)]
+            for n in range(args.rounds):
+                pair: dict[str, dict[str, Any]] = {}
+                for owner_peer in owners if n % 2 == 0 else owners[::-1]:
+                    progress(f"round {n + 1}: {owner_peer.name}")
+                    pair[owner_peer.name] = owner_rows(owner_peer, args.quick)
+                rounds.append(
+                    {"thinblock-rados": pair["thinblock-owners"], "qemu-nbd-rbd": pair["qemu-nbd-rbd-images"]}
+                )
         peers: list[ThinblockRados | QemuNbdRbd] = [ThinblockRados(scratch), QemuNbdRbd(scratch)]
-        for n in range(args.rounds):
+        for n in range(0 if args.owners else args.rounds):
             order = peers if n % 2 == 0 else peers[::-1]
             results: dict[str, dict[str, Any]] = {}
             for peer in order:

@@ -46,6 +46,8 @@ MIN_GRANT_BYTES = 1 << 20
 MAX_GRANT_BYTES = 64 << 20
 FIRST_GRANT_BYTES = 4 << 20
 FAST_GRANTS_S = 1.0  # a grant taken sooner than this after the last one doubles the next
+PREFETCH_FROM_BYTES = 16 << 20  # grants this large (a streaming writer's) are taken ahead of need
+PREFETCH_WAIT_S = 30.0  # how long a closing owner waits for a grant being taken ahead of need
 
 
 # What a lease's holder is, as its name begins: those that serve for as long as they run.
@@ -78,6 +80,7 @@ class VolumeOwner:
         self._granted = threading.Condition()  # _granting changed
         self._granting = 0  # grants committed, being punched (not allocatable yet)
         self._wanting = 0  # requests in take_space (give_back_idle waits for them)
+        self._prefetching = False  # a thread takes the next grant ahead of need (maybe_prefetch)
         self._leaving: set[int] = set()  # volumes being handed over: served no more
         self._grant_bytes = FIRST_GRANT_BYTES
         self._last_grant = 0.0
@@ -321,6 +324,37 @@ class VolumeOwner:
                 grant.volume_id,
             )
 
+    def maybe_prefetch(self, vol: Volume) -> None:
+        """After a write that allocated: when less than half a grant is left allocatable
+        and the grants come fast (a writer streams), take the next one now, on a thread
+        of its own, so that the writer does not wait for its pool-level step (a few
+        RADOS round trips on Ceph). A heuristic: read without the pool lock."""
+        space = self.pool.accounts.space
+        if (
+            self._prefetching
+            or self._granting
+            or self._grant_bytes < PREFETCH_FROM_BYTES
+            or space.allocatable_blocks >= self._grant_size() // 2
+        ):
+            return
+        with self._granted:
+            if self._prefetching or self._granting:
+                return
+            self._prefetching = True
+        threading.Thread(target=self._prefetch, args=(vol,), name="thinblock-grant-ahead", daemon=True).start()
+
+    def _prefetch(self, vol: Volume) -> None:
+        try:
+            with self.pool.lock:
+                wanted = self.pool.accounts.space.allocatable_blocks + self._grant_size() // 2
+            self.take_space(wanted, vol)
+        except (OSError, ThinblockError) as exc:  # the writer that needs the space says so, in its own time
+            log.debug("pool %s: taking a grant ahead of need failed: %s", self.pool.path, exc)
+        finally:
+            with self._granted:
+                self._prefetching = False
+                self._granted.notify_all()
+
     def idle_limit(self, *, margin: bool = True) -> int:
         """How many allocatable blocks this owner keeps in its grants at most; the
         rest goes back to the pool (others may need it: a trimmed volume's space).
@@ -457,6 +491,8 @@ class VolumeOwner:
         not be given back is left to the next pool-level step (a stale grant, a dead
         lease) and returned as warnings."""
         problems: list[str] = []
+        with self._granted:  # a grant being taken ahead of need is given back with the rest
+            self._granted.wait_for(lambda: not self._prefetching, timeout=PREFETCH_WAIT_S)
         for grant in self.grants:
             lease = self._leases.get(grant.volume_id)
             if lease is None:

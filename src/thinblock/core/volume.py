@@ -778,6 +778,8 @@ class Volume:
         while True:
             try:
                 verb(*args, **kwargs)
+                if (owner := self.pool.owner) is not None:
+                    owner.maybe_prefetch(self)
                 break
             except NoSpaceError as exc:
                 # A grant may be asked for again after a wait (others may have freed space).
