@@ -15,9 +15,9 @@ the reply object. A notify that times out, or that no watcher acknowledged
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
-import sys
 import threading
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -38,23 +38,13 @@ log = logging.getLogger("thinblock.control")
 SYNC_S = 1.0  # how often the watches follow the volumes this process owns
 MAX_REQUEST = 1 << 16
 
-# Watches whose close failed (a fenced client gets ESHUTDOWN). The binding's Watch
-# tries to unwatch again when it is freed, and a second unwatch of one watch
-# corrupts librados' heap (seen here: "malloc(): unsorted double linked list
-# corrupted", SIGABRT): so they are never freed while the connection lives, and
-# what their freeing at exit raises (the connection is shut by then) is dropped.
-_UNCLOSED: list[Any] = []
-
-
-def _quiet_watch_dealloc(unraisable: Any) -> None:
-    if type(unraisable.object).__name__ == "Watch" or "Watch.__dealloc__" in str(unraisable.object):
-        log.debug("a watch freed after its connection ended: %s", unraisable.exc_value)
-        return
-    _previous_hook(unraisable)
-
-
-_previous_hook = sys.unraisablehook
-sys.unraisablehook = _quiet_watch_dealloc
+def _keep_forever(watch: Any) -> None:
+    """A watch whose close failed (a fenced client gets ESHUTDOWN, an unreachable
+    cluster a timeout), or that is left to lapse: the binding's Watch unwatches again
+    when it is freed, and a second unwatch of one watch corrupts librados' heap (seen
+    here: "malloc(): unsorted double linked list corrupted", SIGABRT). So it is
+    never freed: one reference more than Python will ever drop."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(watch))
 
 
 def watch_object(location: RadosLocation, superblock: dict[str, Any], volume_id: int) -> str:
@@ -155,13 +145,14 @@ class VolumeWatches:
 
     def _unwatch(self, vid: int, *, fenced: bool = False) -> None:
         watch = self.watches.pop(vid)
-        if fenced:  # its unwatch would fail: never close it (_UNCLOSED says why)
-            _UNCLOSED.append(watch)
+        if fenced:  # its unwatch would fail, or hang: never close it (_keep_forever says why)
+            _keep_forever(watch)
             return
         try:
             watch.close()
-        except rados.Error:
-            _UNCLOSED.append(watch)
+        except rados.Error as exc:
+            log.warning("the watch of volume %d on pool %s could not be closed: %s", vid, self.location.name, exc)
+            _keep_forever(watch)
 
     def _request(self, vid: int, data: bytes) -> None:
         """A request for volume vid (librados' callback thread): run it, write the answer,
