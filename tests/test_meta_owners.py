@@ -1,9 +1,9 @@
 """The metadata store's ownership contract (meta/base.py, meta/owners.py): per-volume
 leases, guarded commits, shared counts committed as changes, grants, the
-pool-level lock and id ranges. One suite, run against every store that has
-them (SQLite and memory); several store objects on one pool stand for several
-owners, and on SQLite real processes do (their leases are OFD locks that die
-with them). The RADOS store keeps one owner per pool and refuses these verbs.
+pool-level lock and id ranges. One suite, run against every store: SQLite,
+memory and RADOS. Several store objects on one pool stand for several owners;
+real processes do too, on SQLite (their leases are OFD locks that die with
+them) and on RADOS (each with a Ceph client of its own; their leases lapse).
 """
 
 from __future__ import annotations

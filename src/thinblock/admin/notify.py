@@ -38,6 +38,7 @@ log = logging.getLogger("thinblock.control")
 SYNC_S = 1.0  # how often the watches follow the volumes this process owns
 MAX_REQUEST = 1 << 16
 
+
 def _keep_forever(watch: Any) -> None:
     """A watch whose close failed (a fenced client gets ESHUTDOWN, an unreachable
     cluster a timeout), or that is left to lapse: the binding's Watch unwatches again

@@ -33,7 +33,9 @@ processes, may commit to one store at once:
   `pool_lock()`, one at a time across processes, and never around data I/O.
   Ids come from `reserve_ids`, in ranges no two owners share.
 
-The RADOS store keeps one owner per pool for now: it refuses these verbs.
+The RADOS store has them too (meta/rados_leases.py, meta/rados_shared.py) while
+its process shares the pool (RadosLocation.own_shared); a process holding a
+RADOS pool whole refuses them.
 """
 
 from __future__ import annotations
