@@ -904,3 +904,32 @@ def test_a_stalled_rados_owner_whose_volume_was_taken_writes_nothing(
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
+
+
+def test_a_pool_level_step_whose_lock_was_lost_commits_nothing(request: pytest.FixtureRequest) -> None:
+    """A pool-level step that stalled past its lock's lease read what another step may
+    have changed since: its commit (an absolute value, as reserve_ids writes) must be
+    refused, not land over the other's (RADOS: the step's lock is asserted in it)."""
+    from thinblock.ceph import cls_lock
+    from thinblock.meta.rados import RadosMetadata
+    from thinblock.meta.rados_leases import POOL_STEP_LOCK
+
+    pool = _seeded_pool(new_rados_locator(request, "step"))
+    with owner_store(pool) as stalled, owner_store(pool) as other:
+        assert isinstance(stalled, RadosMetadata)
+        with stalled.pool_lock():
+            before = int(stalled.superblock().get("steps", 0))
+            # Its lease lapsed while it stood still, and the lock was taken from it.
+            for locker in stalled.leases().lockers(POOL_STEP_LOCK)[0]:
+                stalled.io.execute(
+                    stalled.obj,
+                    "lock",
+                    "break_lock",
+                    cls_lock.break_lock_args(POOL_STEP_LOCK, locker.instance, locker.cookie),
+                )
+            with other.pool_lock():
+                other.commit(Transaction(superblock={"steps": before + 10}))
+            with pytest.raises(OSError) as exc:
+                stalled.commit(Transaction(superblock={"steps": before + 1}))
+            refused(exc, errno.ESTALE, "the pool-level step")
+        assert other.superblock()["steps"] == before + 10

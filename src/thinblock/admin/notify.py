@@ -157,7 +157,12 @@ class VolumeWatches:
 
     def _request(self, vid: int, data: bytes) -> None:
         """A request for volume vid (librados' callback thread): run it, write the answer,
-        and return, which acknowledges the notify."""
+        and return, which acknowledges the notify. A volume this process no longer
+        owns (handed over, its watch not yet dropped) gets no answer from it: its new
+        owner, which watches too, gives the one answer."""
+        owner = self.pool.owner
+        if owner is None or not owner.owns_id(vid):
+            return
         try:
             request = json.loads(data)
             reply = str(request["reply"])

@@ -49,7 +49,7 @@ from thinblock.meta.base import (
     check_format,
     initial_superblock,
 )
-from thinblock.meta.rados_leases import VolumeLeases, parse_record, record_key, volume_lock
+from thinblock.meta.rados_leases import POOL_STEP_LOCK, VolumeLeases, parse_record, record_key, volume_lock
 
 rados = require("rados", feature=RADOS_POOLS)
 
@@ -563,15 +563,21 @@ class RadosMetadata(MetadataStore):
 
     def _operate_shared(self, pool_epoch: int, version: bytes | None, ops: _Ops, locks: list[tuple[int, str]]) -> None:
         """One WriteOp: lands only if x.version is what the attempt read, the pool epoch
-        is the one shared, and every lease's lock still lists its cookie."""
+        is the one shared, every lease's lock still lists its cookie, and, for a
+        commit made inside a pool-level step, the step's lock still lists this
+        store's (a step that stalled past that lock's lease read what others may
+        have changed since: its absolute values, next ids among them, would be stale)."""
         before = int(version) if version else 0
         sets = {**ops.sets, rados_shared.VERSION_KEY: rados_shared.version_value(before + 1).encode()}
+        step = self.leases().step_cookie()
         try:
             with rados.WriteOpCtx() as op:
                 op.omap_cmp(rados_shared.VERSION_KEY, (version or b"").decode(), rados.LIBRADOS_CMPXATTR_OP_EQ)
                 op.omap_cmp(EPOCH_KEY, epoch_value(pool_epoch), rados.LIBRADOS_CMPXATTR_OP_EQ)
                 for vid, cookie in locks:
                     op.execute("lock", "assert_locked", cls_lock.assert_locked_args(volume_lock(vid), cookie))
+                if step is not None:
+                    op.execute("lock", "assert_locked", cls_lock.assert_locked_args(POOL_STEP_LOCK, step))
                 for begin, end in ops.ranges:
                     self.io.remove_omap_range2(op, begin, end)
                 if ops.removes:
@@ -588,9 +594,10 @@ class RadosMetadata(MetadataStore):
                     ) from None
                 raise rados_shared.Raced from None
             if code == errno.EBUSY:
-                mine = ", ".join(f"volume {vid}" for vid, _c in locks)
+                mine = [f"volume {vid}" for vid, _c in locks] + (["the pool-level step"] if step else [])
                 raise OSError(
-                    errno.ESTALE, f"metadata commit refused: the lease of {mine} was taken by another owner"
+                    errno.ESTALE,
+                    f"metadata commit refused: the lease of {', '.join(mine)} was lost (another took it)",
                 ) from None
             raise as_oserror(exc, "metadata commit") from None
 

@@ -175,6 +175,7 @@ class VolumeLeases:
         self._step_cookie = uuid.uuid4().hex
         self._step_lock = threading.RLock()
         self._step_depth = 0
+        self._step_thread: int | None = None  # the thread inside a pool-level step
 
     # ----- reading --------------------------------------------------------------------
 
@@ -240,15 +241,21 @@ class VolumeLeases:
         with self._step_lock:
             if self._step_depth == 0:
                 self._take_step_lock()
+                self._step_thread = threading.get_ident()
             self._step_depth += 1
             try:
                 yield
             finally:
                 self._step_depth -= 1
                 if self._step_depth == 0:
+                    self._step_thread = None
                     self.renewer.drop(POOL_STEP_LOCK)
                     with contextlib.suppress(rados.Error):
                         self.io.unlock(self.obj, POOL_STEP_LOCK, self._step_cookie)
+
+    def step_cookie(self) -> str | None:
+        """The pool-level step lock's cookie when the calling thread is inside a step."""
+        return self._step_cookie if self._step_thread == threading.get_ident() else None
 
     def _take_step_lock(self) -> None:
         pause = 0.005
