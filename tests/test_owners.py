@@ -853,9 +853,10 @@ def test_a_stalled_ceph_owner_loses_one_volume_to_a_takeover_and_keeps_serving_t
 def test_a_takeover_from_another_host_asks_the_owner_by_notify_and_keeps_every_acknowledged_write(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """The owner of a and b serves on this host; a command and a taker on another host
-    (tests/hosts.py) reach it by RADOS watch/notify, not a control socket: a snapshot
-    of a goes to the owner, then `serve --volume a --takeover` there has the owner hand
+    """The owner of a and b serves on this host; commands and a taker on another host
+    (tests/hosts.py) reach it by RADOS watch/notify, not a control socket: a snapshot,
+    a resize, a sparsify and a rollback of a go to the owner (a job with a stream is
+    refused, naming where to run it), then `serve --volume a --takeover` there has the owner hand
     a over (drain, commit, release) with nothing fenced: every acknowledged write,
     never flushed, is read back from the taker, and b is served on."""
     pool = _pool(tmp_path, "128M", {"a": "32M", "b": "32M"}, new_rados_locator(request, "handover"))
@@ -866,8 +867,18 @@ def test_a_takeover_from_another_host_asks_the_owner_by_notify_and_keeps_every_a
         acked = random.Random(7).randbytes(4 * MiB)
         ha.pwrite(acked, 0)  # acknowledged, never flushed
         hb.pwrite(b"b" * MiB, 0)
-        thinblock_on(other_host("other"), "snapshot", "create", pool, "a", "s1")
+        other = other_host("other")
+        thinblock_on(other, "snapshot", "create", pool, "a", "s1")
         assert 'control: snapshot_create {"volume": "a", "name": "s1"}' in first.log.read_text()
+        # Resize, sparsify (a job, without progress lines) and rollback go the same way.
+        thinblock_on(other, "volume", "resize", pool, "a", "--size", "40M")
+        thinblock_on(other, "volume", "sparsify", pool, "a")
+        busy = thinblock_on(other, "volume", "rollback", pool, "a", "s1", check=False)
+        assert "it is open by 1 client(s): NBD connection" in busy.stderr, busy.stderr  # the owner's answer
+        log = first.log.read_text()
+        assert all(f"control: {verb} " in log for verb in ("volume_resize", "volume_sparsify", "volume_rollback")), log
+        refused = thinblock_on(other, "export", pool, "a", str(tmp_path / "a.raw"), check=False)
+        assert refused.returncode != 0 and "run it on that host" in refused.stderr, refused.stderr
         work = tmp_path / "taker"
         work.mkdir()
         started = time.monotonic()

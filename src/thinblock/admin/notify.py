@@ -37,6 +37,7 @@ log = logging.getLogger("thinblock.control")
 
 SYNC_S = 1.0  # how often the watches follow the volumes this process owns
 MAX_REQUEST = 1 << 16
+JOB_TIMEOUT_S = 3600.0  # a sparsify by notify: no progress lines come, so the asker waits this long
 
 
 def _keep_forever(watch: Any) -> None:
@@ -92,6 +93,24 @@ class NotifyClient:
         if "error" in answer:
             raise ThinblockError(str(answer["error"]))
         return answer.get("ok")
+
+    def job(self, verb: str, fds: list[int], progress: Any, **args: Any) -> Any:
+        """A job at the owner: only one that takes no file (sparsify), with no progress
+        lines on the way, waiting up to JOB_TIMEOUT_S for its answer."""
+        from thinblock.admin.control import FILELESS_JOBS
+        from thinblock.admin.jobs import close_fds
+
+        if fds or verb not in FILELESS_JOBS:
+            close_fds(fds)
+            raise ThinblockError(
+                f"{verb.replace('_', ' ')} of a volume served on another host streams through its server's control"
+                " socket: run it on that host"
+            )
+        timeout, self.timeout_s = self.timeout_s, max(self.timeout_s, JOB_TIMEOUT_S)
+        try:
+            return self.call(verb, **args)
+        finally:
+            self.timeout_s = timeout
 
     def close(self) -> None:
         pass
