@@ -10,6 +10,7 @@ module under backends/ and one line in backends/__init__.py's registry.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from thinblock.errors import ThinblockError
@@ -28,6 +29,12 @@ class Ownership(ABC):
     @abstractmethod
     def release(self) -> None:
         """Give the pool up; another may take it at once."""
+
+    def watch_lost(self, lost: Callable[[str], None]) -> None:
+        """Have lost(why) called (from another thread) if the ownership is lost while
+        held: a Ceph pool's lease taken over, or this client fenced. A lock that lasts
+        as long as its process is never lost."""
+        return
 
 
 class Location(ABC):

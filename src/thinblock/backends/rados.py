@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from struct import error as struct_error
 from typing import Any
 
@@ -68,9 +69,13 @@ class _Lease(Ownership):
         self.cookie = cookie
         self.desc = desc
         self.epoch = epoch
+        self.on_lost: Callable[[str], None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="thinblock-lease", daemon=True)
         self._thread.start()
+
+    def watch_lost(self, lost: Callable[[str], None]) -> None:
+        self.on_lost = lost
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(lease_s() / 3):
@@ -93,6 +98,11 @@ class _Lease(Ownership):
                     extra={"step": "lease renewal", "elapsed_s": round(time.monotonic() - began, 6)},
                 )
                 if lost:
+                    if self.on_lost is not None:
+                        fenced = rados_errno(exc) == BLOCKLISTED
+                        self.on_lost(
+                            "this Ceph client was fenced off (blocklisted)" if fenced else "another took it over"
+                        )
                     return  # taken over, or fenced: nothing more to renew
                 continue
             took = time.monotonic() - began

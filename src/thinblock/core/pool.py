@@ -666,6 +666,11 @@ class Pool:
         log.info("pool %s: volume %s handed over (%d client(s) closed)", self.path, name, clients)
         return clients
 
+    def watch_ownership_lost(self, lost: Callable[[str], None]) -> None:
+        """lost(why) is called if this process's hold on the pool is lost while it runs
+        (a Ceph pool held whole, taken over from it: backends/base.py Ownership.watch_lost)."""
+        self._ownership.watch_lost(lost)
+
     def claim_volume(self, name: str) -> Volume:
         """An owner per volume takes the lease of a volume nobody holds and serves it from
         now on, as if it had been claimed at open (core/claim.py); VolumeBusyError naming
