@@ -645,17 +645,13 @@ def _until_lapsed(meta: MetadataStore, vid: int) -> None:
 
 
 def test_a_rados_pool_is_held_whole_or_shared_never_both(request: pytest.FixtureRequest) -> None:
-    """The whole owner's commits are one owner's (the ownership verbs are refused);
-    a sharer is refused while it holds the pool, and it is refused while sharers do."""
+    """A sharer is refused while a process holds the pool whole, and a whole holder
+    while sharers do."""
     loc = locate(new_rados_locator(request, "owners"))
     loc.create({"block_size": 4096, "size_bytes": 1 << 20, "clean": True}, 1 << 20, None)
     meta = loc.open_meta(readonly=False)
     ownership = loc.own("owners contract")
     try:
-        with pytest.raises(OSError) as exc:
-            meta.commit(Transaction(refcount_pages={0: counts(1)}, refcount_bases={0: counts()}))
-        refused(exc, errno.EOPNOTSUPP, "holds the RADOS pool whole")
-        assert meta.refcount_pages() == {}
         with pytest.raises(PoolBusyError, match="it owns the whole pool"):
             locate(loc.name).own_shared("a sharer")
         assert not loc.served_per_volume()
@@ -839,12 +835,15 @@ def test_a_lease_record_whose_commit_fails_is_rolled_back(sqlite_pool: str) -> N
 _STALLED = """
 import sys
 from thinblock.backends import locate
-from thinblock.meta.base import Transaction, VolumeRow
+from thinblock.meta.base import Grant, Transaction, VolumeRow
 pool, probe = sys.argv[1], sys.argv[2]
 loc = locate(pool)
 shared = loc.own_shared("stalled owner")
 meta = loc.open_meta(readonly=False)
 lease = meta.claim_volume(1, "stalled")
+if len(sys.argv) > 3:  # and a grant, which it never gives back
+    with meta.pool_lock():
+        meta.commit(Transaction(leases=[lease], grants=[Grant(1, lease.epoch, 100, 10)]))
 print("held", flush=True)
 sys.stdin.readline()  # stopped here (SIGSTOP) while another takes the volume over
 try:
@@ -933,3 +932,56 @@ def test_a_pool_level_step_whose_lock_was_lost_commits_nothing(request: pytest.F
                 stalled.commit(Transaction(superblock={"steps": before + 1}))
             refused(exc, errno.ESTALE, "the pool-level step")
         assert other.superblock()["steps"] == before + 10
+
+
+def test_a_whole_pool_open_after_owners_per_volume_fences_them_and_takes_their_grants_back(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server per volume stalls (SIGSTOP) holding a volume and a grant; once its
+    leases lapsed, a process opens the pool whole: it fences that owner (it never let
+    go) and takes its grant back, so the stalled owner, when it wakes up, neither
+    commits nor writes anything."""
+    from thinblock.core.pool import Pool
+    from thinblock.errors import PoolBusyError as Busy
+
+    monkeypatch.setenv("THINBLOCK_RADOS_LEASE_S", "2")
+    pool = new_rados_locator(request, "whole")
+    Pool.create(pool, 64 << 20, block_size=64 << 10).close()
+    with Pool.open(pool) as whole:
+        whole.create_volume("v1", 1 << 20)
+    probe = f"thinblock-fence-probe-{uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STALLED, pool, probe, "grant"],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "held"
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while True:  # refused while its shared lease lives
+            try:
+                opened = Pool.open(pool, autocommit=False)
+                break
+            except Busy:
+                assert time.monotonic() < deadline, "the stalled owner's shared lease never lapsed"
+                time.sleep(0.2)
+        with opened:
+            assert opened.meta.grants() == []
+        proc.send_signal(signal.SIGCONT)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out = proc.communicate(timeout=120)[0]
+        assert "commit: refused" in out and "write: refused" in out, out
+        loc = locate(pool)
+        assert isinstance(loc, RadosLocation)
+        assert not _exists(loc, probe)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()

@@ -38,7 +38,7 @@ from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, connect, ra
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
-from thinblock.meta.rados_leases import BLOCKLIST_S, lease_s
+from thinblock.meta.rados_leases import BLOCKLIST_S, MUST_RENEW, lease_s, parse_record
 from thinblock.runtime import private_runtime_dir, runtime_base
 from thinblock.sizes import format_size
 from thinblock.stats import LEASE_EVENTS
@@ -144,9 +144,13 @@ class _SharedLease(Ownership):
 
     def __init__(self, location: RadosLocation, io: Any, cookie: str, desc: str) -> None:
         self.location, self.io, self.cookie, self.desc = location, io, cookie, desc
+        self.on_lost: Callable[[str], None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="thinblock-shared-lease", daemon=True)
         self._thread.start()
+
+    def watch_lost(self, lost: Callable[[str], None]) -> None:
+        self.on_lost = lost
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(lease_s() / 3):
@@ -158,13 +162,17 @@ class _SharedLease(Ownership):
                     SHARED_TAG,
                     desc=self.desc,
                     duration=lease_s(),
-                    flags=1,
+                    flags=MUST_RENEW,
                 )
             except rados.Error as exc:
                 if self._stop.is_set():
                     return
                 log.error("pool %s: renewing the shared lease failed: %s", self.location.name, exc)
-                if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
+                if isinstance(exc, rados.ObjectBusy | rados.ObjectNotFound) or rados_errno(exc) == BLOCKLISTED:
+                    # Lapsed and broken by a process that took the pool whole (and bumped
+                    # its epoch), or this client fenced: its commits are refused from now on.
+                    if self.on_lost is not None:
+                        self.on_lost("the pool was taken whole by another server, or this client fenced off")
                     return
 
     def release(self) -> None:
@@ -516,6 +524,19 @@ class RadosLocation(Location):
             cluster.blocklist(str(previous["addr"]), BLOCKLIST_S, on_step=step.mark)
         else:
             step.mark("its previous holder let go: nothing to fence")
+        # Owners per volume the pool had (their shared locks lapsed, or this would not
+        # hold it): one that never let go may only be stalled, and would write into
+        # the blocks of a volume this holder now serves.
+        meta = RadosMetadata(cluster, self.ceph_pool, self.meta_object, epoch=lambda: None)
+        records = [rec for _k, v in meta.items("o.") if (rec := parse_record(v)) is not None]
+        fenced: set[str] = set()
+        for rec in records:
+            addr = rec.get("addr") if rec and rec.get("owner") else None
+            if addr and addr != me["addr"] and addr not in fenced:
+                LEASE_EVENTS.add(self.name, "fenced_holder")
+                step.mark("fencing %s, which held a volume and never let go", rec.get("owner"), level=logging.WARNING)
+                cluster.blocklist(str(addr), BLOCKLIST_S, on_step=step.mark)
+                fenced.add(str(addr))
         with rados.WriteOpCtx() as op:
             op.omap_cmp(EPOCH_KEY, epoch_value(old), rados.LIBRADOS_CMPXATTR_OP_EQ)
             io.set_omap(op, (EPOCH_KEY, OWNER_KEY), (epoch_value(old + 1).encode(), json.dumps(me).encode()))

@@ -364,15 +364,19 @@ class RadosMetadata(MetadataStore):
     def commit(self, txn: Transaction) -> CommitResult:
         if self.readonly:
             raise OSError(errno.EROFS, "metadata store opened read-only")
-        if self._epoch() is None and self._shared_epoch() is not None:
+        held, shared = self._epoch(), self._shared_epoch()
+        if held is None and shared is not None:
             with self._commit_lock:
-                return self._commit_shared(txn)
-        if txn.shared():  # one owner, under the pool's lock and epoch (meta/base.py)
-            raise OSError(
-                errno.EOPNOTSUPP,
-                "metadata commit refused: this process holds the RADOS pool whole; per-volume leases are for"
-                " servers per volume",
-            )
+                return self._commit_shared(txn, shared)
+        if txn.shared() and held is not None:
+            # The whole pool's holder taking back what owners per volume left (their
+            # grants, their records): the same guarded commit, under its own epoch.
+            if self._journal_maybe:
+                self.finish_journal()
+            with self._commit_lock:
+                result = self._commit_shared(txn, held)
+            self._names, self._max_page = None, None
+            return result
         epoch = self._held_epoch()
         if self._journal_maybe:
             self.finish_journal()
@@ -511,11 +515,9 @@ class RadosMetadata(MetadataStore):
             yield from items
             after = items[-1][0]
 
-    def _commit_shared(self, txn: Transaction) -> CommitResult:
+    def _commit_shared(self, txn: Transaction, pool_epoch: int) -> CommitResult:
         """One commit beside other owners: read, judge, write guarded by x.version, and
         start again from fresh reads whenever another commit landed in between."""
-        pool_epoch = self._shared_epoch()
-        assert pool_epoch is not None
         leases = self.leases()
         for vid, epoch in txn.fenced:  # a lease judged dead: its client may write nothing more
             rec = parse_record(self._get([record_key(vid)]).get(record_key(vid)))
@@ -735,11 +737,19 @@ class RadosMetadata(MetadataStore):
             return
         raise OSError(errno.EIO, f"metadata lease record: other commits landed first {COMMIT_ATTEMPTS} times")
 
+    def _held_whole(self) -> bool:
+        """Whether this process holds the pool whole: then no owner per volume can hold
+        a lease (each shares the pool's lock, which excludes that), whatever a lapsed
+        lock's expiry, judged by this host's clock, still says."""
+        return self._epoch() is not None
+
     def volume_holder(self, volume_id: int) -> str | None:
         store = self.leases()
         held = store.held.get(volume_id)
         if held is not None:
             return held[0].owner
+        if self._held_whole():
+            return None
         rec = self._record(volume_id)
         return str(rec["owner"]) if rec is not None and store.live_record(volume_id, rec) else None
 
@@ -748,6 +758,8 @@ class RadosMetadata(MetadataStore):
         held = store.held.get(volume_id)
         if held is not None:
             return held[0].epoch == epoch
+        if self._held_whole():
+            return False
         rec = self._record(volume_id)
         return rec is not None and int(rec.get("epoch", -1)) == epoch and store.live_record(volume_id, rec)
 

@@ -42,6 +42,10 @@ rados = require("rados", feature=RADOS_POOLS)
 log = logging.getLogger("thinblock.rados")
 
 POOL_STEP_LOCK = "pool-step"
+# cls_lock's LOCK_FLAG_MUST_RENEW: a renewal of a lock this cookie no longer holds
+# (broken, or taken by another after it lapsed) fails with ENOENT instead of taking it
+# again, which the may-renew flag (1) would do: a stalled holder must not get it back.
+MUST_RENEW = 2
 # A lock whose expiry is this close to now still counts as held: the OSD's clock
 # decides when another may take it, and hosts' clocks differ a little.
 CLOCK_MARGIN_S = 1.0
@@ -122,18 +126,18 @@ class LockRenewer:
             for name, (cookie, desc) in held:
                 sent = time.monotonic()
                 try:
-                    self.io.lock_exclusive(self.obj, name, cookie, desc=desc, duration=lease_s(), flags=1)
+                    self.io.lock_exclusive(self.obj, name, cookie, desc=desc, duration=lease_s(), flags=MUST_RENEW)
                 except rados.Error as exc:
                     if self._stop.is_set():
                         return
-                    if isinstance(exc, rados.ObjectBusy) or rados_errno(exc) == BLOCKLISTED:
+                    if isinstance(exc, rados.ObjectBusy | rados.ObjectNotFound) or rados_errno(exc) == BLOCKLISTED:
                         fenced = rados_errno(exc) == BLOCKLISTED
                         self._lose(
                             name,
                             cookie,
                             "this Ceph client was fenced off (blocklisted)"
                             if fenced
-                            else "another client took it after it lapsed",
+                            else "another client took it, or broke it, after it lapsed",
                         )
                     else:
                         log.warning("%s: renewing the lease %s failed: %s", self.label, name, exc)

@@ -660,20 +660,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     os.kill(os.getpid(), signal.SIGTERM)
 
                 pool.meta.watch_leases(lease_lost)
-            else:
 
-                def pool_lost(why: str) -> None:
-                    log.error(
-                        "pool %s: its lease is lost (%s); another server holds the pool now: closing every client and"
-                        " stopping",
-                        args.pool,
-                        why,
-                    )
-                    lost.append("every volume")
-                    lost_why.append(why)
-                    os.kill(os.getpid(), signal.SIGTERM)
+            def pool_lost(why: str) -> None:
+                log.error(
+                    "pool %s: its lease is lost (%s); another server holds the pool now: closing every client and"
+                    " stopping",
+                    args.pool,
+                    why,
+                )
+                lost.append("every volume")
+                lost_why.append(why)
+                os.kill(os.getpid(), signal.SIGTERM)
 
-                pool.watch_ownership_lost(pool_lost)
+            pool.watch_ownership_lost(pool_lost)
             where = f"the control socket of pool {args.pool}"
             watches = None
             if pool.owner is None:
