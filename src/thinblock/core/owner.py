@@ -81,6 +81,7 @@ class VolumeOwner:
         self._granting = 0  # grants committed, being punched (not allocatable yet)
         self._wanting = 0  # requests in take_space (give_back_idle waits for them)
         self._prefetching = False  # a thread takes the next grant ahead of need (maybe_prefetch)
+        self._no_prefetch = False  # none may (quiesce_prefetch: a handover or the close is under way)
         self._leaving: set[int] = set()  # volumes being handed over: served no more
         self._grant_bytes = FIRST_GRANT_BYTES
         self._last_grant = 0.0
@@ -332,13 +333,14 @@ class VolumeOwner:
         space = self.pool.accounts.space
         if (
             self._prefetching
+            or self._no_prefetch
             or self._granting
             or self._grant_bytes < PREFETCH_FROM_BYTES
             or space.allocatable_blocks >= self._grant_size() // 2
         ):
             return
         with self._granted:
-            if self._prefetching or self._granting:
+            if self._prefetching or self._no_prefetch or self._granting:
                 return
             self._prefetching = True
         threading.Thread(target=self._prefetch, args=(vol,), name="thinblock-grant-ahead", daemon=True).start()
@@ -348,12 +350,23 @@ class VolumeOwner:
             with self.pool.lock:
                 wanted = self.pool.accounts.space.allocatable_blocks + self._grant_size() // 2
             self.take_space(wanted, vol)
-        except (OSError, ThinblockError) as exc:  # the writer that needs the space says so, in its own time
+        except Exception as exc:  # a thread of its own: the writer that needs the space says what failed
             log.debug("pool %s: taking a grant ahead of need failed: %s", self.pool.path, exc)
         finally:
             with self._granted:
                 self._prefetching = False
                 self._granted.notify_all()
+
+    def quiesce_prefetch(self) -> None:
+        """No grant is taken ahead of need from now on (until allow_prefetch), and one
+        being taken is waited for: call with no lock held (it needs them), before a
+        handover or the close give grants and leases back."""
+        with self._granted:
+            self._no_prefetch = True
+            self._granted.wait_for(lambda: not self._prefetching, timeout=PREFETCH_WAIT_S)
+
+    def allow_prefetch(self) -> None:
+        self._no_prefetch = False
 
     def idle_limit(self, *, margin: bool = True) -> int:
         """How many allocatable blocks this owner keeps in its grants at most; the
@@ -491,8 +504,6 @@ class VolumeOwner:
         not be given back is left to the next pool-level step (a stale grant, a dead
         lease) and returned as warnings."""
         problems: list[str] = []
-        with self._granted:  # a grant being taken ahead of need is given back with the rest
-            self._granted.wait_for(lambda: not self._prefetching, timeout=PREFETCH_WAIT_S)
         for grant in self.grants:
             lease = self._leases.get(grant.volume_id)
             if lease is None:

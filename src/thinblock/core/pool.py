@@ -649,6 +649,7 @@ class Pool:
         if owner is None or not owner.owns(vol):
             raise ThinblockError(f"volume {name} is not this server's to hand over")
         owner.leave(vol.row.id)
+        owner.quiesce_prefetch()  # a grant taken ahead of need under vol's lease: in, or not at all
         try:
             clients = hang_up(vol)
             clients += hang_up(vol)  # one that opened it while the first were hung up
@@ -658,7 +659,9 @@ class Pool:
                     self.accounts.retally_set_aside(vol)
         except BaseException:
             owner.stay(vol.row.id)
+            owner.allow_prefetch()
             raise
+        owner.allow_prefetch()
         # What this owner's grants kept for the volume's reservation is the next holder's:
         # the free space must hold it again, so whole idle grants go back now, margin none.
         owner.give_back_idle(margin=False)
@@ -1151,6 +1154,7 @@ class Pool:
             return
         step = contextlib.ExitStack()
         if self.owner is not None:
+            self.owner.quiesce_prefetch()  # before any lock: a grant taken ahead of need needs them
             # Giving grants back takes the pool-level lock, and a pool-level step (another
             # owner's ask for idle grants answered here) takes it before this pool's
             # lock: so does the close, or the two wait on each other for ever. The data

@@ -30,12 +30,13 @@ import errno
 import json
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from thinblock.bindings import RADOS_POOLS, require
 from thinblock.ceph import cls_lock
-from thinblock.ceph.cluster import Cluster, as_oserror, rados_errno
+from thinblock.ceph.cluster import OP_TIMEOUT_S, Cluster, as_oserror, rados_errno
 from thinblock.errors import ThinblockError
 from thinblock.meta import rados_shared
 from thinblock.meta.base import (
@@ -223,6 +224,7 @@ class RadosMetadata(MetadataStore):
         self.readonly = readonly
         self._leases: VolumeLeases | None = None
         self._commit_lock = threading.Lock()
+        self._unsure: str | None = None  # why commits are refused for good (a commit's outcome unknown)
         self._names: dict[int, str] | None = None  # volume id -> name, as committed
         self._max_page: int | None = None
         # Whether a journal may be recorded but not applied: unknown until the first
@@ -518,6 +520,8 @@ class RadosMetadata(MetadataStore):
     def _commit_shared(self, txn: Transaction, pool_epoch: int) -> CommitResult:
         """One commit beside other owners: read, judge, write guarded by x.version, and
         start again from fresh reads whenever another commit landed in between."""
+        if self._unsure is not None:
+            raise OSError(errno.EIO, self._unsure)
         leases = self.leases()
         for vid, epoch in txn.fenced:  # a lease judged dead: its client may write nothing more
             rec = parse_record(self._get([record_key(vid)]).get(record_key(vid)))
@@ -549,6 +553,7 @@ class RadosMetadata(MetadataStore):
             try:
                 self._operate_shared(pool_epoch, view.version, ops, got.locks)
             except rados_shared.Raced:
+                time.sleep(min(0.05, 0.0005 * _attempt))  # many owners at once: let one through
                 continue
             return got.result
         raise OSError(errno.EIO, f"metadata commit: other owners' commits landed first {COMMIT_ATTEMPTS} times")
@@ -601,6 +606,16 @@ class RadosMetadata(MetadataStore):
                     errno.ESTALE,
                     f"metadata commit refused: the lease of {', '.join(mine)} was lost (another took it)",
                 ) from None
+            if code == errno.ETIMEDOUT:
+                # It may have landed, or not: its changes to shared counts are sums, and
+                # sent again they would count twice. This owner commits nothing more; the
+                # next owner of its volumes recovers them from what is committed.
+                self._unsure = (
+                    "metadata commit refused: an earlier commit's outcome is unknown (the cluster did not answer"
+                    f" within {OP_TIMEOUT_S} s); this owner commits nothing more: restart it"
+                )
+                self.leases().give_up_all("a commit's outcome is unknown (the cluster did not answer in time)")
+                raise OSError(errno.EIO, self._unsure) from None
             raise as_oserror(exc, "metadata commit") from None
 
     # ----- ownership per volume (meta/rados_leases.py) --------------------------------
@@ -643,6 +658,11 @@ class RadosMetadata(MetadataStore):
                 if rec is not None and rec.get("owner"):
                     leases.fence(rec, f"it never let go of volume {vid}, and its lease lapsed")
             got = self._write_records(ids, cookies, owner)
+            for vid in ids:  # fencing can take seconds: the leases run from now, renewed
+                try:
+                    taken_at[vid] = leases.renew(vid, cookies[vid], owner)
+                except rados.Error as exc:
+                    raise as_oserror(exc, f"lock of volume {vid} (lost while it was claimed)") from None
         except BaseException:
             for vid, cookie in cookies.items():
                 leases.unlock(vid, cookie)
@@ -711,7 +731,7 @@ class RadosMetadata(MetadataStore):
                 self._empty_records(mine)
         finally:
             for vid, cookie in mine.items():
-                del store.held[vid]
+                store.held.pop(vid, None)  # the watchdog may have dropped it meanwhile
                 store.unlock(vid, cookie)
 
     def _empty_records(self, cookies: dict[int, str]) -> None:
@@ -804,6 +824,9 @@ class RadosMetadata(MetadataStore):
                 lost(vid, why)
 
         store.renewer.on_lost = on_lost
+        for name in list(store.renewer.lost):  # lost before anyone watched (a slow start)
+            if name.startswith("volume.") and int(name.removeprefix("volume.")) in store.held:
+                on_lost(name, "it was lost while the server was starting")
 
     def pool_lock(self) -> contextlib.AbstractContextManager[None]:
         return self.leases().pool_step()
@@ -835,7 +858,7 @@ class RadosMetadata(MetadataStore):
         connection is the process's, and stays)."""
         if self._leases is None:
             return
-        held = [lease for lease, _cookie in self._leases.held.values()]
+        held = [lease for lease, _cookie in list(self._leases.held.values())]
         with contextlib.suppress(OSError, ThinblockError):
             self.release_volumes(held)
         self._leases.close()

@@ -163,6 +163,13 @@ class LockRenewer:
                     " another may hold it now",
                 )
 
+    def give_up_all(self, why: str) -> None:
+        """Declare every lock held lost (its holder can no longer act on any safely)."""
+        with self._lock:
+            held = [(name, cookie) for name, (cookie, _d) in self.held.items()]
+        for name, cookie in held:
+            self._lose(name, cookie, why)
+
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
@@ -211,6 +218,9 @@ class VolumeLeases:
 
     # ----- taking and giving up --------------------------------------------------------
 
+    def give_up_all(self, why: str) -> None:
+        self.renewer.give_up_all(why)
+
     def lock(self, volume_id: int, desc: str) -> tuple[str, float]:
         """Take the volume's lock with a new cookie; rados.ObjectBusy if it is held.
         Returns the cookie and when the request was sent (monotonic)."""
@@ -218,6 +228,15 @@ class VolumeLeases:
         sent = time.monotonic()
         self.io.lock_exclusive(self.obj, volume_lock(volume_id), cookie, desc=desc, duration=lease_s())
         return cookie, sent
+
+    def renew(self, volume_id: int, cookie: str, desc: str) -> float:
+        """Renew a volume's lock this cookie holds (rados.Error if it does not: a claim
+        that stalled past it); returns when the request was sent."""
+        sent = time.monotonic()
+        self.io.lock_exclusive(
+            self.obj, volume_lock(volume_id), cookie, desc=desc, duration=lease_s(), flags=MUST_RENEW
+        )
+        return sent
 
     def unlock(self, volume_id: int, cookie: str) -> None:
         self.renewer.drop(volume_lock(volume_id))
