@@ -187,7 +187,8 @@ def fio_volumes(uris: list[str], rw: str, bs: str, iodepth: int, size: str, runt
     jobs = json.loads(out[out.index("{") :])["jobs"]
     side = "write" if "write" in rw else "read"
     per_job = [job[side]["iops"] for job in jobs]
-    return {"iops": sum(per_job), "per_job_iops": per_job}
+    mibps = sum(job[side]["bw_bytes"] for job in jobs) / (1 << 20)
+    return {"iops": sum(per_job), "per_job_iops": per_job, "MiBps": mibps}
 
 
 def run_case(key: str, scratch: Path, region: str, runtime: int) -> dict[str, Any]:

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from tests import ceph_cluster
 from tests.cli import stop_pid
 
+from bench.bench_cores import fio_volumes
 from bench.bench_nbd import _stop, fio, progress, wait_for
 from thinblock.backends import locate
 
@@ -199,22 +200,6 @@ def io_rows(uri: str, quick: bool) -> dict[str, float]:
     return r
 
 
-def fio_jobs(uris: list[str], rw: str, bs: str, iodepth: int, size: str, runtime: int | None = None) -> dict[str, Any]:
-    """One fio run with a job per URI (each its own connection and export), summed."""
-    cmd = [
-        "fio", "--ioengine=nbd", f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}", f"--size={size}",
-        "--output-format=json", "--group_reporting",
-    ]  # fmt: skip
-    if runtime:
-        cmd += [f"--runtime={runtime}", "--time_based"]
-    for n, uri in enumerate(uris):
-        cmd += [f"--name=job{n}", f"--uri={uri}"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{") :])["jobs"][0]
-    side = job["write"] if "write" in rw else job["read"]
-    return {"MiBps": side["bw_bytes"] / MiB, "iops": side["iops"]}
-
-
 class ThinblockOwners:
     """thinblock: one pool in Ceph, a volume per owner, each served by its own
     `serve --volume` process (its own Ceph clients), as on two hosts."""
@@ -271,11 +256,11 @@ def owner_rows(peer: ThinblockOwners | QemuNbdImages, quick: bool) -> dict[str, 
     seq, runtime = ("256M", 3) if quick else ("2G", 10)
     r: dict[str, float] = {}
     with peer.start(2) as uris:
-        r["two_volumes_seq_write_1M_qd16_MiBps"] = fio_jobs(uris, "write", "1M", 16, seq)["MiBps"]
-        r["two_volumes_randwrite_4k_qd32_iops"] = fio_jobs(uris, "randwrite", "4k", 32, EXPORT, runtime)["iops"]
+        r["two_volumes_seq_write_1M_qd16_MiBps"] = fio_volumes(uris, "write", "1M", 16, seq, None)["MiBps"]
+        r["two_volumes_randwrite_4k_qd32_iops"] = fio_volumes(uris, "randwrite", "4k", 32, EXPORT, runtime)["iops"]
     with peer.start(1) as uris:
-        r["one_volume_seq_write_1M_qd16_MiBps"] = fio_jobs(uris, "write", "1M", 16, seq)["MiBps"]
-        r["one_volume_randwrite_4k_qd32_iops"] = fio_jobs(uris, "randwrite", "4k", 32, EXPORT, runtime)["iops"]
+        r["one_volume_seq_write_1M_qd16_MiBps"] = fio_volumes(uris, "write", "1M", 16, seq, None)["MiBps"]
+        r["one_volume_randwrite_4k_qd32_iops"] = fio_volumes(uris, "randwrite", "4k", 32, EXPORT, runtime)["iops"]
     return r
 
 

@@ -294,3 +294,23 @@ def refcounts_in(pages: dict[int, bytes], start: int, count: int) -> np.ndarray:
 
 def refcount_pages_for(start: int, count: int) -> range:
     return range(start // REFCOUNT_ENTRIES, (start + count - 1) // REFCOUNT_ENTRIES + 1)
+
+
+def absolute(
+    txn: Transaction,
+    superblock: dict[str, object],
+    pages: dict[int, tuple[int, bytes] | None],
+    refcount_pages: dict[int, bytes],
+    page_refcounts: dict[int, int],
+) -> Transaction:
+    """txn once its shared counts are resolved (the values to store, stored + new -
+    base): what a one-owner commit writes, with no ownership verb left in it."""
+    return Transaction(
+        superblock=superblock,
+        volumes=txn.volumes,
+        deleted_volumes=txn.deleted_volumes,
+        roots=txn.roots,
+        pages=pages,
+        refcount_pages=refcount_pages,
+        page_refcounts=page_refcounts,
+    )

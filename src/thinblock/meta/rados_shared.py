@@ -210,13 +210,5 @@ def resolve(view: View, txn: Transaction, live: Callable[[int, dict[str, Any]], 
         out.removes |= {grant_key(g) for g in txn.returned_grants}
         out.sets.update({grant_key(g): b"" for g in txn.grants})
 
-    out.txn = Transaction(
-        superblock=superblock,
-        volumes=txn.volumes,
-        deleted_volumes=txn.deleted_volumes,
-        roots=txn.roots,
-        pages=pages,
-        refcount_pages=refcount_pages,
-        page_refcounts=page_refcounts,
-    )
+    out.txn = owners.absolute(txn, superblock, pages, refcount_pages, page_refcounts)
     return out

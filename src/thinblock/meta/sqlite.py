@@ -786,15 +786,7 @@ def _apply_shared(
         c.executemany(
             "INSERT INTO grants VALUES (?, ?, ?, ?)", [(g.volume_id, g.epoch, g.start, g.count) for g in txn.grants]
         )
-    return Transaction(
-        superblock=superblock,
-        volumes=txn.volumes,
-        deleted_volumes=txn.deleted_volumes,
-        roots=txn.roots,
-        pages=pages,
-        refcount_pages=refcount_pages,
-        page_refcounts=page_refcounts,
-    )
+    return owners.absolute(txn, superblock, pages, refcount_pages, page_refcounts)
 
 
 def _apply(c: sqlite3.Connection, txn: Transaction, holder: Callable[[int], tuple[str, int] | None]) -> CommitResult:
