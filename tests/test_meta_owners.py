@@ -985,3 +985,41 @@ def test_a_whole_pool_open_after_owners_per_volume_fences_them_and_takes_their_g
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
+
+
+def test_a_commit_of_an_owner_too_large_for_one_rados_operation_goes_through_a_journal(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit larger than one WriteOp (a snapshot of a big volume) is decided by the
+    guarded operation that records its journal; another owner's next commit applies
+    what is left before its own (here: the first owner stops right after deciding),
+    and the counts of both add up."""
+    from thinblock.meta import rados as rados_meta
+
+    monkeypatch.setattr(rados_meta, "MAX_OP_KEYS", 16)
+    pool = _seeded_pool(new_rados_locator(request, "journal"))
+    with owner_store(pool) as a, owner_store(pool) as b:
+        assert isinstance(a, rados_meta.RadosMetadata)
+        la, lb = a.claim_volume(1, "a"), b.claim_volume(2, "b")
+        applied: list[int] = []
+        monkeypatch.setattr(a, "_finish_shared_journal", lambda epoch: applied.append(epoch))
+        a.commit(
+            Transaction(
+                leases=[la],
+                pages={1000 + i: (1, bytes([i]) * 32) for i in range(40)},
+                roots={(1, i): 1000 + i for i in range(40)},
+                page_refcounts={7: 3},
+                page_ref_bases={7: 2},
+            )
+        )
+        assert applied and a.journal_pending()  # decided, not applied yet
+        b.commit(Transaction(leases=[lb], roots={(2, 0): 7}, page_refcounts={7: 4}, page_ref_bases={7: 3}))
+        assert isinstance(b, rados_meta.RadosMetadata) and not b.journal_pending()
+        assert len(b.pages(range(1000, 1040))) == 40 and b.roots(1) == {i: 1000 + i for i in range(40)}
+        assert b.page(7) == (2 + 1 + 1, b"shared page")
+        assert b.roots(2) == {0: 7}
+        loc = locate(pool)
+        assert isinstance(loc, RadosLocation)
+        assert not any(
+            o.key.startswith(f"{loc.meta_object}.journal.") for o in loc.cluster().ioctx(loc.ceph_pool).list_objects()
+        )

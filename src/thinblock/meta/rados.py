@@ -11,8 +11,12 @@ Keys (numbers zero-padded, so that key order is number order):
     x.owner                who holds the pool (backends/rados.py writes it)
     x.max_page_id          the largest page id ever committed
     x.journal              a large commit's journal, while it is being applied
+    x.journal_next         the next of its pieces to apply (owners per volume)
+    o.<volume>             a volume's lease record (meta/rados_leases.py)
+    g.<vol>.<ep>.<start>.<count>  a grant of free blocks to a volume's owner
+    x.version              bumped by every commit of owners per volume (meta/rados_shared.py)
 
-A commit is one WriteOp on this object, which RADOS applies atomically: first
+A commit of the pool's whole holder is one WriteOp on this object, which RADOS applies atomically: first
 `omap_cmp(x.epoch == ours)`, then the removals and the new values. A holder that
 was fenced off (another took the pool over and bumped the epoch) gets ECANCELED
 and changes nothing. A commit too large for one operation (restore, a huge
@@ -20,6 +24,9 @@ first commit) is written to journal objects first; one guarded operation that
 records the journal is its commit point; then the journal is applied in guarded
 pieces and dropped. An interrupted application is finished by the next holder.
 Every step is a set or a removal of known keys, so applying it twice is harmless.
+Commits of owners per volume (a pool shared: RadosLocation.own_shared) are
+guarded by x.version and their leases instead, and their journals are applied
+by whichever commit comes next (_write_shared).
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ import contextlib
 import dataclasses
 import errno
 import json
+import logging
 import struct
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -54,10 +63,13 @@ from thinblock.meta.rados_leases import POOL_STEP_LOCK, VolumeLeases, parse_reco
 
 rados = require("rados", feature=RADOS_POOLS)
 
+log = logging.getLogger("thinblock.rados")
+
 EPOCH_KEY = "x.epoch"
 OWNER_KEY = "x.owner"
 MAX_PAGE_KEY = "x.max_page_id"
 JOURNAL_KEY = "x.journal"
+JOURNAL_NEXT_KEY = "x.journal_next"  # the next piece of a journal of owners per volume to apply
 BACKEND_KEYS = ("rados_id", "object_size")  # superblock keys that name the data objects
 PAGE_LIMIT = 1024  # get_omap_vals returns at most this many per call, whatever it is asked
 MAX_OP_BYTES = 8 << 20
@@ -463,7 +475,7 @@ class RadosMetadata(MetadataStore):
             except rados.Error as exc:
                 raise as_oserror(exc, "metadata journal read") from None
             self._operate(epoch, _Ops.decode(blob))
-        self._operate(epoch, _Ops(), drop=(JOURNAL_KEY,))
+        self._operate(epoch, _Ops(), drop=(JOURNAL_KEY, JOURNAL_NEXT_KEY))
         for name in names:
             try:
                 self.io.remove_object(name)
@@ -530,6 +542,9 @@ class RadosMetadata(MetadataStore):
         for _attempt in range(COMMIT_ATTEMPTS):
             view = rados_shared.View(self._versioned_get, self._versioned_items)
             try:
+                if view.one(JOURNAL_KEY) is not None:  # a large commit decided: applied before anything else
+                    self._finish_shared_journal(pool_epoch)
+                    continue
                 got = rados_shared.resolve(view, txn, leases.live_record)
                 names = self._stored_names_in(view) if (txn.volumes or txn.deleted_volumes) else {}
                 high = int(view.one(MAX_PAGE_KEY) or b"0") if txn.pages else 0
@@ -544,19 +559,79 @@ class RadosMetadata(MetadataStore):
                 raise
             ops.sets.update(got.sets)
             ops.removes |= got.removes
-            if len(ops.pieces()) > 1:
-                raise OSError(
-                    errno.EFBIG,
-                    "metadata commit refused: too large for one RADOS operation on a pool served per volume"
-                    f" ({len(ops.sets)} keys); serve the pool whole for this step",
-                )
             try:
-                self._operate_shared(pool_epoch, view.version, ops, got.locks)
+                self._write_shared(pool_epoch, view.version, ops, got.locks)
             except rados_shared.Raced:
                 time.sleep(min(0.05, 0.0005 * _attempt))  # many owners at once: let one through
                 continue
             return got.result
         raise OSError(errno.EIO, f"metadata commit: other owners' commits landed first {COMMIT_ATTEMPTS} times")
+
+    def _write_shared(self, pool_epoch: int, version: bytes | None, ops: _Ops, locks: list[tuple[int, str]]) -> None:
+        """ops in one guarded WriteOp, or, when they do not fit one, through a journal:
+        the pieces are written to objects of their own, one guarded WriteOp records
+        them (the commit point: decided from then on), then they are applied in order,
+        each in a WriteOp guarded by x.version that also advances x.journal_next. Every
+        commit of every owner finishes a recorded journal before anything of its own,
+        so nothing lands between a journal's commit point and its last piece."""
+        pieces = ops.pieces()
+        if len(pieces) == 1:
+            self._operate_shared(pool_epoch, version, pieces[0], locks)
+            return
+        base = f"{self.obj}.journal.{pool_epoch}{uuid.uuid4().int % 10**12:012d}"
+        names: list[str] = []
+        try:
+            for i, piece in enumerate(pieces):
+                name = f"{base}.{i}"
+                try:
+                    self.io.write_full(name, piece.encode())
+                except rados.Error as exc:
+                    raise as_oserror(exc, "metadata journal write") from None
+                names.append(name)
+            record = {JOURNAL_KEY: json.dumps(names).encode(), JOURNAL_NEXT_KEY: b"0"}
+            self._operate_shared(pool_epoch, version, _Ops(sets=record), locks)
+        except BaseException:
+            self._remove_objects(names)
+            raise
+        try:
+            self._finish_shared_journal(pool_epoch)
+        except (OSError, ThinblockError) as exc:  # decided: the next commit, anyone's, applies the rest
+            log.warning("metadata %s: a large commit is decided, its journal not yet applied: %s", self.obj, exc)
+
+    def _finish_shared_journal(self, pool_epoch: int) -> None:
+        """Apply a recorded journal's pieces from x.journal_next on, then drop it."""
+        while True:
+            got = self._versioned_get([JOURNAL_KEY, JOURNAL_NEXT_KEY])
+            raw = got.get(JOURNAL_KEY)
+            if raw is None:
+                return
+            names = json.loads(raw)
+            at = int(got.get(JOURNAL_NEXT_KEY, b"0"))
+            piece = _Ops()
+            if at < len(names):
+                try:
+                    piece = _Ops.decode(self.io.read(names[at], MAX_OP_BYTES * 2, 0))
+                except rados.Error as exc:
+                    raise as_oserror(exc, "metadata journal read") from None
+            last = at + 1 >= len(names)
+            if last:
+                piece.removes |= {JOURNAL_KEY, JOURNAL_NEXT_KEY}
+            else:
+                piece.sets[JOURNAL_NEXT_KEY] = str(at + 1).encode()
+            try:
+                self._operate_shared(pool_epoch, got.get(rados_shared.VERSION_KEY), piece, [])
+            except rados_shared.Raced:
+                continue  # another finisher (or committer) moved on: read where it stands
+            if last:
+                self._remove_objects(names)
+                return
+
+    def _remove_objects(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                self.io.remove_object(name)
+            except rados.Error:
+                log.debug("metadata %s: journal object %s not removed", self.obj, name)
 
     def _stored_names_in(self, view: rados_shared.View) -> dict[int, str]:
         return {int(k[2:]): json.loads(v)["name"] for k, v in view.items("v.")}
