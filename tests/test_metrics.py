@@ -204,7 +204,8 @@ def test_parse_address() -> None:
 
 def test_rados_lease_events(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """A takeover shows on both servers: the taker broke the lock, fenced the holder
-    and acquired the lease; the holder's next renewal finds the lease lost."""
+    and acquired the lease; the holder's next renewal finds the lease lost, and it
+    stops (counting `lost` on the way: docs/monitoring.md)."""
     locator = new_rados_locator(request, "metrics")
     thinblock("pool", "create", locator, "--size", "256M")
     (tmp_path / "a").mkdir()
@@ -212,6 +213,8 @@ def test_rados_lease_events(request: pytest.FixtureRequest, tmp_path: Path) -> N
     os.environ["THINBLOCK_RADOS_LEASE_S"] = "3"  # renewed every second
     try:
         first = Server(locator, "--socket", str(tmp_path / "a.sock"), "--metrics", "0", workdir=tmp_path / "a")
+        held, _ = scrape(first)
+        assert value(held, "thinblock_lease_events_total", pool=locator, event="acquired") == 1
         second = Server(
             locator, "--socket", str(tmp_path / "b.sock"), "--metrics", "0", "--takeover", workdir=tmp_path / "b"
         )
@@ -221,14 +224,9 @@ def test_rados_lease_events(request: pytest.FixtureRequest, tmp_path: Path) -> N
         taker, _ = scrape(second)
         for event in ("acquired", "lock_broken", "fenced_holder"):
             assert value(taker, "thinblock_lease_events_total", pool=locator, event=event) == 1, event
-        deadline = time.monotonic() + 60
-        while True:
-            held, _ = scrape(first)
-            if value(held, "thinblock_lease_events_total", pool=locator, event="lost"):
-                break
-            assert time.monotonic() < deadline, "the fenced holder never counted its lost lease"
-            time.sleep(0.2)
-        assert value(held, "thinblock_lease_events_total", pool=locator, event="acquired") == 1
+        first.proc.wait(timeout=60)  # its next renewal finds the lease lost: it stops by itself
+        log = first.log.read_text()
+        assert "its lease is lost" in log and "Traceback" not in log, log
     finally:
         second.stop()
         first.stop()
