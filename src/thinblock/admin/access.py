@@ -98,7 +98,7 @@ class SharedAdmin:
         self.pool = pool
         self.timeout_s = timeout_s
 
-    def _owner_socket(self, name: str | None) -> str | int | None:
+    def _owner_target(self, name: str | None) -> str | int | None:
         """The control socket of the server owning name's volume (for a snapshot, the
         volume it was taken of), or that volume's id when its server is on another host
         of a pool whose owners take requests by watch/notify; None when nobody holds it,
@@ -138,7 +138,7 @@ class SharedAdmin:
     def call(self, verb: str, **args: Any) -> Any:
         key = self.ROUTED.get(verb)
         name = str(args.get(key)) if key else None
-        target = self._owner_socket(name)
+        target = self._owner_target(name)
         if target is None:
             result = run_verb(self.pool, verb, args)
             if verb in ("volume_list", "volume_info"):
@@ -201,7 +201,7 @@ class SharedAdmin:
         just that volume (or of none: the staging volume an import builds is this
         process's from the start, core/owner.py), which gives its leases up at the end."""
         name = str(args.get("name"))
-        target = self._owner_socket(name)
+        target = self._owner_target(name)
         if target is not None:
             with self._owner(target, name) as client:
                 yield client  # by notify (another host): only a job that takes no file

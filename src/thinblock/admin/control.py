@@ -159,15 +159,12 @@ class ControlServer:
                 return
             idle_since = time.monotonic()
 
-    def answer(self, line: bytes) -> tuple[dict[str, Any], Callable[[], None] | None]:
+    def answer(self, verb: str, args: object) -> tuple[dict[str, Any], Callable[[], None] | None]:
         """One request that came another way (a notify from another host,
         admin/notify.py): the reply, and what to run once it is delivered. Of the
         jobs, only those that take no file (sparsify) come this way, and without
         progress lines."""
-        try:
-            verb = str(json.loads(line).get("verb"))
-        except (ValueError, AttributeError):
-            verb = ""
+        line = json.dumps({"verb": verb, "args": args}).encode() + b"\n"
         reply = self._handle(line, [], _NoJobs(verb))
         after, self._local.after = getattr(self._local, "after", None), None
         return reply, after

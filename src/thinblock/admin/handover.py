@@ -66,7 +66,7 @@ def take_over(location: Location, names: list[str]) -> None:
                 try:
                     # A stopped or hung owner still accepts connections: a quick question
                     # first, so that it is named at once, not after the hand-over's timeout.
-                    _answers(sock)
+                    _answers(ControlClient(sock, min(PROBE_TIMEOUT_S, control_timeout_s())))
                 except ThinblockError as exc:
                     if location.can_fence:
                         fences.append((name, row.id, holder, f"it does not answer ({exc})"))
@@ -78,28 +78,19 @@ def take_over(location: Location, names: list[str]) -> None:
                     ) from None
                 answering.add(sock)
             asks.append((name, holder, sock))
-        for name, vid, holder in remote:
+        if remote:
             # Here, not at the top: only a pool in Ceph has owners on other hosts, and
             # python3-rados may be missing where no pool is.
-            from thinblock.admin.notify import NoAnswer as NoNotifyAnswer
             from thinblock.admin.notify import NotifyClient
 
-            started = time.monotonic()
-            log.info("takeover of volume %s: asking %s (another host) to hand it over, by notify", name, holder)
+            superblock = meta.superblock()
+        for name, vid, holder in remote:
             try:
-                _notify_answers(NotifyClient(location, meta.superblock(), vid, PROBE_TIMEOUT_S))  # type: ignore[arg-type]
-                done = NotifyClient(location, meta.superblock(), vid, control_timeout_s()).call(  # type: ignore[arg-type]
-                    "volume_release", name=name
-                )
-            except NoNotifyAnswer as exc:
+                _answers(NotifyClient(location, superblock, vid, PROBE_TIMEOUT_S))  # type: ignore[arg-type]
+                client = NotifyClient(location, superblock, vid, control_timeout_s())  # type: ignore[arg-type]
+                _hand_over(name, f"{holder} (another host), by notify", client)
+            except NoAnswer as exc:
                 fences.append((name, vid, holder, f"it does not answer ({exc})"))
-                continue
-            log.info(
-                "takeover of volume %s: handed over in %.3f s (%s client(s) closed)",
-                name,
-                time.monotonic() - started,
-                done.get("clients_closed") if isinstance(done, dict) else "?",
-            )
         for name, vid, holder, why in fences:
             started = time.monotonic()
             log.warning("takeover of volume %s: %s is its owner, and %s: fencing it off", name, holder, why)
@@ -112,19 +103,7 @@ def take_over(location: Location, names: list[str]) -> None:
                 time.monotonic() - started,
             )
         for name, holder, sock in asks:
-            started = time.monotonic()
-            log.info("takeover of volume %s: asking %s to hand it over", name, holder)
-            client = ControlClient(sock, control_timeout_s())
-            try:
-                done = client.call("volume_release", name=name)
-            finally:
-                client.close()
-            log.info(
-                "takeover of volume %s: handed over in %.3f s (%s client(s) closed)",
-                name,
-                time.monotonic() - started,
-                done.get("clients_closed") if isinstance(done, dict) else "?",
-            )
+            _hand_over(name, holder, ControlClient(sock, control_timeout_s()))
     finally:
         meta.close()
 
@@ -132,22 +111,26 @@ def take_over(location: Location, names: list[str]) -> None:
 PROBE_TIMEOUT_S = 5.0  # how long an owner may take to answer a question before a takeover
 
 
-def _notify_answers(client: NotifyClient) -> None:
-    """NoAnswer unless the owner answers a cheap question by notify (any answer)."""
-    from thinblock.admin.notify import NoAnswer as NoNotifyAnswer
-
+def _hand_over(name: str, holder: str, client: ControlClient | NotifyClient) -> None:
+    """Ask the owner, through client, to hand the volume over; logs how long it took."""
+    started = time.monotonic()
+    log.info("takeover of volume %s: asking %s to hand it over", name, holder)
     try:
-        client.call("open_clients")
-    except NoNotifyAnswer:
-        raise
-    except ThinblockError:
-        pass
+        done = client.call("volume_release", name=name)
+    finally:
+        client.close()
+    log.info(
+        "takeover of volume %s: handed over in %.3f s (%s client(s) closed)",
+        name,
+        time.monotonic() - started,
+        done.get("clients_closed") if isinstance(done, dict) else "?",
+    )
 
 
-def _answers(sock: str) -> None:
-    """NoAnswer unless the server at sock answers a cheap question in PROBE_TIMEOUT_S:
-    any answer, an error too (a server of another version may not know the verb)."""
-    client = ControlClient(sock, min(PROBE_TIMEOUT_S, control_timeout_s()))
+def _answers(client: ControlClient | NotifyClient) -> None:
+    """NoAnswer unless the owner answers a cheap question (its socket's client, or a
+    notify, made with a timeout of PROBE_TIMEOUT_S at most): any answer, an error
+    too (a server of another version may not know the verb)."""
     try:
         client.call("open_clients")
     except NoAnswer:

@@ -9,7 +9,8 @@ the request; the owner runs it as it runs one from its control socket
 (admin/control.py) and writes the answer to a reply object the asker named,
 before it acknowledges. The Python binding's notify returns no payload, hence
 the reply object. A notify that times out, or that no watcher acknowledged
-(nobody watches: its owner is gone), is "no answer".
+(nobody watches: its owner is gone), is "no answer" (control.NoAnswer, as from
+a control socket that does not answer).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from thinblock.admin.control import NoAnswer
 from thinblock.bindings import RADOS_POOLS, require
 from thinblock.ceph.cluster import as_oserror
 from thinblock.errors import ThinblockError
@@ -51,10 +53,6 @@ def _keep_forever(watch: Any) -> None:
 
 def watch_object(location: RadosLocation, superblock: dict[str, Any], volume_id: int) -> str:
     return f"{location.data_prefix(superblock)}.watch.{volume_id}"
-
-
-class NoAnswer(ThinblockError):
-    """The owner did not answer in time, or nobody watches the volume."""
 
 
 class NotifyClient:
@@ -187,11 +185,11 @@ class VolumeWatches:
             reply = str(request["reply"])
             if not reply.startswith(f"{self.location.data_prefix(self.superblock)}.reply."):
                 raise ValueError("a reply object outside this pool")
-            line = json.dumps({"verb": request["verb"], "args": request.get("args") or {}}).encode() + b"\n"
+            verb, args = request["verb"], request.get("args") or {}
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("watch of volume %d: a request that is not one (%s)", vid, exc)
             return
-        answer, after = self.control.answer(line)
+        answer, after = self.control.answer(verb, args)  # a verb or args not as they must be: an error answer
         try:
             self.io.write_full(reply, json.dumps(answer).encode())
         except rados.Error as exc:

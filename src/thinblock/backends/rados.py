@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from struct import error as struct_error
 from typing import Any
 
 from thinblock.backends.base import Location, Ownership
@@ -38,7 +37,7 @@ from thinblock.ceph.cluster import BLOCKLISTED, Cluster, as_oserror, connect, ra
 from thinblock.errors import PoolBusyError, ThinblockError
 from thinblock.meta.base import Transaction
 from thinblock.meta.rados import EPOCH_KEY, OWNER_KEY, RadosMetadata, epoch_value
-from thinblock.meta.rados_leases import BLOCKLIST_S, MUST_RENEW, lease_s, parse_record
+from thinblock.meta.rados_leases import BLOCKLIST_S, MUST_RENEW, lease_s, parse_record, read_lockers, unlapsed
 from thinblock.runtime import private_runtime_dir, runtime_base
 from thinblock.sizes import format_size
 from thinblock.stats import LEASE_EVENTS
@@ -507,12 +506,11 @@ class RadosLocation(Location):
 
     def served_per_volume(self) -> bool:
         try:
-            _ret, out = self._io().execute(self.meta_object, "lock", "get_info", cls_lock.get_info_args(LOCK_NAME))
-            lockers, kind = cls_lock.lock_info(out)
-        except (rados.Error, ThinblockError, struct_error):
+            lockers, kind = read_lockers(self._io(), self.meta_object, LOCK_NAME)
+        except (OSError, ThinblockError):
             return False
         now = time.time()
-        return kind == cls_lock.SHARED and any(lk.expires == 0 or lk.expires + 1.0 > now for lk in lockers)
+        return kind == cls_lock.SHARED and any(unlapsed(lk, now) for lk in lockers)
 
     def _fence_and_bump(self, cluster: Cluster, io: Any, me: dict[str, Any], step: Step) -> int:
         """We hold the lock: fence the previous holder if it never let go, then take

@@ -270,21 +270,47 @@ class RadosMetadata(MetadataStore):
             return ThinblockError(f"no pool's metadata in Ceph object {self.obj}")
         return ThinblockError(f"cannot read the pool's metadata in Ceph: {as_oserror(exc, 'RADOS').strerror}")
 
-    def items(self, prefix: str) -> Iterator[tuple[str, bytes]]:
-        """Every (key, value) whose key starts with prefix, in key order, page by page."""
+    @staticmethod
+    def _read_in_commit(exc: Exception) -> OSError:
+        return as_oserror(exc, "metadata read")  # inside a commit: its contract speaks OSError
+
+    def _pages(
+        self, prefix: str, failed: Callable[[Exception], Exception], *, versioned: bool = False
+    ) -> Iterator[tuple[list[tuple[str, bytes]], bytes]]:
+        """The (key, value) pairs whose keys start with prefix, a page (one read) at a time,
+        in key order, the last page empty; each with x.version read in the same operation
+        when versioned (else b""). A failed read raises failed(the librados error)."""
         after = ""
         while True:
             try:
                 with rados.ReadOpCtx() as op:
                     it, _ = self.io.get_omap_vals(op, after, prefix, PAGE_LIMIT)
+                    if versioned:
+                        vit, _ = self.io.get_omap_vals_by_keys(op, (rados_shared.VERSION_KEY,))
                     self.io.operate_read_op(op, self.obj)
                     items = list(it)
+                    version = dict(vit).get(rados_shared.VERSION_KEY, b"") if versioned else b""
             except rados.Error as exc:
-                raise self._read_failed(exc) from None
+                raise failed(exc) from None
+            yield items, version
             if not items:
                 return
-            yield from items
             after = items[-1][0]
+
+    def _keys(self, keys: Iterable[str], failed: Callable[[Exception], Exception]) -> dict[str, bytes]:
+        """Those of keys that exist, in one read; a failed read raises failed(the error)."""
+        try:
+            with rados.ReadOpCtx() as op:
+                it, _ = self.io.get_omap_vals_by_keys(op, tuple(keys))
+                self.io.operate_read_op(op, self.obj)
+                return dict(it)
+        except rados.Error as exc:
+            raise failed(exc) from None
+
+    def items(self, prefix: str) -> Iterator[tuple[str, bytes]]:
+        """Every (key, value) whose key starts with prefix, in key order, page by page."""
+        for items, _version in self._pages(prefix, self._read_failed):
+            yield from items
 
     def _get_many(self, keys: list[str]) -> dict[str, bytes]:
         """_get in operations of at most PAGE_LIMIT keys (a snapshot asks for every page's)."""
@@ -294,15 +320,7 @@ class RadosMetadata(MetadataStore):
         return out
 
     def _get(self, keys: list[str]) -> dict[str, bytes]:
-        if not keys:
-            return {}
-        try:
-            with rados.ReadOpCtx() as op:
-                it, _ = self.io.get_omap_vals_by_keys(op, tuple(keys))
-                self.io.operate_read_op(op, self.obj)
-                return dict(it)
-        except rados.Error as exc:
-            raise self._read_failed(exc) from None
+        return self._keys(keys, self._read_failed) if keys else {}
 
     def superblock(self) -> dict[str, Any]:
         return {k[2:]: json.loads(v) for k, v in self.items("s.")}
@@ -362,7 +380,7 @@ class RadosMetadata(MetadataStore):
             high = 0
         else:
             if self._names is None:
-                self._names = self._stored_names()
+                self._names = self._names_in(self.items("v."))
             if self._max_page is None:
                 self._max_page = self.max_page_id()
             names, high = dict(self._names), self._max_page
@@ -372,8 +390,10 @@ class RadosMetadata(MetadataStore):
         existing = set(self._get_many([_qkey(pid) for pid in elsewhere])) if elsewhere and not fresh else set()
         return translate(txn, names, high, existing)
 
-    def _stored_names(self) -> dict[int, str]:
-        return {int(k[2:]): json.loads(v)["name"] for k, v in self.items("v.")}
+    @staticmethod
+    def _names_in(rows: Iterable[tuple[str, bytes]]) -> dict[int, str]:
+        """volume id -> name, of the `v.` rows given."""
+        return {int(k[2:]): json.loads(v)["name"] for k, v in rows}
 
     def commit(self, txn: Transaction) -> CommitResult:
         if self.readonly:
@@ -382,18 +402,16 @@ class RadosMetadata(MetadataStore):
         if held is None and shared is not None:
             with self._commit_lock:
                 return self._commit_shared(txn, shared)
-        if txn.shared() and held is not None:
-            # The whole pool's holder taking back what owners per volume left (their
-            # grants, their records): the same guarded commit, under its own epoch.
-            if self._journal_maybe:
-                self.finish_journal()
-            with self._commit_lock:
-                result = self._commit_shared(txn, held)
-            self._names, self._max_page = None, None
-            return result
         epoch = self._held_epoch()
         if self._journal_maybe:
             self.finish_journal()
+        if txn.shared():
+            # The whole pool's holder taking back what owners per volume left (their
+            # grants, their records): the same guarded commit, under its own epoch.
+            with self._commit_lock:
+                result = self._commit_shared(txn, epoch)
+            self._names, self._max_page = None, None
+            return result
         ops, names, high = self._translate(txn, fresh=False)
         self._write(epoch, ops)
         self._names, self._max_page = names, high
@@ -492,14 +510,7 @@ class RadosMetadata(MetadataStore):
         out: dict[str, bytes] = {}
         at = 0
         while True:
-            batch = [rados_shared.VERSION_KEY, *keys[at : at + PAGE_LIMIT - 1]]
-            try:
-                with rados.ReadOpCtx() as op:
-                    it, _ = self.io.get_omap_vals_by_keys(op, tuple(batch))
-                    self.io.operate_read_op(op, self.obj)
-                    got = dict(it)
-            except rados.Error as exc:  # inside a commit: its contract speaks OSError
-                raise as_oserror(exc, "metadata read") from None
+            got = self._keys([rados_shared.VERSION_KEY, *keys[at : at + PAGE_LIMIT - 1]], self._read_in_commit)
             version = got.pop(rados_shared.VERSION_KEY, b"")
             if at and version != out.get(rados_shared.VERSION_KEY, b""):
                 raise rados_shared.Raced
@@ -513,21 +524,9 @@ class RadosMetadata(MetadataStore):
 
     def _versioned_items(self, prefix: str) -> Iterator[tuple[str, bytes]]:
         """items(prefix), each page read together with x.version (yielded as a pair)."""
-        after = ""
-        while True:
-            try:
-                with rados.ReadOpCtx() as op:
-                    it, _ = self.io.get_omap_vals(op, after, prefix, PAGE_LIMIT)
-                    vit, _ = self.io.get_omap_vals_by_keys(op, (rados_shared.VERSION_KEY,))
-                    self.io.operate_read_op(op, self.obj)
-                    items, version = list(it), dict(vit).get(rados_shared.VERSION_KEY, b"")
-            except rados.Error as exc:
-                raise as_oserror(exc, "metadata read") from None
+        for items, version in self._pages(prefix, self._read_in_commit, versioned=True):
             yield rados_shared.VERSION_KEY, version
-            if not items:
-                return
             yield from items
-            after = items[-1][0]
 
     def _commit_shared(self, txn: Transaction, pool_epoch: int) -> CommitResult:
         """One commit beside other owners: read, judge, write guarded by x.version, and
@@ -546,7 +545,7 @@ class RadosMetadata(MetadataStore):
                     self._finish_shared_journal(pool_epoch)
                     continue
                 got = rados_shared.resolve(view, txn, leases.live_record)
-                names = self._stored_names_in(view) if (txn.volumes or txn.deleted_volumes) else {}
+                names = self._names_in(view.items("v.")) if (txn.volumes or txn.deleted_volumes) else {}
                 high = int(view.one(MAX_PAGE_KEY) or b"0") if txn.pages else 0
                 elsewhere = [pid for pid in got.txn.page_refcounts if pid not in got.txn.pages]
                 existing = set(view.get([_qkey(pid) for pid in elsewhere]))
@@ -633,9 +632,6 @@ class RadosMetadata(MetadataStore):
             except rados.Error:
                 log.debug("metadata %s: journal object %s not removed", self.obj, name)
 
-    def _stored_names_in(self, view: rados_shared.View) -> dict[int, str]:
-        return {int(k[2:]): json.loads(v)["name"] for k, v in view.items("v.")}
-
     def _version_moved(self, view: rados_shared.View) -> bool:
         try:
             now = self._get([rados_shared.VERSION_KEY]).get(rados_shared.VERSION_KEY)
@@ -649,23 +645,9 @@ class RadosMetadata(MetadataStore):
         commit made inside a pool-level step, the step's lock still lists this
         store's (a step that stalled past that lock's lease read what others may
         have changed since: its absolute values, next ids among them, would be stale)."""
-        before = int(version) if version else 0
-        sets = {**ops.sets, rados_shared.VERSION_KEY: rados_shared.version_value(before + 1).encode()}
         step = self.leases().step_cookie()
         try:
-            with rados.WriteOpCtx() as op:
-                op.omap_cmp(rados_shared.VERSION_KEY, (version or b"").decode(), rados.LIBRADOS_CMPXATTR_OP_EQ)
-                op.omap_cmp(EPOCH_KEY, epoch_value(pool_epoch), rados.LIBRADOS_CMPXATTR_OP_EQ)
-                for vid, cookie in locks:
-                    op.execute("lock", "assert_locked", cls_lock.assert_locked_args(volume_lock(vid), cookie))
-                if step is not None:
-                    op.execute("lock", "assert_locked", cls_lock.assert_locked_args(POOL_STEP_LOCK, step))
-                for begin, end in ops.ranges:
-                    self.io.remove_omap_range2(op, begin, end)
-                if ops.removes:
-                    self.io.remove_omap_keys(op, tuple(sorted(ops.removes)))
-                self.io.set_omap(op, tuple(sets), tuple(sets.values()))
-                self.io.operate_write_op(op, self.obj)
+            self._guarded_write(version, ops, locks, pool_epoch=pool_epoch, step=step)
         except rados.Error as exc:
             code = rados_errno(exc)
             if code == errno.ECANCELED:
@@ -732,7 +714,7 @@ class RadosMetadata(MetadataStore):
             for vid, rec in self._records(ids).items():
                 if rec is not None and rec.get("owner"):
                     leases.fence(rec, f"it never let go of volume {vid}, and its lease lapsed")
-            got = self._write_records(ids, cookies, owner)
+            got = self._write_records(cookies, owner)
             for vid in ids:  # fencing can take seconds: the leases run from now, renewed
                 try:
                     taken_at[vid] = leases.renew(vid, cookies[vid], owner)
@@ -751,39 +733,50 @@ class RadosMetadata(MetadataStore):
         got = self._get_many([record_key(vid) for vid in ids])
         return {vid: parse_record(got.get(record_key(vid))) for vid in ids}
 
-    def _write_records(self, ids: list[int], cookies: dict[int, str], owner: str) -> dict[int, Lease]:
+    def _write_records(self, cookies: dict[int, str], owner: str) -> dict[int, Lease]:
         me = self.leases().me()
-        for _attempt in range(COMMIT_ATTEMPTS):
-            view = rados_shared.View(self._versioned_get, self._versioned_items)
-            try:
-                got = view.get([record_key(vid) for vid in ids])
-            except rados_shared.Raced:
-                continue
-            leases, ops = {}, _Ops()
-            for vid in ids:
-                rec = parse_record(got.get(record_key(vid)))
-                epoch = int(rec.get("epoch", 0)) + 1 if rec else 1
-                leases[vid] = Lease(vid, owner, epoch)
-                ops.sets[record_key(vid)] = json.dumps(
-                    {"owner": owner, "epoch": epoch, "cookie": cookies[vid], **me}
-                ).encode()
-            try:
-                self._operate_records(view.version, ops, [(vid, cookies[vid]) for vid in ids])
-            except rados_shared.Raced:
-                continue
-            return leases
-        raise OSError(errno.EIO, f"metadata lease record: other commits landed first {COMMIT_ATTEMPTS} times")
+        leases: dict[int, Lease] = {}
 
-    def _operate_records(self, version: bytes | None, ops: _Ops, locks: list[tuple[int, str]]) -> None:
+        def claimed(vid: int, rec: dict[str, Any] | None) -> dict[str, Any]:
+            epoch = int(rec.get("epoch", 0)) + 1 if rec else 1
+            leases[vid] = Lease(vid, owner, epoch)
+            return {"owner": owner, "epoch": epoch, "cookie": cookies[vid], **me}
+
+        self._update_records(cookies, claimed)
+        return leases
+
+    def _guarded_write(
+        self,
+        version: bytes | None,
+        ops: _Ops,
+        locks: list[tuple[int, str]],
+        *,
+        pool_epoch: int | None = None,
+        step: str | None = None,
+    ) -> None:
+        """ops in one WriteOp that compares x.version with version and bumps it, asserts
+        each (volume, cookie) lock, and, when given, compares the pool epoch and asserts
+        the pool-level step's lock; rados.Error (ECANCELED, EBUSY: nothing applied)."""
         before = int(version) if version else 0
         sets = {**ops.sets, rados_shared.VERSION_KEY: rados_shared.version_value(before + 1).encode()}
+        with rados.WriteOpCtx() as op:
+            op.omap_cmp(rados_shared.VERSION_KEY, (version or b"").decode(), rados.LIBRADOS_CMPXATTR_OP_EQ)
+            if pool_epoch is not None:
+                op.omap_cmp(EPOCH_KEY, epoch_value(pool_epoch), rados.LIBRADOS_CMPXATTR_OP_EQ)
+            for vid, cookie in locks:
+                op.execute("lock", "assert_locked", cls_lock.assert_locked_args(volume_lock(vid), cookie))
+            if step is not None:
+                op.execute("lock", "assert_locked", cls_lock.assert_locked_args(POOL_STEP_LOCK, step))
+            for begin, end in ops.ranges:
+                self.io.remove_omap_range2(op, begin, end)
+            if ops.removes:
+                self.io.remove_omap_keys(op, tuple(sorted(ops.removes)))
+            self.io.set_omap(op, tuple(sets), tuple(sets.values()))
+            self.io.operate_write_op(op, self.obj)
+
+    def _operate_records(self, version: bytes | None, ops: _Ops, locks: list[tuple[int, str]]) -> None:
         try:
-            with rados.WriteOpCtx() as op:
-                op.omap_cmp(rados_shared.VERSION_KEY, (version or b"").decode(), rados.LIBRADOS_CMPXATTR_OP_EQ)
-                for vid, cookie in locks:
-                    op.execute("lock", "assert_locked", cls_lock.assert_locked_args(volume_lock(vid), cookie))
-                self.io.set_omap(op, tuple(sets), tuple(sets.values()))
-                self.io.operate_write_op(op, self.obj)
+            self._guarded_write(version, ops, locks)
         except rados.Error as exc:
             if rados_errno(exc) == errno.ECANCELED:
                 raise rados_shared.Raced from None
@@ -810,6 +803,22 @@ class RadosMetadata(MetadataStore):
                 store.unlock(vid, cookie)
 
     def _empty_records(self, cookies: dict[int, str]) -> None:
+        def emptied(vid: int, rec: dict[str, Any] | None) -> dict[str, Any] | None:
+            return {**rec, "owner": ""} if rec is not None and rec.get("cookie") == cookies[vid] else None
+
+        try:
+            self._update_records(cookies, emptied)
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise  # EBUSY: a lock another took since: its record is the taker's now
+
+    def _update_records(
+        self, cookies: dict[int, str], change: Callable[[int, dict[str, Any] | None], dict[str, Any] | None]
+    ) -> None:
+        """Rewrite the lease records of these volumes (change(volume id, record as
+        stored): the new record, or None to leave it) in one WriteOp guarded by
+        x.version and each volume's lock (its cookie here), read and tried again
+        whenever another commit landed first."""
         for _attempt in range(COMMIT_ATTEMPTS):
             view = rados_shared.View(self._versioned_get, self._versioned_items)
             try:
@@ -817,18 +826,14 @@ class RadosMetadata(MetadataStore):
             except rados_shared.Raced:
                 continue
             ops = _Ops()
-            for vid, cookie in cookies.items():
-                rec = parse_record(got.get(record_key(vid)))
-                if rec is not None and rec.get("cookie") == cookie:
-                    ops.sets[record_key(vid)] = json.dumps({**rec, "owner": ""}).encode()
+            for vid in cookies:
+                new = change(vid, parse_record(got.get(record_key(vid))))
+                if new is not None:
+                    ops.sets[record_key(vid)] = json.dumps(new).encode()
             try:
                 self._operate_records(view.version, ops, list(cookies.items()))
             except rados_shared.Raced:
                 continue
-            except OSError as exc:
-                if exc.errno == errno.EBUSY:
-                    return  # a lock another took since: its record is the taker's now
-                raise
             return
         raise OSError(errno.EIO, f"metadata lease record: other commits landed first {COMMIT_ATTEMPTS} times")
 

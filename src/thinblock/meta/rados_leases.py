@@ -75,6 +75,26 @@ def parse_record(raw: bytes | None) -> dict[str, Any] | None:
     return got if isinstance(got, dict) else None
 
 
+def read_lockers(io: Any, obj: str, name: str) -> tuple[list[cls_lock.Locker], int]:
+    """The lockers of lock `name` on obj and the lock's type (cls_lock get_info; none
+    and 0 when the object does not exist)."""
+    try:
+        _ret, out = io.execute(obj, "lock", "get_info", cls_lock.get_info_args(name))
+        return cls_lock.lock_info(out)
+    except rados.ObjectNotFound:
+        return [], 0
+    except rados.Error as exc:
+        raise as_oserror(exc, "lock info") from None
+    except Exception as exc:  # struct.error: a reply this thinblock cannot read
+        raise ThinblockError(f"cannot read the lock {name} of {obj}: {exc}") from None
+
+
+def unlapsed(locker: cls_lock.Locker, now: float) -> bool:
+    """Whether a locker's lease still runs at `now` (this host's clock), by the
+    expiry the OSD set, CLOCK_MARGIN_S given for the two clocks (0: no expiry)."""
+    return locker.expires == 0 or locker.expires + CLOCK_MARGIN_S > now
+
+
 class LockRenewer:
     """One thread renewing every lock a store holds, until it is stopped, and a
     watchdog. A lock is lost when another took it, when this client was fenced, or
@@ -191,21 +211,13 @@ class VolumeLeases:
     # ----- reading --------------------------------------------------------------------
 
     def lockers(self, name: str) -> tuple[list[cls_lock.Locker], int]:
-        try:
-            _ret, out = self.io.execute(self.obj, "lock", "get_info", cls_lock.get_info_args(name))
-            return cls_lock.lock_info(out)
-        except rados.ObjectNotFound:
-            return [], 0
-        except rados.Error as exc:
-            raise as_oserror(exc, "lock info") from None
-        except Exception as exc:  # struct.error: a reply this thinblock cannot read
-            raise ThinblockError(f"cannot read the lock {name} of {self.obj}: {exc}") from None
+        return read_lockers(self.io, self.obj, name)
 
     def locked_by(self, name: str, cookie: str) -> bool:
         """Whether the lock lists this cookie with a lease not yet lapsed."""
         now = time.time()
         lockers, _kind = self.lockers(name)
-        return any(lk.cookie == cookie and (lk.expires == 0 or lk.expires + CLOCK_MARGIN_S > now) for lk in lockers)
+        return any(lk.cookie == cookie and unlapsed(lk, now) for lk in lockers)
 
     def live_record(self, volume_id: int, record: dict[str, Any] | None) -> bool:
         """Whether a record's holder still holds the volume's lock (read from RADOS)."""

@@ -644,35 +644,28 @@ def cmd_serve(args: argparse.Namespace) -> None:
             handed_all: list[str] = []  # filled when it stops itself, having handed everything over
             lost: list[str] = []  # volumes whose lease another took (Ceph): it stops serving then
             lost_why: list[str] = []
-            if pool.owner is not None:
 
-                def lease_lost(vid: int, why: str) -> None:
-                    vol = pool.volume_by_id(vid)
-                    name = vol.row.name if vol is not None else f"#{vid}"
-                    log.error(
-                        "volume %s: its lease is lost (%s); it is served elsewhere now: closing its clients and"
-                        " stopping, committing nothing more",
-                        name,
-                        why,
-                    )
-                    lost.append(name)
-                    lost_why.append(why)
-                    os.kill(os.getpid(), signal.SIGTERM)
-
-                pool.meta.watch_leases(lease_lost)
-
-            def pool_lost(why: str) -> None:
+            def lease_lost(what: str, name: str, why: str) -> None:
+                """Stop serving: the lease of `what` (a volume, or the whole pool) is another's."""
                 log.error(
-                    "pool %s: its lease is lost (%s); another server holds the pool now: closing every client and"
-                    " stopping",
-                    args.pool,
+                    "%s: its lease is lost (%s); another server holds it now: closing its clients and stopping,"
+                    " committing nothing more",
+                    what,
                     why,
                 )
-                lost.append("every volume")
+                lost.append(name)
                 lost_why.append(why)
                 os.kill(os.getpid(), signal.SIGTERM)
 
-            pool.watch_ownership_lost(pool_lost)
+            if pool.owner is not None:
+
+                def volume_lost(vid: int, why: str) -> None:
+                    vol = pool.volume_by_id(vid)
+                    name = vol.row.name if vol is not None else f"#{vid}"
+                    lease_lost(f"volume {name}", name, why)
+
+                pool.meta.watch_leases(volume_lost)
+            pool.watch_ownership_lost(lambda why: lease_lost(f"pool {args.pool}", "every volume", why))
             where = f"the control socket of pool {args.pool}"
             watches = None
             if pool.owner is None:
