@@ -908,7 +908,9 @@ def test_a_stalled_rados_owner_whose_volume_was_taken_writes_nothing(
 def test_a_pool_level_step_whose_lock_was_lost_commits_nothing(request: pytest.FixtureRequest) -> None:
     """A pool-level step that stalled past its lock's lease read what another step may
     have changed since: its commit (an absolute value, as reserve_ids writes) must be
-    refused, not land over the other's (RADOS: the step's lock is asserted in it)."""
+    refused, not land over the other's (RADOS: the step's lock is asserted in it), and
+    so must its committer's meanwhile and every later one of that owner (they would
+    carry the step's changes)."""
     from thinblock.ceph import cls_lock
     from thinblock.meta.rados import RadosMetadata
     from thinblock.meta.rados_leases import POOL_STEP_LOCK
@@ -928,9 +930,26 @@ def test_a_pool_level_step_whose_lock_was_lost_commits_nothing(request: pytest.F
                 )
             with other.pool_lock():
                 other.commit(Transaction(superblock={"steps": before + 10}))
-            with pytest.raises(OSError) as exc:
-                stalled.commit(Transaction(superblock={"steps": before + 1}))
-            refused(exc, errno.ESTALE, "the pool-level step")
+            # Its committer's commit meanwhile (another thread) may carry the step's
+            # changes: it asserts the step's lock too.
+            failed: list[BaseException] = []
+
+            def committer() -> None:
+                try:
+                    stalled.commit(Transaction(superblock={"steps": before + 1}))
+                except BaseException as e:  # handed to the test's thread
+                    failed.append(e)
+
+            thread = threading.Thread(target=committer)
+            thread.start()
+            thread.join()
+            assert failed and isinstance(failed[0], OSError), failed
+            assert failed[0].errno == errno.ESTALE and "the pool-level step's lock was lost" in str(failed[0])
+        # Put back, the step's changes would go with the next commit, step or not: none
+        # lands from this owner any more.
+        with pytest.raises(OSError) as exc:
+            stalled.commit(Transaction(superblock={"steps": before + 1}))
+        refused(exc, errno.EIO, "the pool-level step's lock was lost")
         assert other.superblock()["steps"] == before + 10
 
 
@@ -1023,3 +1042,54 @@ def test_a_commit_of_an_owner_too_large_for_one_rados_operation_goes_through_a_j
         assert not any(
             o.key.startswith(f"{loc.meta_object}.journal.") for o in loc.cluster().ioctx(loc.ceph_pool).list_objects()
         )
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+def test_a_commit_whose_outcome_is_unknown_stops_the_owner_and_counts_once(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, landed: bool
+) -> None:
+    """The cluster does not answer a guarded commit in time (ETIMEDOUT): it may have
+    landed or not. Sent again, its changes to shared counts would count twice, so the
+    owner commits nothing more and gives its leases up (its server stops); the counter
+    holds the change once or not at all, never twice."""
+    import rados
+
+    from thinblock.meta.rados import RadosMetadata
+
+    monkeypatch.setenv("THINBLOCK_RADOS_LEASE_S", "2")
+    pool = _seeded_pool(new_rados_locator(request, "timeout"))
+    with owner_store(pool) as meta:
+        assert isinstance(meta, RadosMetadata)
+        lease = meta.claim_volume(1, "a")
+        lost: list[tuple[int, str]] = []
+        meta.watch_leases(lambda vid, why: lost.append((vid, why)))
+        before = int(meta.superblock().get("steps", 0))
+        real = meta._guarded_write
+
+        def timed_out(*args: Any, **kwargs: Any) -> None:
+            if landed:
+                real(*args, **kwargs)
+            raise rados.TimedOut("injected: the OSD did not answer in time", errno=errno.ETIMEDOUT)
+
+        monkeypatch.setattr(meta, "_guarded_write", timed_out)
+        change = Transaction(leases=[lease], superblock={"steps": before + 1}, counter_bases={"steps": before})
+        with pytest.raises(OSError) as exc:
+            meta.commit(change)
+        refused(exc, errno.EIO, "outcome is unknown")
+        monkeypatch.setattr(meta, "_guarded_write", real)  # the cluster answers again
+        with pytest.raises(OSError) as exc:
+            meta.commit(change)  # what a committer retries after a failure
+        refused(exc, errno.EIO, "commits nothing more")
+        assert [vid for vid, _why in lost] == [1]
+        assert int(meta.superblock().get("steps", 0)) == before + (1 if landed else 0)
+    # It never let go: the next owner claims the volume once its lock lapsed, fencing it.
+    with owner_store(pool) as heir:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert heir.claim_volume(1, "b").epoch == lease.epoch + 1
+                break
+            except VolumeBusyError:
+                assert time.monotonic() < deadline, "the given-up lease never lapsed"
+                time.sleep(0.2)
+        assert int(heir.superblock().get("steps", 0)) == before + (1 if landed else 0)

@@ -236,7 +236,7 @@ class RadosMetadata(MetadataStore):
         self.readonly = readonly
         self._leases: VolumeLeases | None = None
         self._commit_lock = threading.Lock()
-        self._unsure: str | None = None  # why commits are refused for good (a commit's outcome unknown)
+        self._unsure: str | None = None  # why commits are refused for good (an outcome unknown, a step's lock lost)
         self._names: dict[int, str] | None = None  # volume id -> name, as committed
         self._max_page: int | None = None
         # Whether a journal may be recorded but not applied: unknown until the first
@@ -658,6 +658,16 @@ class RadosMetadata(MetadataStore):
                     ) from None
                 raise rados_shared.Raced from None
             if code == errno.EBUSY:
+                if step is not None and self.leases().step_lost():
+                    # What the step changed in memory was decided on reads another step
+                    # may have changed since; put back, the next commit would carry it
+                    # without the step's assertion. So nothing more lands from here.
+                    self._unsure = (
+                        "metadata commit refused: the pool-level step's lock was lost while it ran"
+                        " (it stalled past its lease); this owner commits nothing more: restart it"
+                    )
+                    self.leases().give_up_all("the pool-level step's lock was lost while it ran")
+                    raise OSError(errno.ESTALE, self._unsure) from None
                 mine = [f"volume {vid}" for vid, _c in locks] + (["the pool-level step"] if step else [])
                 raise OSError(
                     errno.ESTALE,

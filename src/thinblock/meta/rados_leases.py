@@ -206,7 +206,6 @@ class VolumeLeases:
         self._step_cookie = uuid.uuid4().hex
         self._step_lock = threading.RLock()
         self._step_depth = 0
-        self._step_thread: int | None = None  # the thread inside a pool-level step
 
     # ----- reading --------------------------------------------------------------------
 
@@ -276,21 +275,27 @@ class VolumeLeases:
         with self._step_lock:
             if self._step_depth == 0:
                 self._take_step_lock()
-                self._step_thread = threading.get_ident()
             self._step_depth += 1
             try:
                 yield
             finally:
                 self._step_depth -= 1
                 if self._step_depth == 0:
-                    self._step_thread = None
                     self.renewer.drop(POOL_STEP_LOCK)
                     with contextlib.suppress(rados.Error):
                         self.io.unlock(self.obj, POOL_STEP_LOCK, self._step_cookie)
 
     def step_cookie(self) -> str | None:
-        """The pool-level step lock's cookie when the calling thread is inside a step."""
-        return self._step_cookie if self._step_thread == threading.get_ident() else None
+        """The pool-level step lock's cookie while any thread of this store is inside a
+        step: the committer's commit in the meantime may carry the step's changes, so it
+        asserts the step's lock as the step's own commit does."""
+        return self._step_cookie if self._step_depth else None
+
+    def step_lost(self) -> bool:
+        """Whether the step lock, while a step runs, no longer lists this store's cookie."""
+        return bool(self._step_depth) and not any(
+            lk.cookie == self._step_cookie for lk in self.lockers(POOL_STEP_LOCK)[0]
+        )
 
     def _take_step_lock(self) -> None:
         pause = 0.005
