@@ -545,3 +545,45 @@ def test_pools_share_a_ceph_pool(request: pytest.FixtureRequest) -> None:
     remove_rados_pool(one)
     with Pool.open(two) as pool:
         assert pool.volume("v").read(0, MiB) == b"\x02" * MiB
+
+
+def test_an_answer_later_than_its_askers_patience_leaves_no_reply_object(request: pytest.FixtureRequest) -> None:
+    """A request by notify (admin/notify.py) whose owner answers after the asker gave
+    up: the asker says "no answer", and the owner's late answer creates nothing (the
+    asker's reply object is gone, and the answer lands only while it is there)."""
+    import threading
+
+    from thinblock.admin.control import NoAnswer
+    from thinblock.admin.notify import NotifyClient, answer_if_asked, watch_object
+
+    locator = new_rados_locator(request, "late")
+    with Pool.create(locator, 64 * MiB, block_size=64 << 10) as pool:
+        pool.create_volume("v", 8 * MiB)
+    location = _rados_location(locator)
+    sb = location.open_meta(readonly=True).superblock()
+    io = location.cluster().ioctx(location.ceph_pool)
+    obj = watch_object(location, sb, 1)
+    io.write_full(obj, b"")
+    gave_up, late = threading.Event(), []
+    requests: list[str] = []
+
+    def owner(_notify_id: int, _notifier_id: int, _cookie: int, data: bytes) -> None:
+        reply = json.loads(data)["reply"]
+        requests.append(reply)
+        assert gave_up.wait(60)  # the asker's patience ends first, whatever the clocks
+        late.append(answer_if_asked(io, reply, b'{"ok": "late"}'))
+
+    watch = io.watch(obj, owner)
+    try:
+        with pytest.raises(NoAnswer, match="did not answer within 1 s"):
+            NotifyClient(location, sb, 1, 0.2).call("status")  # 1 s: whole seconds
+        gave_up.set()
+        deadline = time.monotonic() + 60
+        while not late:
+            assert time.monotonic() < deadline, "the watch callback never ran"
+            time.sleep(0.05)
+    finally:
+        gave_up.set()
+        watch.close()
+    assert late == ["its asker gave up waiting"]
+    assert requests and not rados_objects(f"{location.data_prefix(sb)}.reply.")

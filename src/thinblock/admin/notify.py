@@ -11,6 +11,11 @@ before it acknowledges. The Python binding's notify returns no payload, hence
 the reply object. A notify that times out, or that no watcher acknowledged
 (nobody watches: its owner is gone), is "no answer" (control.NoAnswer, as from
 a control socket that does not answer).
+
+The asker makes the reply object before it notifies (with the key ASKED) and
+removes it once it has read it or given up; the owner's answer is one WriteOp
+that lands only while that key is there. So an answer later than the asker's
+patience finds no object and creates none: nothing is left behind.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import math
 import threading
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -40,6 +46,7 @@ log = logging.getLogger("thinblock.control")
 SYNC_S = 1.0  # how often the watches follow the volumes this process owns
 MAX_REQUEST = 1 << 16
 JOB_TIMEOUT_S = 3600.0  # a sparsify by notify: no progress lines come, so the asker waits this long
+ASKED = "asked"  # the reply object's key while its asker waits
 
 
 def _keep_forever(watch: Any) -> None:
@@ -55,6 +62,26 @@ def watch_object(location: RadosLocation, superblock: dict[str, Any], volume_id:
     return f"{location.data_prefix(superblock)}.watch.{volume_id}"
 
 
+def notify_seconds(timeout_s: float) -> float:
+    return float(max(1, math.ceil(timeout_s)))
+
+
+def answer_if_asked(io: Any, reply: str, answer: bytes) -> str | None:
+    """Write the answer to the reply object while its asker still waits there (its key
+    ASKED is set); otherwise why it was not written (when the asker gave up, the
+    object is gone, and stays gone)."""
+    try:
+        with rados.WriteOpCtx() as op:
+            op.omap_cmp(ASKED, "1", rados.LIBRADOS_CMPXATTR_OP_EQ)
+            op.write_full(answer)
+            io.operate_write_op(op, reply)
+    except rados.ObjectNotFound:
+        return "its asker gave up waiting"
+    except rados.Error as exc:
+        return f"the answer could not be written ({as_oserror(exc, 'write').strerror})"
+    return None
+
+
 class NotifyClient:
     """A ControlClient's `call`, to the owner of one volume through watch/notify."""
 
@@ -63,27 +90,21 @@ class NotifyClient:
         self.io = location.cluster().ioctx(location.ceph_pool)
         self.obj = watch_object(location, superblock, volume_id)
         self.reply_prefix = f"{location.data_prefix(superblock)}.reply."
-        self.timeout_s = timeout_s
+        # The OSD counts a notify's timeout in whole seconds, truncated, and takes 0
+        # for its default (30 s, measured here): so whole seconds, at least one.
+        self.timeout_s = notify_seconds(timeout_s)
 
     def call(self, verb: str, **args: Any) -> Any:
         reply = f"{self.reply_prefix}{uuid.uuid4().hex}"
         message = json.dumps({"verb": verb, "args": args, "reply": reply})
         try:
-            self.io.notify(self.obj, message, int(self.timeout_s * 1000))
-        except rados.ObjectNotFound:
-            raise NoAnswer(f"nobody watches {self.obj}: its owner does not serve it") from None
+            with rados.WriteOpCtx() as op:
+                self.io.set_omap(op, (ASKED,), (b"1",))
+                self.io.operate_write_op(op, reply)
         except rados.Error as exc:
-            with contextlib.suppress(rados.Error):
-                self.io.remove_object(reply)
-            raise NoAnswer(
-                f"its owner did not answer within {self.timeout_s:g} s ({as_oserror(exc, 'notify').strerror})"
-            ) from None
+            raise ThinblockError(f"cannot ask the owner: {as_oserror(exc, 'reply object').strerror}") from None
         try:
-            raw = self.io.read(reply, MAX_REQUEST * 4, 0)
-        except rados.ObjectNotFound:
-            raise NoAnswer("no owner answered (nobody watches the volume, or its owner gave it up)") from None
-        except rados.Error as exc:
-            raise ThinblockError(f"cannot read the owner's answer: {as_oserror(exc, 'read').strerror}") from None
+            raw = self._ask(message, reply)
         finally:
             with contextlib.suppress(rados.Error):
                 self.io.remove_object(reply)
@@ -91,6 +112,24 @@ class NotifyClient:
         if "error" in answer:
             raise ThinblockError(str(answer["error"]))
         return answer.get("ok")
+
+    def _ask(self, message: str, reply: str) -> bytes:
+        """Notify the owner and read its answer from the reply object."""
+        try:
+            self.io.notify(self.obj, message, int(self.timeout_s * 1000))
+        except rados.ObjectNotFound:
+            raise NoAnswer(f"nobody watches {self.obj}: its owner does not serve it") from None
+        except rados.Error as exc:
+            raise NoAnswer(
+                f"its owner did not answer within {self.timeout_s:g} s ({as_oserror(exc, 'notify').strerror})"
+            ) from None
+        try:
+            raw: bytes = self.io.read(reply, MAX_REQUEST * 4, 0)
+        except rados.Error as exc:
+            raise ThinblockError(f"cannot read the owner's answer: {as_oserror(exc, 'read').strerror}") from None
+        if not raw:
+            raise NoAnswer("no owner answered (nobody watches the volume, or its owner gave it up)")
+        return raw
 
     def job(self, verb: str, fds: list[int], progress: Any, **args: Any) -> Any:
         """A job at the owner: only one that takes no file (sparsify), with no progress
@@ -104,7 +143,7 @@ class NotifyClient:
                 f"{verb.replace('_', ' ')} of a volume served on another host streams through its server's control"
                 " socket: run it on that host"
             )
-        timeout, self.timeout_s = self.timeout_s, max(self.timeout_s, JOB_TIMEOUT_S)
+        timeout, self.timeout_s = self.timeout_s, notify_seconds(max(self.timeout_s, JOB_TIMEOUT_S))
         try:
             return self.call(verb, **args)
         finally:
@@ -190,10 +229,9 @@ class VolumeWatches:
             log.warning("watch of volume %d: a request that is not one (%s)", vid, exc)
             return
         answer, after = self.control.answer(verb, args)  # a verb or args not as they must be: an error answer
-        try:
-            self.io.write_full(reply, json.dumps(answer).encode())
-        except rados.Error as exc:
-            log.warning("watch of volume %d: cannot write the answer: %s", vid, exc)
+        undelivered = answer_if_asked(self.io, reply, json.dumps(answer).encode())
+        if undelivered is not None:
+            log.warning("watch of volume %d: %s ran, but %s", vid, verb, undelivered)
         if after is not None:
             after()
 
