@@ -14,7 +14,10 @@ second round runs them in the other order (the machine is noisy). Rows:
 - with --owners, instead (issue 23): two volumes of one pool, each served by its
   own `serve --volume` process, against two RBD images each served by its own
   qemu-nbd: fio with a job per export (sequential 1 MiB write at iodepth 16,
-  4 KiB random write at iodepth 32), summed; then the same on one volume;
+  4 KiB random write at iodepth 32), summed; then the same on one volume. The
+  sequential rows also give the CPU seconds per GiB written spent in the servers
+  and in the OSD (/proc of their pids, workers included): on this 2-core machine
+  they share the cores, so these bound what either peer can reach;
 - thinblock only: `thinblock mkfs` of 10 GiB and 100 GiB volumes, ext4 and xfs,
   through attach (FUSE + loop) on the RADOS pool. There is no rbd or nbd kernel
   module here, so the peer figures for mkfs are the seed's (mkfs on an rbd image:
@@ -47,6 +50,7 @@ from tests.cli import stop_pid
 from bench.bench_cores import fio_volumes
 from bench.bench_nbd import _stop, fio, progress, wait_for
 from thinblock.backends import locate
+from thinblock.sizes import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -135,6 +139,7 @@ class ThinblockRados(Peer):
 
 class QemuNbdRbd(Peer):
     name = "qemu-nbd-rbd"
+    pid = 0  # the qemu-nbd last started
 
     @contextmanager
     def start(self) -> Iterator[tuple[str, Callable[[], tuple[int, int]]]]:
@@ -159,6 +164,7 @@ class QemuNbdRbd(Peer):
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
         wait_for(sock, proc)
+        self.pid = proc.pid
         try:
             yield f"nbd+unix:///disk?socket={sock}", lambda: objects(prefix)
         finally:
@@ -209,6 +215,7 @@ class ThinblockOwners:
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
         self.n = 0
+        self.pids: list[int] = []  # the servers started, while they run
 
     @contextmanager
     def start(self, count: int) -> Iterator[list[str]]:
@@ -231,6 +238,7 @@ class ThinblockOwners:
                 )
                 wait_for(sock, procs[-1])
                 uris.append(f"nbd+unix:///v{v}?socket={sock}")
+            self.pids = [proc.pid for proc in procs]
             yield uris
         finally:
             for proc in procs:
@@ -245,21 +253,66 @@ class QemuNbdImages:
 
     def __init__(self, scratch: Path) -> None:
         self.one = QemuNbdRbd(scratch)
+        self.pids: list[int] = []
 
     @contextmanager
     def start(self, count: int) -> Iterator[list[str]]:
         with contextlib.ExitStack() as stack:
-            yield [stack.enter_context(self.one.start())[0] for _ in range(count)]
+            uris = []
+            self.pids = []
+            for _ in range(count):
+                uris.append(stack.enter_context(self.one.start())[0])
+                self.pids.append(self.one.pid)
+            yield uris
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU time of these processes and their descendants (those
+    running now; a worker forked by a server counts with it)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stats[int(entry)] = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+    children: dict[int, list[int]] = {}
+    for pid, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(pid)
+    total, todo = 0.0, list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += (int(stats[pid][11]) + int(stats[pid][12])) / tick
+            todo += children.get(pid, [])
+    return total
+
+
+def seq_write_with_cpu(uris: list[str], pids: list[int], size: str, prefix: str) -> dict[str, float]:
+    """The sequential write, and the CPU it cost per GiB written: in the servers, and in
+    the OSD (what a 2-core machine has to share between them)."""
+    osd = [pid for name, pid in ceph_cluster.daemon_pids(OSD_DIR[0]).items() if name.startswith("osd")]
+    before = cpu_seconds(pids), cpu_seconds(osd)
+    res = fio_volumes(uris, "write", "1M", 16, size, None)
+    after = cpu_seconds(pids), cpu_seconds(osd)
+    gib = len(uris) * parse_size(size) / GiB
+    return {
+        f"{prefix}_seq_write_1M_qd16_MiBps": res["MiBps"],
+        f"{prefix}_seq_write_server_cpu_s_per_GiB": (after[0] - before[0]) / gib,
+        f"{prefix}_seq_write_osd_cpu_s_per_GiB": (after[1] - before[1]) / gib,
+    }
+
+
+OSD_DIR: list[str] = []  # the cluster's directory, once started
 
 
 def owner_rows(peer: ThinblockOwners | QemuNbdImages, quick: bool) -> dict[str, float]:
     seq, runtime = ("256M", 3) if quick else ("2G", 10)
     r: dict[str, float] = {}
     with peer.start(2) as uris:
-        r["two_volumes_seq_write_1M_qd16_MiBps"] = fio_volumes(uris, "write", "1M", 16, seq, None)["MiBps"]
+        r.update(seq_write_with_cpu(uris, peer.pids, seq, "two_volumes"))
         r["two_volumes_randwrite_4k_qd32_iops"] = fio_volumes(uris, "randwrite", "4k", 32, EXPORT, runtime)["iops"]
     with peer.start(1) as uris:
-        r["one_volume_seq_write_1M_qd16_MiBps"] = fio_volumes(uris, "write", "1M", 16, seq, None)["MiBps"]
+        r.update(seq_write_with_cpu(uris, peer.pids, seq, "one_volume"))
         r["one_volume_randwrite_4k_qd32_iops"] = fio_volumes(uris, "randwrite", "4k", 32, EXPORT, runtime)["iops"]
     return r
 
@@ -303,6 +356,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="tb-rados-bench-", dir=args.dir))
     progress("starting a Ceph cluster")
     os.environ["CEPH_CONF"] = ceph_cluster.start(str(scratch / "ceph"), block_bytes=32 << 30)
+    OSD_DIR.append(str(scratch / "ceph"))
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
         ceph("osd", "pool", "create", CEPH_POOL, "32")
@@ -355,9 +409,9 @@ def main() -> None:
             fa = f"{a:,.2f}" if a is not None else "-"
             fb = f"{b:,.2f}" if b is not None else "-"
             print(
-                f"  {key:36} thinblock {fa:>16}  qemu-nbd-rbd {fb:>16}  ratio {ratio:.2f}"
+                f"  {key:42} thinblock {fa:>16}  qemu-nbd-rbd {fb:>16}  ratio {ratio:.2f}"
                 if ratio
-                else f"  {key:36} thinblock {fa:>16}  qemu-nbd-rbd {fb:>16}"
+                else f"  {key:42} thinblock {fa:>16}  qemu-nbd-rbd {fb:>16}"
             )
 
 

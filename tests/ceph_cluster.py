@@ -215,6 +215,12 @@ def _daemons(d: Path) -> dict[str, int]:
     return found
 
 
+def daemon_pids(directory: str) -> dict[str, int]:
+    """The running daemons of the cluster in directory, by name (osd.0, mon.a, ...)."""
+    d = Path(directory).resolve()
+    return {name: pid for name, pid in _daemons(d).items() if _of_cluster(pid, d)}
+
+
 def stop(directory: str) -> None:
     """Stop the mgr and the OSD, then the mon (an OSD without its mon waits for a
     timeout). Only by pid, and only pids whose command line names this cluster's

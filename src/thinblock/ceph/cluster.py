@@ -183,6 +183,16 @@ _CLUSTERS: dict[tuple[str | None, str | None, int], Cluster] = {}
 _CLUSTERS_LOCK = threading.Lock()
 
 
+def _fresh_lock_in_child() -> None:
+    # A thread of the parent may have held the lock at the fork (serve's supervisor
+    # forks its workers while others read the store): the child's copy would stay held.
+    global _CLUSTERS_LOCK
+    _CLUSTERS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def connect(conffile: str | None = None, client_id: str | None = None) -> Cluster:
     """The process's connection for this configuration (made on first use)."""
     conffile = conffile or os.environ.get("CEPH_CONF") or None
