@@ -355,6 +355,40 @@ def test_enospc_comes_only_once_the_pool_is_full_whoever_holds_the_grants(tmp_pa
         hb.shutdown()
 
 
+def test_an_owner_on_another_host_gives_its_idle_grants_back_by_notify(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The same rule across hosts on a Ceph pool: b's owner runs on another host
+    (tests/hosts.py), where a's control socket is out of reach; it asks a's owner by
+    watch/notify for its idle grants before it answers ENOSPC, so b fills the pool."""
+    pool = _pool(tmp_path, "32M", {"a": "32M", "b": "32M"}, new_rados_locator(request, "idle"))
+    sa = _serve(pool, tmp_path, "a")
+    work = tmp_path / "other"
+    work.mkdir()
+    sb: Server | None = None
+    try:
+        sb = Server(pool, "--volume", "b", "--socket", str(work / "nbd.sock"), workdir=work, host=other_host("other"))
+        ha, hb = _handle(sa, "a"), _handle(sb, "b")
+        ha.pwrite(b"a" * MiB, 0)
+        ha.flush()
+        before = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+        assert before["granted_unused_bytes"] > 0, before
+        written = _write_until_enospc(hb, b"b", 32 * MiB)
+        hb.flush()
+        after = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+        assert after["used_bytes"] == after["size_bytes"], after
+        assert written == after["size_bytes"] - MiB
+        assert "control: grants_idle_back" in sa.log.read_text()
+        assert ha.pread(MiB, 0) == b"a" * MiB and hb.pread(written, 0) == b"b" * written
+        ha.shutdown()
+        hb.shutdown()
+    finally:
+        if sb is not None:
+            _stop(sb)
+        _stop(sa)
+    thinblock("pool", "check", pool)
+
+
 def test_an_owner_that_does_not_answer_keeps_its_idle_grants_and_the_asker_says_enospc(tmp_path: Path) -> None:
     """The ask for idle grants is bounded: with a's owner stopped, b's write that finds
     the pool full outside the grants waits for a's answer a few seconds at most, then

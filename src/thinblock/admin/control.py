@@ -21,6 +21,7 @@ A malformed line gets an error reply; it never stops the server.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -453,19 +454,26 @@ def ask_each(sockets: dict[str, str], verb: str, timeout_s: float) -> dict[str, 
     """The same call to several servers' control sockets (key -> path), all at once: key
     -> its answer, or the exception that came instead (ThinblockError for one that did
     not answer within timeout_s). Stalled servers cost timeout_s once, not each."""
-    if not sockets:
+    return ask_all({key: functools.partial(call_at, path, verb, timeout_s) for key, path in sockets.items()})
+
+
+def call_at(path: str, verb: str, timeout_s: float) -> Any:
+    """One call, with no arguments, to the server whose control socket is path."""
+    client = ControlClient(path, timeout_s)
+    try:
+        return client.call(verb)
+    finally:
+        client.close()
+
+
+def ask_all(calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Several calls to servers (each bounded by its own timeout), all at once: key ->
+    its answer, or the exception that came instead."""
+    if not calls:
         return {}
-
-    def one(path: str) -> Any:
-        client = ControlClient(path, timeout_s)
-        try:
-            return client.call(verb)
-        finally:
-            client.close()
-
     answers: dict[str, Any] = {}
-    with ThreadPoolExecutor(max_workers=min(16, len(sockets)), thread_name_prefix="ask") as asking:
-        futures = {key: asking.submit(one, path) for key, path in sockets.items()}
+    with ThreadPoolExecutor(max_workers=min(16, len(calls)), thread_name_prefix="ask") as asking:
+        futures = {key: asking.submit(call) for key, call in calls.items()}
         for key, future in futures.items():
             try:
                 answers[key] = future.result()
