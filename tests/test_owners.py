@@ -884,6 +884,97 @@ def test_a_stalled_ceph_owner_loses_one_volume_to_a_takeover_and_keeps_serving_t
     thinblock("pool", "check", pool)
 
 
+def _lock_addresses(pool: str) -> dict[str, str]:
+    """record key -> the Ceph client address a volume's lease record names (RADOS): the
+    address a takeover blocklists."""
+    import rados
+
+    from thinblock.backends import locate
+    from thinblock.backends.rados import RadosLocation
+    from thinblock.meta.rados_leases import parse_record, record_key
+
+    location = locate(pool)
+    assert isinstance(location, RadosLocation)
+    io = location.cluster().ioctx(location.ceph_pool)
+    with rados.ReadOpCtx() as op:
+        values, _ret = io.get_omap_vals_by_keys(op, tuple(record_key(vid) for vid in range(1, 32)))
+        io.operate_read_op(op, location.meta_object)
+        records = {key: parse_record(raw) for key, raw in values}
+    return {key: str(rec["addr"]) for key, rec in records.items() if rec and rec.get("owner")}
+
+
+def _claimed_by(server: Server, name: str) -> int:
+    found = re.search(rf"worker \d+ \(pid (\d+)\) claimed {name}\b", server.log.read_text())
+    assert found, server.log.read_text()
+    return int(found.group(1))
+
+
+def test_serve_without_volume_beside_a_ceph_owner_runs_a_worker_per_volume(
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve POOL` without --volume beside a server per volume, on a Ceph pool: each
+    volume nobody holds gets a worker process (a Ceph client) of its own, and a volume
+    made since is claimed by a spare worker, then the next by another, so no two
+    volumes share a client. b's worker is stopped (SIGSTOP) and b taken over: the
+    fence reaches b's worker alone; c and the new volumes are served on, and the
+    stopped worker, once resumed, writes nothing and stops serving b."""
+    monkeypatch.setenv("THINBLOCK_RADOS_LEASE_S", "3")
+    pool = _pool(tmp_path, "128M", {"a": "16M", "b": "16M", "c": "16M"}, new_rados_locator(request, "beside"))
+    sa = _serve(pool, tmp_path, "a")
+    rest = Server(pool, "--socket", str(tmp_path / "rest.sock"), workdir=tmp_path)
+    taker: Server | None = None
+    stalled = 0
+    try:
+        assert [n for n, *_ in listed_exports(rest)] == ["b", "c"]
+        pids = {name: _worker_pid(rest, name) for name in ("b", "c")}
+        handles = {name: _handle(rest, name) for name in ("b", "c")}
+        for name in ("new", "new2"):
+            thinblock("volume", "create", pool, name, "--size", "8M")
+            handles[name] = _handle(rest, name)  # claimed by the spare, then the next spare
+            claimed = f"claimed {name}"
+            until(lambda: claimed in rest.log.read_text(), what=claimed)  # noqa: B023 - waited for here
+            pids[name] = _claimed_by(rest, name)
+        assert len(set(pids.values())) == 4, pids  # a process (a Ceph client) per volume
+        # ... with an address of its own: a blocklist entry names the address.
+        addresses = _lock_addresses(pool)
+        assert len(addresses) == 5 and len(set(addresses.values())) == 5, addresses  # a's server's too
+        for name, h in handles.items():
+            h.pwrite(name.encode() * 4096, 0)
+            h.flush()
+        stalled = pids["b"]
+        os.kill(stalled, signal.SIGSTOP)
+        # A write and a flush wait in the stopped worker's socket.
+        late = [handles["b"].aio_pwrite(b"Z" * 4096, 0), handles["b"].aio_flush()]
+        work = tmp_path / "taker"
+        work.mkdir()
+        taker = Server(pool, "--volume", "b", "--takeover", "--socket", str(work / "nbd.sock"), workdir=work)
+        assert "fencing it off" in taker.log.read_text(), taker.log.read_text()
+        for name in ("c", "new", "new2"):  # none of them was fenced
+            handles[name].pwrite(name.upper().encode() * 4096, 0)
+            handles[name].flush()
+        os.kill(stalled, signal.SIGCONT)
+        with pytest.raises(nbd.Error):  # the write, or at the latest its flush, fails
+            for cookie in late:
+                while not handles["b"].aio_command_completed(cookie):
+                    handles["b"].poll(1000)
+        hb = _handle(taker, "b")
+        assert hb.pread(4096, 0) == b"b" * 4096  # the late write changed nothing
+        hb.shutdown()
+        until(lambda: "not restarting it" in rest.log.read_text(), what="the fenced worker's end")
+        for name in ("c", "new", "new2"):
+            assert handles[name].pread(4096 * len(name), 0) == name.upper().encode() * 4096
+            handles[name].shutdown()
+    finally:
+        if stalled:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stalled, signal.SIGCONT)
+        if taker is not None:
+            _stop(taker)
+        _stop(rest)
+        _stop(sa)
+    thinblock("pool", "check", pool)
+
+
 def test_a_takeover_from_another_host_asks_the_owner_by_notify_and_keeps_every_acknowledged_write(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -611,7 +611,7 @@ def test_workers_are_refused_with_metrics(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode != 0
-    assert "--metrics is not available with --workers" in proc.stderr
+    assert "--metrics is not available with several worker processes" in proc.stderr
     bad = thinblock("serve", pool, "--workers", "zero", check=False)
     assert bad.returncode == 2 and "--workers" in bad.stderr
 

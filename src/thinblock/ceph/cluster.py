@@ -63,6 +63,28 @@ def errno_error(code: int, what: str) -> OSError:
     return OSError(code, f"{what}: {os.strerror(code)}")
 
 
+def _in_a_fresh_thread(work: Callable[[], object]) -> None:
+    """Run work in a thread of its own, and raise what it raised. librados draws a
+    client's nonce, part of the address a blocklist entry names, from a random
+    engine per thread, seeded once: the children a thread forks all copy its state,
+    so every worker of one supervisor would draw the same address (measured here:
+    the third such client's operations hung, and one fence would reach them all).
+    A new thread seeds its own engine."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="thinblock-ceph-connect")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
 class Cluster:
     """A connected librados handle, shared by every pool of this process that uses
     the same configuration. A fenced (blocklisted) handle is dead for good: the
@@ -85,7 +107,7 @@ class Cluster:
             self.rados.conf_set(key, str(OP_TIMEOUT_S))
         try:
             with timed(log, "connecting to the Ceph cluster"):
-                self.rados.connect(timeout=CONNECT_TIMEOUT_S)
+                _in_a_fresh_thread(lambda: self.rados.connect(timeout=CONNECT_TIMEOUT_S))
         except rados.Error as exc:
             self.rados.shutdown()
             code = rados_errno(exc)

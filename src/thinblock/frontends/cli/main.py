@@ -562,9 +562,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
         # Checked before anything is taken: a taker that then could not listen would
         # leave the volume served by nobody.
         _check_takeover_socket(location, socket_path, volumes or [], waits=spec is None and args.workers == 1)
-    if spec is None and args.workers > 1:
+    # Beside servers per volume on a Ceph pool, the volumes nobody holds are served a
+    # worker process each, as with --volume (cli/workers.py: a spare claims the next).
+    beside = spec is None and not volumes and location.fences_per_process and location.served_per_volume()
+    if spec is None and (args.workers > 1 or beside):
         if args.metrics:
-            raise UsageError("--metrics is not available with --workers yet: each worker keeps its own figures")
+            raise UsageError(
+                "--metrics is not available with several worker processes yet (--workers, or a Ceph pool served"
+                " per volume): each worker keeps its own figures"
+            )
         _serve_with_workers(args, location, socket_path, (socket_mode, socket_gid), tcp, activated, tls is not None)
         return
     signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -612,7 +618,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
             from thinblock.frontends.nbd.workers import GroupCatalog, Handoffs, WorkerGroup
 
             group = WorkerGroup(spec.group, spec.handoff_dir)
-            server.catalog = GroupCatalog(pool, read_only=args.read_only, group=group, claims=spec.claims)
+            server.catalog = GroupCatalog(
+                pool, read_only=args.read_only, group=group, claims=spec.claims, one_each=spec.one_each
+            )
             handoffs = Handoffs(server, group)
         elif claims:  # a group of one: no sibling to route to, volumes nobody holds to claim
             from thinblock.frontends.nbd.workers import GroupCatalog, WorkerGroup
@@ -842,7 +850,7 @@ def _serve_with_workers(
     from thinblock.frontends.cli import workers
     from thinblock.frontends.nbd.server import export_uris
 
-    signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
+    signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1)
     inode = None
     if activated:
         listeners = [sock for sock, _name in activated]
@@ -1298,8 +1306,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_workers_arg,
         default=1,
         metavar="N|auto",
-        help="serve with N worker processes behind one socket, the volumes dealt out among them (directory"
-        " pools; auto: one per core; default 1: one process owning the whole pool, as qemu-nbd serves)",
+        help="serve with N worker processes behind one socket, the volumes dealt out among them (auto: one per"
+        " core; default 1: one process owning the whole pool, as qemu-nbd serves). On a Ceph pool, a worker per"
+        " volume whatever N, and a spare that claims the next",
     )
     p.add_argument(
         "--metrics",

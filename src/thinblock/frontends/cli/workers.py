@@ -8,6 +8,12 @@ listening sockets made here, so clients keep one unix socket and one TCP port.
 A connection accepted by a worker that does not own the export it asks for is
 handed to the one that does (frontends/nbd/workers.py).
 
+On a Ceph pool a fence covers a whole client, so the volumes are not dealt out:
+each gets a worker of its own (as with --volume), and without --volume one more
+worker, the spare, owns none. A volume nobody holds that a client asks for is
+claimed by the spare (any worker hands the client to it); the spare tells this
+process (SIGUSR1), which starts the next spare.
+
 This process serves nothing itself: it forwards SIGHUP (--tls-authz reload) and
 SIGINT/SIGTERM to the workers, and restarts a worker that dies, on the volumes
 of its share that nobody else took meanwhile (their leases died with it, so
@@ -33,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from thinblock import systemd
-from thinblock.admin.handover import take_over, unheld_volumes, volumes_to_serve
+from thinblock.admin.handover import take_over, unheld_volumes, volumes_held_by, volumes_to_serve
 from thinblock.backends import Location
 from thinblock.core.registry import STAGING_PREFIX, base_row_id
 from thinblock.errors import LeasesLost, ThinblockError
@@ -47,7 +53,7 @@ LEASES_LOST_EXIT = 75  # a worker's exit status when it stopped because its leas
 RESTART_PAUSE_S = 0.25  # the first pause before restarting a worker that died again (doubles, up to 2 s)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_WINDOW_S = 60.0
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1)
 
 
 @dataclass
@@ -60,6 +66,7 @@ class WorkerSpec:
     listeners: list[tuple[socket.socket, str]]
     ready_fd: int  # "ready" or "error: ..." is written here once, then it is closed
     claims: bool = False  # no --volume: a volume nobody holds is claimed when a client asks
+    one_each: bool = False  # a worker per volume: claims are the spare worker's
 
     def report(self, text: str) -> None:
         if self.ready_fd < 0:
@@ -78,6 +85,7 @@ class _Worker:
     deaths: list[float] = field(default_factory=list)
     given_up: bool = False
     restart_at: float | None = None  # when it is restarted (monotonic), after a pause
+    spare: bool = False  # a worker per volume: it owns none yet, and claims the next
 
 
 def end_with_parent(supervisor: int) -> None:
@@ -133,15 +141,51 @@ class Supervisor:
         self.run_worker = run_worker
         self.restart_pause_s = restart_pause_s()  # read first: a bad value refuses the start
         self.claims = False  # the workers claim volumes nobody holds (serve POOL without --volume)
+        self.one_each = location.fences_per_process  # a worker per volume, and a spare that claims
         self.workers: list[_Worker] = []
         # Where the workers take hand-overs from each other: a fresh directory only this
         # user may enter, so no other user can listen in a worker's place.
         self.handoff_dir = tempfile.mkdtemp(prefix="thinblock-workers.")
 
     def deal(self, names: list[str], count: int) -> None:
-        """Deal the volumes out to count workers (fewer when there are fewer volumes)."""
+        """Deal the volumes out to count workers (fewer when there are fewer volumes); a
+        worker per volume, and the spare when claiming, where a fence covers a client."""
+        if self.one_each:
+            self.workers = [_Worker(i, [name]) for i, name in enumerate(names)]
+            if self.claims or not self.workers:
+                self.workers.append(_Worker(len(self.workers), [], spare=True))
+            return
         count = max(1, min(count, len(names)))
         self.workers = [_Worker(i, names[i::count]) for i in range(count)]
+
+    def follow_claims(self) -> None:
+        """SIGUSR1 from the spare: once it holds a volume, it is that volume's worker,
+        and the next spare starts."""
+        spare = next((w for w in self.workers if w.spare and w.pid), None)
+        if spare is None:
+            return
+        held = volumes_held_by(self.location, spare.pid)
+        if not held:
+            return
+        spare.spare, spare.volumes = False, held
+        log.info(
+            "worker %d (pid %d) claimed %s; starting the next spare worker", spare.index, spare.pid, ", ".join(held)
+        )
+        worker = _Worker(len(self.workers), [], spare=True)
+        self.workers.append(worker)
+        error = self._start(worker)
+        if error is not None:
+            log.error("the next spare worker could not start: %s", error)
+            self._restart(worker, "failed to start")
+
+    def _name_spare(self, pid: int) -> None:
+        """Tell the workers which of them claims next (written whole, then renamed)."""
+        from thinblock.frontends.nbd.workers import SPARE_FILE
+
+        path = os.path.join(self.handoff_dir, SPARE_FILE)
+        with open(path + ".new", "w") as f:
+            f.write(f"{pid}\n")
+        os.replace(path + ".new", path)
 
     def start_all(self) -> None:
         try:
@@ -172,7 +216,12 @@ class Supervisor:
                 os.environ.pop("NOTIFY_SOCKET", None)  # readiness is the supervisor's to tell
                 end_with_parent(supervisor)
                 spec = WorkerSpec(
-                    supervisor, worker.index, self.handoff_dir, [(s, "worker") for s in self.listeners], write_fd
+                    supervisor,
+                    worker.index,
+                    self.handoff_dir,
+                    [(s, "worker") for s in self.listeners],
+                    write_fd,
+                    one_each=self.one_each,
                 )
                 try:
                     self.run_worker(spec, worker.volumes)
@@ -198,6 +247,8 @@ class Supervisor:
             answer = ready.readline().decode(errors="replace").strip()
         if answer == "ready":
             log.info("worker %d (pid %d) serves %s", worker.index, pid, ", ".join(worker.volumes) or "no volume")
+            if worker.spare:
+                self._name_spare(pid)
             return None
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
@@ -272,7 +323,7 @@ class Supervisor:
         if taken:
             log.warning("worker %d: %s now served elsewhere; not taking them back", worker.index, ", ".join(taken))
         worker.volumes = [name for name in worker.volumes if name in free]
-        if not worker.volumes and not self.claims:  # served elsewhere now: nothing to restart for
+        if not worker.volumes and not (worker.spare if self.one_each else self.claims):  # nothing to restart for
             worker.given_up = True
             log.info("worker %d ended (%s): its volumes are served elsewhere now; not restarting it", worker.index, how)
             return
@@ -347,6 +398,13 @@ def supervise(
     supervisor = Supervisor(location, listeners, run_worker)
     supervisor.claims = not volumes  # its workers claim volumes nobody holds: one with none still serves
     supervisor.deal(names, args.workers)
+    if supervisor.one_each and not volumes:
+        log.info(
+            "pool %s: %d volume(s) nobody holds, one worker process each, and a spare that claims the next"
+            " (fencing one owner must not reach the others)",
+            args.pool,
+            len(names),
+        )
     if volumes and len(supervisor.workers) < args.workers:
         # A volume is served by one process: more workers than volumes would idle.
         log.warning(
@@ -373,6 +431,8 @@ def supervise(
                 systemd.notify("RELOADING=1", "STATUS=reloading --tls-authz in every worker")
                 supervisor.forward(signal.SIGHUP)
                 systemd.notify("READY=1", f"STATUS={status}")
+            elif signum == signal.SIGUSR1:
+                supervisor.follow_claims()
             elif signum == signal.SIGCHLD:
                 supervisor.reap()
                 if not supervisor.alive():

@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import threading
@@ -55,6 +56,8 @@ HANDOFF_TIMEOUT_S = 5.0
 
 
 HANDED_OVER_GRACE_S = 30.0  # a volume handed over is left to its taker this long
+SPARE_FILE = "spare"  # in the group's directory: the pid of the worker that claims next (a worker per volume)
+SPARE_WAIT_S = 30.0  # how long a lookup waits for the supervisor's next spare worker
 
 
 def handed_over_mark(directory: str, volume_id: int) -> str:
@@ -91,6 +94,17 @@ class WorkerGroup:
     def member(self, pid: int) -> bool:
         return pid != os.getpid() and parent_pid(pid) == self.group
 
+    def spare(self) -> int | None:
+        """The worker that claims the next volume nobody holds, when the group runs a
+        worker per volume (its supervisor names it: cli/workers.py)."""
+        if not self.directory:
+            return None
+        try:
+            with open(os.path.join(self.directory, SPARE_FILE)) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
 
 class GroupCatalog(PoolCatalog):
     """A worker's exports: its own volumes (and their snapshots) are served here; one
@@ -98,14 +112,19 @@ class GroupCatalog(PoolCatalog):
     worker's registry does not know yet (a snapshot a sibling took since) are looked
     up in the store, whose leases say who owns what."""
 
-    def __init__(self, pool: Pool, *, read_only: bool, group: WorkerGroup, claims: bool = False) -> None:
+    def __init__(
+        self, pool: Pool, *, read_only: bool, group: WorkerGroup, claims: bool = False, one_each: bool = False
+    ) -> None:
         """claims: the group serves every volume no other server holds (`serve POOL
         --workers N` without --volume), so a volume nobody holds (made since the workers
         started, or left by a server that stopped) is claimed by the worker a client
-        asks, and served there."""
+        asks, and served there. one_each: a worker per volume (a Ceph pool, where a
+        fence covers a whole client): the claim is the spare worker's, which owns none
+        yet, and a worker that owns one hands the client to it."""
         super().__init__(pool, read_only=read_only)
         self.group = group
         self.claims = claims
+        self.one_each = one_each
         # One claim at a time here: a client asking for a volume this worker is claiming
         # waits for that claim instead of being told the worker itself holds it.
         self._claiming = threading.Lock()
@@ -175,7 +194,31 @@ class GroupCatalog(PoolCatalog):
         with self._claiming:
             if (vol := self._served_here(name)) is not None:  # claimed while this lookup waited
                 return vol
+            if self.one_each and (self._owns_a_volume() or self.group.spare() != os.getpid()):
+                raise ExportRouted(self._next_spare(kind, name), name)
             return self._claim(base, name)
+
+    def _owns_a_volume(self) -> bool:
+        owner = self.pool.owner
+        if owner is None:
+            return True
+        with self.pool.lock:
+            return any(
+                vol.row.kind == "volume" and not vol.name.startswith(STAGING_PREFIX) and owner.owns_id(vol.row.id)
+                for vol in self.pool.volumes.values()
+            )
+
+    def _next_spare(self, kind: str, name: str) -> str:
+        """The spare worker's pid, once the supervisor has named one other than this
+        worker (it starts the next as soon as a spare has claimed its volume)."""
+        deadline = time.monotonic() + SPARE_WAIT_S
+        while True:
+            spare = self.group.spare()
+            if spare is not None and self.group.member(spare):
+                return str(spare)
+            if time.monotonic() > deadline:
+                raise ExportElsewhere(f"{kind} {name} is not served yet: no worker process is free to claim it")
+            time.sleep(0.05)
 
     def _just_handed_over(self, base: int) -> bool:
         """Whether this worker, or a sibling (a mark in the group's directory), handed
@@ -210,6 +253,9 @@ class GroupCatalog(PoolCatalog):
         except (OSError, ThinblockError) as exc:
             log.warning("claiming volume %s for a client failed: %s", stored.name, exc)
             return None
+        if self.one_each:  # the supervisor names the next spare (SIGUSR1: cli/workers.py)
+            with contextlib.suppress(OSError):
+                os.kill(self.group.group, signal.SIGUSR1)
         return self._served_here(name)
 
     def list_names(self) -> list[tuple[str, str]]:
