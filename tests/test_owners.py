@@ -339,20 +339,27 @@ def test_enospc_comes_only_once_the_pool_is_full_whoever_holds_the_grants(tmp_pa
     others give their idle grants back before it answers ENOSPC, so b fills the pool."""
     pool = _pool(tmp_path, "32M", {"a": "32M", "b": "32M"})
     with owners(pool, tmp_path, "a", "b") as (sa, sb):
-        ha, hb = _handle(sa, "a"), _handle(sb, "b")
-        ha.pwrite(b"a" * MiB, 0)
-        ha.flush()
-        before = json.loads(thinblock("pool", "status", pool, "--json").stdout)
-        assert before["granted_unused_bytes"] > 0, before  # a's owner keeps some for its next writes
-        written = _write_until_enospc(hb, b"b", 32 * MiB)
-        hb.flush()
-        after = json.loads(thinblock("pool", "status", pool, "--json").stdout)
-        assert after["used_bytes"] == after["size_bytes"], after
-        assert written == after["size_bytes"] - MiB
-        assert ha.pread(MiB, 0) == b"a" * MiB and hb.pread(written, 0) == b"b" * written
-        ha.pwrite(b"c" * MiB, 0)  # a's allocated blocks still take writes
-        ha.shutdown()
-        hb.shutdown()
+        _b_fills_the_pool_a_kept_idle_grants_of(pool, sa, sb)
+
+
+def _b_fills_the_pool_a_kept_idle_grants_of(pool: str, sa: Server, sb: Server) -> None:
+    """a's owner writes a little and keeps idle grants; b writes until ENOSPC, which
+    comes only once the pool is full (a gave its idle grants back when asked)."""
+    ha, hb = _handle(sa, "a"), _handle(sb, "b")
+    ha.pwrite(b"a" * MiB, 0)
+    ha.flush()
+    before = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+    assert before["granted_unused_bytes"] > 0, before  # a's owner keeps some for its next writes
+    written = _write_until_enospc(hb, b"b", 32 * MiB)
+    hb.flush()
+    after = json.loads(thinblock("pool", "status", pool, "--json").stdout)
+    assert after["used_bytes"] == after["size_bytes"], after
+    assert written == after["size_bytes"] - MiB
+    assert "control: grants_idle_back" in sa.log.read_text()
+    assert ha.pread(MiB, 0) == b"a" * MiB and hb.pread(written, 0) == b"b" * written
+    ha.pwrite(b"c" * MiB, 0)  # a's allocated blocks still take writes
+    ha.shutdown()
+    hb.shutdown()
 
 
 def test_an_owner_on_another_host_gives_its_idle_grants_back_by_notify(
@@ -368,20 +375,7 @@ def test_an_owner_on_another_host_gives_its_idle_grants_back_by_notify(
     sb: Server | None = None
     try:
         sb = Server(pool, "--volume", "b", "--socket", str(work / "nbd.sock"), workdir=work, host=other_host("other"))
-        ha, hb = _handle(sa, "a"), _handle(sb, "b")
-        ha.pwrite(b"a" * MiB, 0)
-        ha.flush()
-        before = json.loads(thinblock("pool", "status", pool, "--json").stdout)
-        assert before["granted_unused_bytes"] > 0, before
-        written = _write_until_enospc(hb, b"b", 32 * MiB)
-        hb.flush()
-        after = json.loads(thinblock("pool", "status", pool, "--json").stdout)
-        assert after["used_bytes"] == after["size_bytes"], after
-        assert written == after["size_bytes"] - MiB
-        assert "control: grants_idle_back" in sa.log.read_text()
-        assert ha.pread(MiB, 0) == b"a" * MiB and hb.pread(written, 0) == b"b" * written
-        ha.shutdown()
-        hb.shutdown()
+        _b_fills_the_pool_a_kept_idle_grants_of(pool, sa, sb)
     finally:
         if sb is not None:
             _stop(sb)
@@ -833,8 +827,9 @@ def test_a_claiming_server_leaves_a_volume_it_handed_over_to_its_taker(tmp_path:
 # ----- Ceph: fencing one volume's owner, not the others -----------------------------------------
 
 
-def _worker_pid(server: Server, name: str) -> int:
-    found = re.search(rf"worker \d+ \(pid (\d+)\) serves {name}\b", server.log.read_text())
+def _worker_pid(server: Server, name: str, how: str = "serves") -> int:
+    """The pid of the worker that serves name from its start (how="claimed": since)."""
+    found = re.search(rf"worker \d+ \(pid (\d+)\) {how} {name}\b", server.log.read_text())
     assert found, server.log.read_text()
     return int(found.group(1))
 
@@ -903,12 +898,6 @@ def _lock_addresses(pool: str) -> dict[str, str]:
     return {key: str(rec["addr"]) for key, rec in records.items() if rec and rec.get("owner")}
 
 
-def _claimed_by(server: Server, name: str) -> int:
-    found = re.search(rf"worker \d+ \(pid (\d+)\) claimed {name}\b", server.log.read_text())
-    assert found, server.log.read_text()
-    return int(found.group(1))
-
-
 def test_serve_without_volume_beside_a_ceph_owner_runs_a_worker_per_volume(
     tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -933,7 +922,7 @@ def test_serve_without_volume_beside_a_ceph_owner_runs_a_worker_per_volume(
             handles[name] = _handle(rest, name)  # claimed by the spare, then the next spare
             claimed = f"claimed {name}"
             until(lambda: claimed in rest.log.read_text(), what=claimed)  # noqa: B023 - waited for here
-            pids[name] = _claimed_by(rest, name)
+            pids[name] = _worker_pid(rest, name, "claimed")
         assert len(set(pids.values())) == 4, pids  # a process (a Ceph client) per volume
         # ... with an address of its own: a blocklist entry names the address.
         addresses = _lock_addresses(pool)
