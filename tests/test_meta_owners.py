@@ -911,23 +911,11 @@ def test_a_pool_level_step_whose_lock_was_lost_commits_nothing(request: pytest.F
     refused, not land over the other's (RADOS: the step's lock is asserted in it), and
     so must its committer's meanwhile and every later one of that owner (they would
     carry the step's changes)."""
-    from thinblock.ceph import cls_lock
-    from thinblock.meta.rados import RadosMetadata
-    from thinblock.meta.rados_leases import POOL_STEP_LOCK
-
     pool = _seeded_pool(new_rados_locator(request, "step"))
     with owner_store(pool) as stalled, owner_store(pool) as other:
-        assert isinstance(stalled, RadosMetadata)
         with stalled.pool_lock():
             before = int(stalled.superblock().get("steps", 0))
-            # Its lease lapsed while it stood still, and the lock was taken from it.
-            for locker in stalled.leases().lockers(POOL_STEP_LOCK)[0]:
-                stalled.io.execute(
-                    stalled.obj,
-                    "lock",
-                    "break_lock",
-                    cls_lock.break_lock_args(POOL_STEP_LOCK, locker.instance, locker.cookie),
-                )
+            _break_step_lock(stalled)  # its lease lapsed while it stood still, and the lock was taken
             with other.pool_lock():
                 other.commit(Transaction(superblock={"steps": before + 10}))
             # Its committer's commit meanwhile (another thread) may carry the step's
@@ -1042,6 +1030,77 @@ def test_a_commit_of_an_owner_too_large_for_one_rados_operation_goes_through_a_j
         assert not any(
             o.key.startswith(f"{loc.meta_object}.journal.") for o in loc.cluster().ioctx(loc.ceph_pool).list_objects()
         )
+
+
+def _break_step_lock(meta: MetadataStore) -> None:
+    """What another process does to a step that stalled past its lease: breaks its lock."""
+    from thinblock.ceph import cls_lock
+    from thinblock.meta.rados import RadosMetadata
+    from thinblock.meta.rados_leases import POOL_STEP_LOCK
+
+    assert isinstance(meta, RadosMetadata)
+    for locker in meta.leases().lockers(POOL_STEP_LOCK)[0]:
+        meta.io.execute(
+            meta.obj, "lock", "break_lock", cls_lock.break_lock_args(POOL_STEP_LOCK, locker.instance, locker.cookie)
+        )
+
+
+def test_a_pool_level_step_that_ended_without_its_lock_stops_the_owner(request: pytest.FixtureRequest) -> None:
+    """A step whose lock was broken (it stalled past its lease) and that then ended, with
+    no commit of its owner meanwhile: its changes may still be in the owner's open
+    transaction, so the owner's next commit, step or not, is refused."""
+    pool = _seeded_pool(new_rados_locator(request, "stepend"))
+    with owner_store(pool) as stalled, owner_store(pool) as other:
+        before = int(stalled.superblock().get("steps", 0))
+        with stalled.pool_lock():
+            _break_step_lock(stalled)
+            with other.pool_lock():
+                other.commit(Transaction(superblock={"steps": before + 10}))
+        with pytest.raises(OSError) as exc:
+            stalled.commit(Transaction(superblock={"steps": before + 1}))
+        refused(exc, errno.ESTALE, "the pool-level step's lock was lost", "commits nothing more")
+        assert other.superblock()["steps"] == before + 10
+
+
+def test_a_commit_racing_the_end_of_a_pool_level_step_goes_again_without_it(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The committer's commit asserts the step lock of a step that is running; the step
+    ends and lets its lock go before the commit reaches the OSD, which refuses the
+    assertion. That step ended with its lock: the commit goes again without it and
+    lands, and the owner commits on (no false "lease lost")."""
+    from thinblock.meta.rados import RadosMetadata
+
+    pool = _seeded_pool(new_rados_locator(request, "steprace"))
+    with owner_store(pool) as meta:
+        assert isinstance(meta, RadosMetadata)
+        before = int(meta.superblock().get("steps", 0))
+        in_step, sent, ended = threading.Event(), threading.Event(), threading.Event()
+        asserted: list[str | None] = []
+        real = meta._guarded_write
+
+        def reaches_the_osd_late(*args: Any, **kwargs: Any) -> None:
+            asserted.append(kwargs.get("step"))
+            if len(asserted) == 1:
+                sent.set()
+                assert ended.wait(60)
+            real(*args, **kwargs)
+
+        def step() -> None:
+            with meta.pool_lock():
+                in_step.set()
+                assert sent.wait(60)
+            ended.set()
+
+        monkeypatch.setattr(meta, "_guarded_write", reaches_the_osd_late)
+        stepper = threading.Thread(target=step)
+        stepper.start()
+        assert in_step.wait(60)
+        meta.commit(Transaction(superblock={"steps": before + 1}))
+        stepper.join()
+        assert asserted[0] is not None and asserted[-1] is None, asserted
+        meta.commit(Transaction(superblock={"steps": before + 2}))
+        assert int(meta.superblock()["steps"]) == before + 2
 
 
 @pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])

@@ -534,6 +534,8 @@ class RadosMetadata(MetadataStore):
         if self._unsure is not None:
             raise OSError(errno.EIO, self._unsure)
         leases = self.leases()
+        if leases.lost_step is not None:
+            raise self._stop_committing(leases.lost_step)
         for vid, epoch in txn.fenced:  # a lease judged dead: its client may write nothing more
             rec = parse_record(self._get([record_key(vid)]).get(record_key(vid)))
             if rec is not None and rec.get("owner") and int(rec.get("epoch", -1)) == epoch:
@@ -658,32 +660,34 @@ class RadosMetadata(MetadataStore):
                     ) from None
                 raise rados_shared.Raced from None
             if code == errno.EBUSY:
-                if step is not None and self.leases().step_lost():
+                leases = self.leases()
+                if step is not None and not leases.step_listed(step):
+                    if leases.step_ended_cleanly(step):
+                        raise rados_shared.Raced from None  # it ended meanwhile: again, without it
                     # What the step changed in memory was decided on reads another step
                     # may have changed since; put back, the next commit would carry it
                     # without the step's assertion. So nothing more lands from here.
-                    self._unsure = (
-                        "metadata commit refused: the pool-level step's lock was lost while it ran"
-                        " (it stalled past its lease); this owner commits nothing more: restart it"
-                    )
-                    self.leases().give_up_all("the pool-level step's lock was lost while it ran")
-                    raise OSError(errno.ESTALE, self._unsure) from None
-                mine = [f"volume {vid}" for vid, _c in locks] + (["the pool-level step"] if step else [])
+                    why = leases.lost_step or "the pool-level step's lock was lost while it ran"
+                    raise self._stop_committing(why) from None
+                mine = ", ".join(f"volume {vid}" for vid, _c in locks)
                 raise OSError(
-                    errno.ESTALE,
-                    f"metadata commit refused: the lease of {', '.join(mine)} was lost (another took it)",
+                    errno.ESTALE, f"metadata commit refused: the lease of {mine} was lost (another took it)"
                 ) from None
             if code == errno.ETIMEDOUT:
                 # It may have landed, or not: its changes to shared counts are sums, and
                 # sent again they would count twice. This owner commits nothing more; the
                 # next owner of its volumes recovers them from what is committed.
-                self._unsure = (
-                    "metadata commit refused: an earlier commit's outcome is unknown (the cluster did not answer"
-                    f" within {OP_TIMEOUT_S} s); this owner commits nothing more: restart it"
-                )
-                self.leases().give_up_all("a commit's outcome is unknown (the cluster did not answer in time)")
-                raise OSError(errno.EIO, self._unsure) from None
+                why = f"a commit's outcome is unknown (the cluster did not answer within {OP_TIMEOUT_S} s)"
+                raise self._stop_committing(why, errno.EIO) from None
             raise as_oserror(exc, "metadata commit") from None
+
+    def _stop_committing(self, why: str, code: int = errno.ESTALE) -> OSError:
+        """Nothing more of this owner may land (a commit whose outcome is unknown, or a
+        pool-level step that lost its lock): every later commit is refused, and its
+        leases are given up (its server stops)."""
+        self._unsure = f"metadata commit refused: {why}; this owner commits nothing more: restart it"
+        self.leases().give_up_all(why)
+        return OSError(code, self._unsure)
 
     # ----- ownership per volume (meta/rados_leases.py) --------------------------------
 

@@ -57,6 +57,9 @@ def lease_s() -> int:
     return max(1, round(env_seconds("THINBLOCK_RADOS_LEASE_S", 15.0, 1.0, 3600.0)))
 
 
+STEPS_REMEMBERED = 64  # how the last steps ended, for commits still in flight when they did
+
+
 def volume_lock(volume_id: int) -> str:
     return f"volume.{volume_id}"
 
@@ -203,9 +206,16 @@ class VolumeLeases:
         self.cluster, self.io, self.obj = cluster, io, obj
         self.held: dict[int, tuple[Lease, str]] = {}  # volume id -> (lease, cookie)
         self.renewer = LockRenewer(io, obj, f"metadata {obj}")
-        self._step_cookie = uuid.uuid4().hex
-        self._step_lock = threading.RLock()
+        self._step_lock = threading.RLock()  # held for a whole step: one thread's steps nest
         self._step_depth = 0
+        # The running step's cookie (a fresh one per step), the one whose end is on its
+        # way, and how the last steps ended (cookie -> its lock was lost), for a commit
+        # that asserted a step's lock and was refused: it asks how that step ended.
+        self._step_state = threading.Condition()
+        self._step_cookie: str | None = None
+        self._step_ending: str | None = None
+        self._steps_ended: dict[str, bool] = {}
+        self.lost_step: str | None = None  # why a step's lock was lost: this owner commits nothing more
 
     # ----- reading --------------------------------------------------------------------
 
@@ -274,44 +284,77 @@ class VolumeLeases:
     def pool_step(self) -> Iterator[None]:
         with self._step_lock:
             if self._step_depth == 0:
-                self._take_step_lock()
+                cookie = uuid.uuid4().hex
+                self._take_step_lock(cookie)
+                with self._step_state:
+                    self._step_cookie = cookie
             self._step_depth += 1
             try:
                 yield
             finally:
+                if self._step_depth == 1:
+                    self._end_step()
                 self._step_depth -= 1
-                if self._step_depth == 0:
-                    self.renewer.drop(POOL_STEP_LOCK)
-                    with contextlib.suppress(rados.Error):
-                        self.io.unlock(self.obj, POOL_STEP_LOCK, self._step_cookie)
+
+    def _end_step(self) -> None:
+        """Let the step's lock go, and note whether it was still this step's: if it was
+        not (it lapsed while the step stalled, and may have been taken), what the step
+        decided may still be in this owner's open transaction, so nothing more of the
+        owner may land (`lost_step`)."""
+        cookie = self._step_cookie
+        assert cookie is not None
+        with self._step_state:
+            self._step_ending = cookie
+        lost = POOL_STEP_LOCK in self.renewer.lost  # its watchdog gave it up
+        self.renewer.drop(POOL_STEP_LOCK)
+        try:
+            self.io.unlock(self.obj, POOL_STEP_LOCK, cookie)
+        except rados.Error:
+            lost = True  # not this step's any more (ENOENT), or the cluster did not say: as lost
+        with self._step_state:
+            self._step_cookie = self._step_ending = None
+            self._steps_ended[cookie] = lost
+            while len(self._steps_ended) > STEPS_REMEMBERED:
+                del self._steps_ended[next(iter(self._steps_ended))]
+            if lost and self.lost_step is None:
+                self.lost_step = "the pool-level step's lock was lost while it ran (it stalled past its lease)"
+            self._step_state.notify_all()
 
     def step_cookie(self) -> str | None:
-        """The pool-level step lock's cookie while any thread of this store is inside a
-        step: the committer's commit in the meantime may carry the step's changes, so it
-        asserts the step's lock as the step's own commit does."""
-        return self._step_cookie if self._step_depth else None
+        """The running pool-level step's cookie, whichever thread of this store asks: the
+        committer's commit meanwhile may carry the step's changes, so it asserts the
+        step's lock as the step's own commit does."""
+        return self._step_cookie
 
-    def step_lost(self) -> bool:
-        """Whether the step lock, while a step runs, no longer lists this store's cookie."""
-        return bool(self._step_depth) and not any(
-            lk.cookie == self._step_cookie for lk in self.lockers(POOL_STEP_LOCK)[0]
-        )
+    def step_listed(self, cookie: str) -> bool:
+        """Whether the step lock lists this cookie now."""
+        return any(lk.cookie == cookie for lk in self.lockers(POOL_STEP_LOCK)[0])
 
-    def _take_step_lock(self) -> None:
+    def step_ended_cleanly(self, cookie: str) -> bool:
+        """For a commit that asserted the step lock with this cookie and found it gone:
+        True if that step has ended, its lock still its own until it let it go (the
+        commit may go again, asserting the next step's lock or none); False if the step
+        runs on without its lock, or lost it (waiting for an end under way)."""
+        with self._step_state:
+            while self._step_ending == cookie:
+                self._step_state.wait()
+            if cookie == self._step_cookie:
+                return False
+            return self._steps_ended.get(cookie) is False
+
+    def _take_step_lock(self, cookie: str) -> None:
         pause = 0.005
         while True:
             sent = time.monotonic()
             try:
-                self.io.lock_exclusive(
-                    self.obj, POOL_STEP_LOCK, self._step_cookie, desc="pool step", duration=lease_s()
-                )
+                self.io.lock_exclusive(self.obj, POOL_STEP_LOCK, cookie, desc="pool step", duration=lease_s())
             except rados.ObjectBusy:
                 time.sleep(pause)
                 pause = min(0.1, pause * 2)
                 continue
             except rados.Error as exc:
                 raise as_oserror(exc, "pool-level lock") from None
-            self.renewer.add(POOL_STEP_LOCK, self._step_cookie, "pool step", taken_at=sent)
+            self.renewer.add(POOL_STEP_LOCK, cookie, "pool step", taken_at=sent)
             return
 
     def close(self) -> None:
