@@ -903,8 +903,8 @@ def test_serve_without_volume_beside_a_ceph_owner_runs_a_worker_per_volume(
 ) -> None:
     """`serve POOL` without --volume beside a server per volume, on a Ceph pool: each
     volume nobody holds gets a worker process (a Ceph client) of its own, and a volume
-    made since is claimed by a spare worker, then the next by another, so no two
-    volumes share a client. b's worker is stopped (SIGSTOP) and b taken over: the
+    made since is claimed by a spare worker, and another asked for at the same time by
+    the next spare, so no two volumes share a client. b's worker is stopped (SIGSTOP) and b taken over: the
     fence reaches b's worker alone; c and the new volumes are served on, and the
     stopped worker, once resumed, writes nothing and stops serving b."""
     monkeypatch.setenv("THINBLOCK_RADOS_LEASE_S", "3")
@@ -919,9 +919,17 @@ def test_serve_without_volume_beside_a_ceph_owner_runs_a_worker_per_volume(
         handles = {name: _handle(rest, name) for name in ("b", "c")}
         for name in ("new", "new2"):
             thinblock("volume", "create", pool, name, "--size", "8M")
-            handles[name] = _handle(rest, name)  # claimed by the spare, then the next spare
-            claimed = f"claimed {name}"
-            until(lambda: claimed in rest.log.read_text(), what=claimed)  # noqa: B023 - waited for here
+        # Two clients at once: one is claimed by the spare, the other by the next spare.
+        connecting = [
+            threading.Thread(target=lambda n=n: handles.__setitem__(n, _handle(rest, n))) for n in ("new", "new2")
+        ]
+        for thread in connecting:
+            thread.start()
+        for thread in connecting:
+            thread.join()
+        for name in ("new", "new2"):
+            claimed = rf"claimed {name}\b"  # "claimed new" is not "claimed new2"
+            until(lambda: re.search(claimed, rest.log.read_text()) is not None, what=claimed)  # noqa: B023
             pids[name] = _worker_pid(rest, name, "claimed")
         assert len(set(pids.values())) == 4, pids  # a process (a Ceph client) per volume
         # ... with an address of its own: a blocklist entry names the address.

@@ -142,6 +142,7 @@ class Supervisor:
         self.restart_pause_s = restart_pause_s()  # read first: a bad value refuses the start
         self.claims = False  # the workers claim volumes nobody holds (serve POOL without --volume)
         self.one_each = location.fences_per_process  # a worker per volume, and a spare that claims
+        self.follow_at: float | None = None  # when follow_claims is tried again (monotonic)
         self.workers: list[_Worker] = []
         # Where the workers take hand-overs from each other: a fresh directory only this
         # user may enter, so no other user can listen in a worker's place.
@@ -160,11 +161,18 @@ class Supervisor:
 
     def follow_claims(self) -> None:
         """SIGUSR1 from the spare: once it holds a volume, it is that volume's worker,
-        and the next spare starts."""
+        and the next spare starts. The store out of reach is tried again a second
+        later (a spare that claimed keeps asking meanwhile), never the server's end."""
+        self.follow_at = None
         spare = next((w for w in self.workers if w.spare and w.pid), None)
         if spare is None:
             return
-        held = volumes_held_by(self.location, spare.pid)
+        try:
+            held = volumes_held_by(self.location, spare.pid)
+        except (OSError, ThinblockError) as exc:
+            log.warning("cannot read what the spare worker %d claimed (tried again in 1 s): %s", spare.index, exc)
+            self.follow_at = time.monotonic() + 1.0
+            return
         if not held:
             return
         spare.spare, spare.volumes = False, held
@@ -183,9 +191,12 @@ class Supervisor:
         from thinblock.frontends.nbd.workers import SPARE_FILE
 
         path = os.path.join(self.handoff_dir, SPARE_FILE)
-        with open(path + ".new", "w") as f:
-            f.write(f"{pid}\n")
-        os.replace(path + ".new", path)
+        try:
+            with open(path + ".new", "w") as f:
+                f.write(f"{pid}\n")
+            os.replace(path + ".new", path)
+        except OSError as exc:  # the workers then find no spare, and say so to the client
+            log.error("cannot name worker pid %d the spare in %s: %s", pid, self.handoff_dir, exc)
 
     def start_all(self) -> None:
         try:
@@ -327,7 +338,12 @@ class Supervisor:
             worker.given_up = True
             log.info("worker %d ended (%s): its volumes are served elsewhere now; not restarting it", worker.index, how)
             return
-        log.warning("worker %d ended (%s): restarting it for %s", worker.index, how, ", ".join(worker.volumes))
+        log.warning(
+            "worker %d ended (%s): restarting it for %s",
+            worker.index,
+            how,
+            ", ".join(worker.volumes) or ("no volume (the spare)" if worker.spare else "the volumes it claims"),
+        )
         # Dying again soon: wait a little, growing, before the next try. The wait is
         # the main loop's (restart_due): signals are taken meanwhile, so a SIGTERM
         # stops the server at once instead of after the pause and the restart.
@@ -340,14 +356,19 @@ class Supervisor:
             self.restart_due()
 
     def next_restart_s(self) -> float | None:
-        """Seconds until the next restart waiting its pause (0 if due), None if none waits."""
+        """Seconds until the next restart waiting its pause, or the next try at following
+        a claim (0 if due), None if none waits."""
         waits = [w.restart_at for w in self.workers if w.restart_at is not None]
+        if self.follow_at is not None:
+            waits.append(self.follow_at)
         return None if not waits else max(0.0, min(waits) - time.monotonic())
 
     def restart_due(self) -> None:
         """Start each worker whose pause has passed; one that fails to start counts as
-        another death."""
+        another death. Follow a claim whose try is due."""
         now = time.monotonic()
+        if self.follow_at is not None and self.follow_at <= now:
+            self.follow_claims()
         for worker in self.workers:
             if worker.restart_at is None or worker.restart_at > now:
                 continue

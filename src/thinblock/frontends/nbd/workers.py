@@ -194,9 +194,9 @@ class GroupCatalog(PoolCatalog):
         with self._claiming:
             if (vol := self._served_here(name)) is not None:  # claimed while this lookup waited
                 return vol
-            if self.one_each and (self._owns_a_volume() or self.group.spare() != os.getpid()):
-                raise ExportRouted(self._next_spare(kind, name), name)
-            return self._claim(base, name)
+            if not self.one_each or (not self._owns_a_volume() and self.group.spare() == os.getpid()):
+                return self._claim(base, name)
+        raise ExportRouted(self._next_spare(kind, name), name)  # waited for with no lock held
 
     def _owns_a_volume(self) -> bool:
         owner = self.pool.owner
@@ -210,15 +210,28 @@ class GroupCatalog(PoolCatalog):
 
     def _next_spare(self, kind: str, name: str) -> str:
         """The spare worker's pid, once the supervisor has named one other than this
-        worker (it starts the next as soon as a spare has claimed its volume)."""
-        deadline = time.monotonic() + SPARE_WAIT_S
+        worker (it starts the next as soon as a spare has claimed its volume). Each
+        second of waiting asks the supervisor again, so a claim it missed is followed."""
+        started = time.monotonic()
+        asked = started
         while True:
             spare = self.group.spare()
             if spare is not None and self.group.member(spare):
                 return str(spare)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - started > SPARE_WAIT_S:
                 raise ExportElsewhere(f"{kind} {name} is not served yet: no worker process is free to claim it")
+            if now - asked >= 1.0:
+                asked = now
+                self._tell_supervisor()
             time.sleep(0.05)
+
+    def _tell_supervisor(self) -> None:
+        """SIGUSR1: a spare may have claimed a volume (cli/workers.py follows it). Only to
+        this worker's own parent, so never to a process that took its pid since."""
+        if os.getppid() == self.group.group:
+            with contextlib.suppress(OSError):
+                os.kill(self.group.group, signal.SIGUSR1)
 
     def _just_handed_over(self, base: int) -> bool:
         """Whether this worker, or a sibling (a mark in the group's directory), handed
@@ -253,9 +266,8 @@ class GroupCatalog(PoolCatalog):
         except (OSError, ThinblockError) as exc:
             log.warning("claiming volume %s for a client failed: %s", stored.name, exc)
             return None
-        if self.one_each:  # the supervisor names the next spare (SIGUSR1: cli/workers.py)
-            with contextlib.suppress(OSError):
-                os.kill(self.group.group, signal.SIGUSR1)
+        if self.one_each:  # the supervisor names the next spare
+            self._tell_supervisor()
         return self._served_here(name)
 
     def list_names(self) -> list[tuple[str, str]]:
