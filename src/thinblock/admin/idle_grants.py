@@ -37,10 +37,10 @@ def ask_back_idle_grants(pool: Pool) -> bool:
         return False
     held: dict[str, int] = {}  # another owner -> a volume it holds grants for
     try:
-        for grant in pool.meta.grants():
-            holder = pool.meta.volume_holder(grant.volume_id)
+        for vid in sorted({grant.volume_id for grant in pool.meta.grants()}):  # one holder read per volume
+            holder = pool.meta.volume_holder(vid)
             if holder is not None and holder != owner.name:
-                held.setdefault(holder, grant.volume_id)
+                held.setdefault(holder, vid)
         superblock = pool.meta.superblock()
     except (OSError, ThinblockError) as exc:
         log.warning("pool %s: cannot read the grants to ask their idle space back: %s", pool.path, exc)

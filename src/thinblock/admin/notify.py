@@ -143,7 +143,7 @@ class NotifyClient:
                 f"{verb.replace('_', ' ')} of a volume served on another host streams through its server's control"
                 " socket: run it on that host"
             )
-        timeout, self.timeout_s = self.timeout_s, notify_seconds(max(self.timeout_s, JOB_TIMEOUT_S))
+        timeout, self.timeout_s = self.timeout_s, max(self.timeout_s, JOB_TIMEOUT_S)  # both whole seconds
         try:
             return self.call(verb, **args)
         finally:

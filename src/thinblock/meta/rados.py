@@ -466,15 +466,8 @@ class RadosMetadata(MetadataStore):
         if not journal and len(pieces) == 1:  # it fits one operation
             self._operate(epoch, pieces[0])
             return
-        base = f"{self.obj}.journal.{epoch}"
-        names = []
-        for i, piece in enumerate(pieces):
-            name = f"{base}.{i}"
-            try:
-                self.io.write_full(name, piece.encode())
-            except rados.Error as exc:
-                raise as_oserror(exc, "metadata journal write") from None
-            names.append(name)
+        names: list[str] = []
+        self._write_pieces(f"{self.obj}.journal.{epoch}", pieces, names)
         self._operate(epoch, _Ops(), {JOURNAL_KEY: json.dumps(names).encode()})  # the commit point
         self._journal_maybe = True
         self.finish_journal()
@@ -582,13 +575,7 @@ class RadosMetadata(MetadataStore):
         base = f"{self.obj}.journal.{pool_epoch}{uuid.uuid4().int % 10**12:012d}"
         names: list[str] = []
         try:
-            for i, piece in enumerate(pieces):
-                name = f"{base}.{i}"
-                try:
-                    self.io.write_full(name, piece.encode())
-                except rados.Error as exc:
-                    raise as_oserror(exc, "metadata journal write") from None
-                names.append(name)
+            self._write_pieces(base, pieces, names)
             record = {JOURNAL_KEY: json.dumps(names).encode(), JOURNAL_NEXT_KEY: b"0"}
             self._operate_shared(pool_epoch, version, _Ops(sets=record), locks)
         except BaseException:
@@ -598,6 +585,17 @@ class RadosMetadata(MetadataStore):
             self._finish_shared_journal(pool_epoch)
         except (OSError, ThinblockError) as exc:  # decided: the next commit, anyone's, applies the rest
             log.warning("metadata %s: a large commit is decided, its journal not yet applied: %s", self.obj, exc)
+
+    def _write_pieces(self, base: str, pieces: list[_Ops], names: list[str]) -> None:
+        """Write a journal's pieces to objects `base.N`, each named in names once written
+        (so a caller may remove what was written when a later one fails)."""
+        for i, piece in enumerate(pieces):
+            name = f"{base}.{i}"
+            try:
+                self.io.write_full(name, piece.encode())
+            except rados.Error as exc:
+                raise as_oserror(exc, "metadata journal write") from None
+            names.append(name)
 
     def _finish_shared_journal(self, pool_epoch: int) -> None:
         """Apply a recorded journal's pieces from x.journal_next on, then drop it."""

@@ -845,12 +845,10 @@ def _serve_with_workers(
 ) -> None:
     """serve --workers N: this process listens and supervises (cli/workers.py); each
     worker runs cmd_serve on its share of the volumes and these sockets."""
-    import signal
-
     from thinblock.frontends.cli import workers
     from thinblock.frontends.nbd.server import export_uris
 
-    signals = _SignalQueue(signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1)
+    signals = _SignalQueue(*workers.SUPERVISOR_SIGNALS)
     inode = None
     if activated:
         listeners = [sock for sock, _name in activated]

@@ -53,7 +53,8 @@ LEASES_LOST_EXIT = 75  # a worker's exit status when it stopped because its leas
 RESTART_PAUSE_S = 0.25  # the first pause before restarting a worker that died again (doubles, up to 2 s)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_WINDOW_S = 60.0
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1)
+# What the supervisor takes (SIGUSR1: a spare claimed a volume); blocked across a fork.
+SUPERVISOR_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1)
 
 
 @dataclass
@@ -213,7 +214,7 @@ class Supervisor:
         read_fd, write_fd = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, SUPERVISOR_SIGNALS)
         supervisor = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker: it never returns into the supervisor's code
@@ -221,7 +222,7 @@ class Supervisor:
             try:
                 os.close(read_fd)
                 signal.set_wakeup_fd(-1)
-                for signum in _SIGNALS:
+                for signum in SUPERVISOR_SIGNALS:
                     signal.signal(signum, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
                 os.environ.pop("NOTIFY_SOCKET", None)  # readiness is the supervisor's to tell
